@@ -1,0 +1,215 @@
+"""compressed-tensors checkpoints: write (atomically) and read back.
+
+Layout of a `pack-quantized` folder: config.json with `quantization_config`
+(quant_method compressed-tensors, config_groups, ignore, format), model*.safetensors where
+each quantized linear X has X.weight_packed (int32), X.weight_scale, X.weight_shape and,
+for asymmetric schemes, X.weight_zero_point (int32, packed along the output dim); every other
+tensor is stored as is. Tokenizer and generation config are copied from the source folder.
+vLLM and transformers (with the compressed-tensors package) read this layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import UserError
+from .qweight import QuantizedWeight
+from .scheme import QuantArgs
+
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+)
+SHARD_BYTES = 4 * 1024**3
+REPORT_NAME = "optllm-report.json"
+
+
+def quantization_config(args: QuantArgs, targets: list[str], ignore: list[str]) -> dict:
+    """config.json's quantization_config for a weight-only integer scheme."""
+    from .. import __version__
+
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": targets,
+                "weights": args.to_compressed_tensors(),
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "producer": {"name": "optllm", "version": __version__},
+    }
+
+
+def check_writable(out: Path, overwrite: bool) -> None:
+    """Fail early (before hours of calibration) if OUT cannot be written."""
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} already exists; pass --overwrite to replace it")
+    parent = out.parent if out.parent != Path("") else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=parent, prefix=".optllm-probe-", delete=True)
+        probe.close()
+    except OSError as e:
+        raise UserError(f"cannot write to {parent}: {e.strerror or e}") from None
+
+
+def save_quantized(
+    model: nn.Module,
+    qweights: dict[str, QuantizedWeight],
+    args: QuantArgs,
+    out: Path,
+    source: Path,
+    dtype: torch.dtype,
+    ignore: list[str],
+    report: dict | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the checkpoint into a temp folder beside OUT, then rename it into place."""
+    out = Path(out)
+    check_writable(out, overwrite)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        for name, t in model.state_dict().items():
+            mod = name.rsplit(".", 1)[0]
+            if mod in qweights or (tied and name == "lm_head.weight"):
+                continue
+            tensors[name] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+        for name, qw in qweights.items():
+            for k, v in qw.to_state_dict(name).items():
+                tensors[k] = v.detach().cpu().contiguous()
+        _write_shards(tensors, tmp)
+        cfg = model.config.to_dict()
+        cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
+        cfg["quantization_config"] = quantization_config(args, ["Linear"], ignore)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for f in SIDE_FILES:
+            if (Path(source) / f).is_file():
+                shutil.copy2(Path(source) / f, tmp / f)
+        if report is not None:
+            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(tensors):
+        nbytes = tensors[k].numel() * tensors[k].element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = tensors[k]
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / fname, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors folder; corrupt files are one clear error."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} holds no .safetensors files")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            sd.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"{f} is not a valid safetensors file ({str(e).splitlines()[0]})") from None
+    return sd
+
+
+def read_quant_args(config: dict) -> tuple[QuantArgs, list[str], list[str]]:
+    """(weight args, targets, ignore) of a compressed-tensors pack-quantized config."""
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") != "compressed-tensors":
+        raise UserError("config.json has no compressed-tensors quantization_config")
+    fmt = qc.get("format")
+    if fmt != "pack-quantized":
+        raise UserError(f"checkpoint format {fmt!r} is not supported yet; supported: pack-quantized")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise UserError(f"checkpoint has {len(groups)} config groups; supported: exactly 1")
+    group = next(iter(groups.values()))
+    try:
+        args = QuantArgs.from_compressed_tensors(group["weights"])
+    except (KeyError, ValueError) as e:
+        raise UserError(f"unsupported weight quantization in config.json: {e}") from None
+    return args, list(group.get("targets", [])), list(qc.get("ignore") or [])
+
+
+def quantized_modules(sd: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(k[: -len(".weight_packed")] for k in sd if k.endswith(".weight_packed"))
+
+
+def load_quantized_weights(folder: Path) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], dict]:
+    """(quantized linears by module name, the other tensors, config.json) of a checkpoint."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{folder} has no config.json")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_path} is not valid JSON: {e}") from None
+    args, _targets, _ignore = read_quant_args(config)
+    sd = read_state_dict(folder)
+    qweights = {}
+    for name in quantized_modules(sd):
+        try:
+            qweights[name] = QuantizedWeight.from_state_dict(sd, name, args)
+        except ValueError as e:
+            raise UserError(f"{folder}: {e}") from None
+        for suffix in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"):
+            sd.pop(f"{name}.{suffix}", None)
+    return qweights, sd, config
+
+
+def matches(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
+    """compressed-tensors target/ignore matching: exact name, or `re:` regular expression."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p):
+            return True
+    return False

@@ -1,0 +1,93 @@
+"""QuantizeConfig: every knob of one `optllm quantize` run, validated on construction.
+
+A recipe file (YAML) holds the same fields; CLI flags override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from .awq import AWQOptions
+from .scheme import QuantScheme, parse_scheme
+
+CHECKPOINT_DTYPES = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    scheme: str = "w4a16-rtn"
+    group_size: int | None = 128
+    symmetric: bool = True
+    actorder: str | None = None  # GPTQ: None or "static"
+    ignore: tuple[str, ...] = ("lm_head",)
+    calib: str = "builtin"
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+    batch_size: int = 8
+    device: str = "auto"
+    dtype: str = "bfloat16"  # of the checkpoint's scales and unquantized tensors
+    dampening: float = 0.01  # GPTQ, fraction of mean(diag H)
+    gptq_block_size: int = 128
+    awq: AWQOptions = field(default_factory=AWQOptions)
+
+    def __post_init__(self) -> None:
+        try:
+            self.quant_scheme()
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        for name in ("num_samples", "seq_len", "batch_size", "gptq_block_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.seq_len < 8:
+            raise UserError(f"seq_len={self.seq_len} must be >= 8")
+        if self.dtype not in CHECKPOINT_DTYPES:
+            raise UserError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(CHECKPOINT_DTYPES)}")
+        if not 0.0 < self.dampening < 1.0:
+            raise UserError(f"dampening={self.dampening} must be in (0, 1)")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise UserError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+
+    def quant_scheme(self) -> QuantScheme:
+        return parse_scheme(self.scheme, self.group_size, self.symmetric, self.actorder)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ignore"] = list(self.ignore)
+        return d
+
+    @classmethod
+    def from_recipe(cls, path: str | Path, **overrides) -> "QuantizeConfig":
+        """Read a YAML recipe; keyword overrides that are not None win over the file."""
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"recipe {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"recipe {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"recipe {p} must be a mapping of field: value")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "QuantizeConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        data = dict(data)
+        if isinstance(data.get("awq"), dict):
+            try:
+                data["awq"] = AWQOptions(**data["awq"])
+            except (TypeError, ValueError) as e:
+                raise UserError(f"awq options: {e}") from None
+        if "ignore" in data:
+            data["ignore"] = tuple(data["ignore"] or ())
+        return cls(**data)

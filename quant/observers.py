@@ -1,0 +1,98 @@
+"""Min-max observer and the integer quantize / dequantize maths every algorithm shares.
+
+Conventions (compressed-tensors compatible): signed grid [qmin, qmax];
+symmetric scale = absmax / ((qmax - qmin) / 2), zero = 0;
+asymmetric scale = (max - min) / (qmax - qmin), zero = round(qmin - min / scale);
+q = clamp(round(w / scale) + zero, qmin, qmax); w' = (q - zero) * scale.
+Scales are computed in float32; callers cast to the checkpoint dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .scheme import QuantArgs
+
+
+def _grouped(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """[N, K] -> [N, groups, G] view (G = K for per-channel)."""
+    n, k = w.shape
+    g = args.groups(k)
+    return w.reshape(n, g, k // g)
+
+
+def qparams_from_minmax(
+    wmin: torch.Tensor, wmax: torch.Tensor, args: QuantArgs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero point from per-group ranges (any matching shapes).
+
+    Returns float32 scale and int8 zero (None when symmetric).
+    """
+    wmin = torch.clamp(wmin.float(), max=0.0)
+    wmax = torch.clamp(wmax.float(), min=0.0)
+    qrange = float(args.qmax - args.qmin)
+    if args.symmetric:
+        scale = torch.maximum(wmin.abs(), wmax) / (qrange / 2)
+        zero = None
+    else:
+        scale = (wmax - wmin) / qrange
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float16).tiny))
+    if not args.symmetric:
+        zero = torch.clamp(torch.round(args.qmin - wmin / scale), args.qmin, args.qmax).to(torch.int8)
+    return scale, zero
+
+
+def minmax_qparams(
+    w: torch.Tensor, args: QuantArgs, clip_ratio: torch.Tensor | float | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-group qparams of a weight [N, K]: scale [N, groups], zero [N, groups] or None.
+
+    clip_ratio (scalar or [N, groups]) shrinks the observed range before the grid is set.
+    """
+    wg = _grouped(w.float(), args)
+    wmin, wmax = wg.amin(dim=-1), wg.amax(dim=-1)
+    if clip_ratio is not None:
+        wmin, wmax = wmin * clip_ratio, wmax * clip_ratio
+    return qparams_from_minmax(wmin, wmax, args)
+
+
+def expand_groups(t: torch.Tensor, in_features: int) -> torch.Tensor:
+    """[N, groups] -> [N, K] by repeating each group's value over its columns."""
+    return t.repeat_interleave(in_features // t.shape[1], dim=1)
+
+
+def quantize(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, args: QuantArgs
+) -> torch.Tensor:
+    """Weight [N, K] -> int8 codes [N, K] in [qmin, qmax]. scale/zero are [N, groups]."""
+    k = w.shape[1]
+    s = expand_groups(scale.float(), k)
+    q = torch.round(w.float() / s)
+    if zero is not None:
+        q = q + expand_groups(zero.float(), k)
+    return torch.clamp(q, args.qmin, args.qmax).to(torch.int8)
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """int8 codes [N, K] -> float weight (q - zero) * scale, in dtype (default scale's dtype).
+
+    The product is taken in the scale's own dtype, as compressed-tensors and vLLM do, so a
+    checkpoint dequantizes to the same bits everywhere.
+    """
+    k = q.shape[1]
+    s = expand_groups(scale, k)
+    qf = q.to(s.dtype)
+    if zero is not None:
+        qf = qf - expand_groups(zero, k).to(s.dtype)
+    out = qf * s
+    return out if dtype is None else out.to(dtype)
+
+
+def fake_quantize(
+    w: torch.Tensor, args: QuantArgs, clip_ratio: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """Quantize-dequantize with min-max qparams, in float32 (for searches and losses)."""
+    scale, zero = minmax_qparams(w, args, clip_ratio)
+    return dequantize(quantize(w, scale, zero, args), scale, zero, torch.float32)

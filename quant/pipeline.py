@@ -1,0 +1,197 @@
+"""The quantize pipeline: load -> calibration data -> sequential per-block calibration and
+quantization -> compressed-tensors checkpoint + optllm-report.json."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..hub.loader import check_architecture, load_model, parse_dtype
+from . import awq as awq_mod
+from .calib_data import load_calibration
+from .checkpoint import check_writable, matches, save_quantized
+from .config import QuantizeConfig
+from .gptq import HessianAccumulator, gptq_quantize
+from .mappings import block_linears, block_mapping
+from .qweight import QuantizedWeight
+from .rtn import rtn_quantize
+from .sequential import capture_block_inputs, capture_inputs, decoder_layers, on_device, run_block
+
+
+@dataclass
+class LayerStat:
+    name: str
+    rel_error: float  # sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)): relative RMS output error on calibration inputs
+
+
+@dataclass
+class BlockStat:
+    index: int
+    rel_error: float  # ‖block_q(x) − block(x)‖ / ‖block(x)‖ on the calibration inputs
+    seconds: float
+    awq_ratios: dict = field(default_factory=dict)
+
+
+@dataclass
+class QuantizeReport:
+    scheme: str
+    config: dict
+    model: str
+    calibration: dict
+    layers: list[LayerStat]
+    blocks: list[BlockStat]
+    seconds: dict
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    out: str
+
+    def to_dict(self) -> dict:
+        return {
+            "scheme": self.scheme,
+            "model": self.model,
+            "config": self.config,
+            "calibration": self.calibration,
+            "seconds": self.seconds,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_memory_kind": self.peak_memory_kind,
+            "layers": [vars(s) for s in self.layers],
+            "blocks": [vars(b) for b in self.blocks],
+            "out": self.out,
+        }
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={name!r} was asked for but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
+    """sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)): the relative output error over the inputs behind H."""
+    w = w.float()
+    d = w - w_hat.float()
+    num = ((d @ hessian) * d).sum()
+    den = ((w @ hessian) * w).sum()
+    return float((num / den.clamp_min(1e-30)).sqrt())
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024), "process peak RSS"
+
+
+def quantize_block(
+    layer: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs,
+    cfg: QuantizeConfig,
+    awq_result: awq_mod.AWQResult | None,
+) -> tuple[dict[str, QuantizedWeight], list[tuple[str, float]]]:
+    """Quantize the block's linears in place (weights become their dequantized values)."""
+    scheme = cfg.quant_scheme()
+    acc = {n: HessianAccumulator(lin.in_features) for n, lin in linears.items()}
+    with capture_inputs(linears, lambda n, x: acc[n].add(x)):
+        run_block(layer, inputs)
+    scale_dtype = parse_dtype(cfg.dtype)
+    out, errs = {}, []
+    for name, lin in linears.items():
+        w = lin.weight.detach()
+        h = acc[name].hessian
+        if scheme.algorithm == "gptq":
+            qw, _loss = gptq_quantize(
+                w, h, scheme.weights, block_size=cfg.gptq_block_size,
+                dampening=cfg.dampening, scale_dtype=scale_dtype,
+            )
+        else:
+            clip = awq_result.clip_ratio.get(name) if awq_result else None
+            qw = rtn_quantize(w, scheme.weights, clip_ratio=clip, scale_dtype=scale_dtype)
+        w_hat = qw.dequantize(torch.float32).to(w.device)
+        errs.append((name, relative_error(w, w_hat, h)))
+        with torch.no_grad():
+            lin.weight.copy_(w_hat.to(lin.weight.dtype))
+        out[name] = QuantizedWeight(q=qw.q.cpu(), scale=qw.scale.cpu(),
+                                    zero=None if qw.zero is None else qw.zero.cpu(), args=qw.args)
+    return out, errs
+
+
+def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwrite: bool = False,
+             progress: bool = True) -> QuantizeReport:
+    """Calibrate and convert MODEL into a compressed-tensors checkpoint at OUT."""
+    from rich.progress import Progress
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    check_writable(out, overwrite)
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    scheme = config.quant_scheme()
+    hf_model, tokenizer, folder = load_model(model, dtype="float32", device="cpu")
+    arch = check_architecture(hf_model.config)
+    mapping = block_mapping(arch)
+    layers = decoder_layers(hf_model)
+    for lin in block_linears(layers[0], mapping).values():
+        scheme.weights.groups(lin.in_features)  # a group size that does not divide K fails now
+    t_load = time.perf_counter()
+
+    calib = load_calibration(tokenizer, config.calib, config.num_samples, config.seq_len, config.seed,
+                             model=hf_model if config.calib == "self" else None)
+    t_calib = time.perf_counter()
+    inputs = capture_block_inputs(hf_model, calib.input_ids, config.batch_size, device)
+
+    qweights: dict[str, QuantizedWeight] = {}
+    layer_stats: list[LayerStat] = []
+    block_stats: list[BlockStat] = []
+    ignored: list[str] = ["lm_head"]
+    with Progress(disable=not progress, transient=False) as bar:
+        task = bar.add_task(f"{scheme.name} blocks", total=len(layers))
+        for i, layer in enumerate(layers):
+            tb = time.perf_counter()
+            with on_device(layer, device):
+                prefix = f"model.layers.{i}."
+                linears = {}
+                for n, m in block_linears(layer, mapping).items():
+                    if matches(prefix + n, config.ignore):
+                        ignored.append(prefix + n)
+                    else:
+                        linears[n] = m
+                ref = run_block(layer, inputs)
+                awq_result = None
+                if scheme.algorithm == "awq":
+                    awq_result = awq_mod.awq_block(layer, mapping, inputs, scheme.weights, config.awq)
+                qws, errs = quantize_block(layer, linears, inputs, config, awq_result)
+                qweights.update({prefix + n: qw for n, qw in qws.items()})
+                layer_stats += [LayerStat(prefix + n, e) for n, e in errs]
+                outs = run_block(layer, inputs)
+                num = sum((o.float() - r.float()).pow(2).sum() for o, r in zip(outs, ref))
+                den = sum(r.float().pow(2).sum() for r in ref)
+                inputs.hidden = outs
+            block_stats.append(BlockStat(i, float((num / den).sqrt()), time.perf_counter() - tb,
+                                         dict(awq_result.ratios) if awq_result else {}))
+            bar.update(task, advance=1, description=f"{scheme.name} block {i + 1}/{len(layers)}")
+    t_quant = time.perf_counter()
+    peak, kind = _peak_memory(device)
+    report = QuantizeReport(
+        scheme=scheme.name, config=config.to_dict(), model=str(model),
+        calibration={"source": calib.source, "sha256": calib.sha256,
+                     "num_samples": int(calib.input_ids.shape[0]), "seq_len": int(calib.input_ids.shape[1])},
+        layers=layer_stats, blocks=block_stats,
+        seconds={"load": t_load - t0, "calibration_data": t_calib - t_load, "quantize": t_quant - t_calib},
+        peak_memory_bytes=int(peak), peak_memory_kind=kind, out=str(out),
+    )
+    report.seconds["total"] = t_quant - t0  # up to the write, which the report travels with
+    save_quantized(hf_model, qweights, scheme.weights, out, folder, parse_dtype(config.dtype),
+                   ignored, report=report.to_dict(), overwrite=overwrite)
+    return report

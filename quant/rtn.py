@@ -1,0 +1,26 @@
+"""Round-to-nearest: min-max grid per group, no search. The baseline the others must beat."""
+
+from __future__ import annotations
+
+import torch
+
+from . import observers
+from .qweight import QuantizedWeight
+from .scheme import QuantArgs
+
+
+def rtn_quantize(
+    w: torch.Tensor,
+    args: QuantArgs,
+    clip_ratio: torch.Tensor | float | None = None,
+    scale_dtype: torch.dtype | None = None,
+) -> QuantizedWeight:
+    """Quantize a weight [N, K] to its min-max grid (optionally range-shrunk by clip_ratio).
+
+    The scale is rounded to scale_dtype (default the weight's dtype) before the codes are
+    computed, so the codes are the nearest ones on the grid the checkpoint really stores.
+    """
+    scale, zero = observers.minmax_qparams(w, args, clip_ratio)
+    scale = scale.to(scale_dtype or w.dtype)
+    q = observers.quantize(w, scale, zero, args)
+    return QuantizedWeight(q=q, scale=scale, zero=zero, args=args)

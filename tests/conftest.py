@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random models of every supported architecture, with a tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained in-process on the built-in corpus (no downloads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from optllm.eval.corpus import builtin_texts
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(builtin_texts("calib")[:200], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+
+
+def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2):
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden + 64,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=(arch == "llama"),
+    )
+    if arch == "qwen3":
+        common["head_dim"] = hidden // 4
+    cfg = AutoConfig.for_model(arch, **common)
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    return cfg
+
+
+def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok), hidden, layers), dtype=torch.float32)
+    # random init is near-zero for norms in some versions; give weights a realistic spread
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {a: make_tiny_model(root / a, a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
