@@ -140,6 +140,10 @@ def models() -> None:
 
 
 def main() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bars and summary tables speak instead
+    hf_logging.set_verbosity_error()
     try:
         app()
     except UserError as e:  # raised outside a command's own handling

@@ -72,14 +72,24 @@ def _builtin_folder(alias: str) -> Path:
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     m = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The GGUF's Q4_1 weights arrive dequantized; the folder must not claim a GGUF quantization.
-    if hasattr(m.config, "quantization_config"):
-        del m.config.quantization_config
-    m.config.name_or_path = spec.name
+    # The GGUF's Q4_1 weights arrive dequantized; the folder must not claim a GGUF
+    # quantization (and transformers refuses to save_pretrained a "gguf-quantized" model).
+    config = m.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = spec.name
+    config.architectures = [type(m).__name__]
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {k: v.detach().contiguous() for k, v in m.state_dict().items() if not (tied and k == "lm_head.weight")}
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-", dir=target.parent))
     try:
-        m.save_pretrained(tmp)
+        from safetensors.torch import save_file
+
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        if m.generation_config is not None:
+            m.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "optllm-source.json").write_text(json.dumps({"alias": alias, "name": spec.name, "gguf": str(gguf)}))
         if target.exists():

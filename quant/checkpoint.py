@@ -90,8 +90,8 @@ def save_quantized(
         tensors: dict[str, torch.Tensor] = {}
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         for name, t in model.state_dict().items():
-            mod = name.rsplit(".", 1)[0]
-            if mod in qweights or (tied and name == "lm_head.weight"):
+            mod, _, leaf = name.rpartition(".")
+            if (mod in qweights and leaf == "weight") or (tied and name == "lm_head.weight"):
                 continue
             tensors[name] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
         for name, qw in qweights.items():

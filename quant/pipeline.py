@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..hub.loader import check_architecture, load_model, parse_dtype
+from ..hub.loader import check_architecture, load_config, load_model, parse_dtype, resolve_model
 from . import awq as awq_mod
 from .calib_data import load_calibration
 from .checkpoint import check_writable, matches, save_quantized
@@ -92,6 +92,16 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
     return rss * (1 if sys.platform == "darwin" else 1024), "process peak RSS"
 
 
+def check_group_size(config, args) -> None:
+    """Fail before loading any weight if the group size does not divide a linear's K."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for k in (config.hidden_size, config.num_attention_heads * head_dim, config.intermediate_size):
+        try:
+            args.groups(k)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+
 def quantize_block(
     layer: nn.Module,
     linears: dict[str, nn.Linear],
@@ -138,12 +148,11 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scheme = config.quant_scheme()
+    check_group_size(load_config(resolve_model(model)), scheme.weights)
     hf_model, tokenizer, folder = load_model(model, dtype="float32", device="cpu")
     arch = check_architecture(hf_model.config)
     mapping = block_mapping(arch)
     layers = decoder_layers(hf_model)
-    for lin in block_linears(layers[0], mapping).values():
-        scheme.weights.groups(lin.in_features)  # a group size that does not divide K fails now
     t_load = time.perf_counter()
 
     calib = load_calibration(tokenizer, config.calib, config.num_samples, config.seq_len, config.seed,
