@@ -17,8 +17,12 @@ class BuiltinModel:
     file: str  # path of the GGUF inside the installed distribution
     install: str
 
-    def gguf_path(self) -> Path:
-        """Locate the GGUF without importing the package (its __init__ imports deps we skip)."""
+    def gguf_path(self, cache: Path | None = None) -> Path:
+        """Locate the GGUF: a copy under CACHE/gguf/ (for machines without the package),
+        else inside the installed package, found without importing it (its __init__ imports
+        dependencies we skip)."""
+        if cache is not None and (cache / "gguf" / Path(self.file).name).is_file():
+            return cache / "gguf" / Path(self.file).name
         try:
             dist = metadata.distribution(self.package)
         except metadata.PackageNotFoundError:

@@ -67,7 +67,7 @@ def _builtin_folder(alias: str) -> Path:
     target = cache_root() / "models" / alias
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
-    gguf = spec.gguf_path()
+    gguf = spec.gguf_path(cache_root())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -32,6 +32,7 @@ class QuantizeConfig:
     dtype: str = "bfloat16"  # of the checkpoint's scales and unquantized tensors
     dampening: float = 0.01  # GPTQ, fraction of mean(diag H)
     gptq_block_size: int = 128
+    true_sequential: bool = True  # GPTQ: Hessians of later linears see earlier ones quantized
     awq: AWQOptions = field(default_factory=AWQOptions)
 
     def __post_init__(self) -> None:

@@ -28,6 +28,9 @@ class BlockMapping:
     linears: tuple[str, ...]
     smooth: tuple[SmoothMapping, ...]
     no_clip: tuple[str, ...]  # linears whose clipping AWQ skips (q/k: attention logits are fragile)
+    # GPTQ's "true sequential" order: each group's Hessians are taken with the groups before
+    # it already quantized, so later layers see (and compensate) the earlier layers' error
+    sequential: tuple[tuple[str, ...], ...] = ()
 
 
 LLAMA_LIKE = BlockMapping(
@@ -43,6 +46,12 @@ LLAMA_LIKE = BlockMapping(
         SmoothMapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
     ),
     no_clip=("self_attn.q_proj", "self_attn.k_proj"),
+    sequential=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"),
+        ("mlp.down_proj",),
+    ),
 )
 
 ARCH_MAPPINGS: dict[str, BlockMapping] = {

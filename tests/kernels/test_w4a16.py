@@ -1,0 +1,193 @@
+"""W4A16 GEMM kernels against the float32 reference, under TRITON_INTERPRET=1 on CPU.
+
+Error bounds (relative, ||y - ref|| / ||ref|| and max|y - ref| / max|ref|): bf16 output
+1e-2 (one bf16 rounding is 2^-9; the CPU interpreter truncates instead of rounding, which
+doubles it), fp16 2e-3, fp32 1e-5. The reference uses the same bf16/fp16 x and scales.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from optllm.kernels.w4a16 import (  # noqa: E402  (TRITON_INTERPRET must be set first)
+    W4A16_CONFIGS, W4A16Config, default_w4a16_config, dequantize_w4a16, m_bucket,
+    prepack_w4a16, w4a16_gemm, w4a16_linear, w4a16_linear_ref)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _quantized(n, k, group, asym, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.005).to(dtype)
+    zeros = torch.randint(-8, 8, (n, k // group), dtype=torch.int8, generator=g) if asym else None
+    x = torch.randn(256, k, generator=g)  # rows sliced per case
+    return q.to(DEVICE), scales.to(DEVICE), None if zeros is None else zeros.to(DEVICE), x
+
+
+def _assert_close(y, ref, dtype):
+    assert not torch.isnan(y).any(), "some output element was not written"
+    err = (y.float() - ref).abs()
+    assert err.norm() / ref.norm() <= BOUND[dtype]
+    assert err.max() / ref.abs().max() <= BOUND[dtype]
+
+
+def _run(m, n, k, group, asym, dtype, seed, config=None, bias=True):
+    q, s, z, x = _quantized(n, k, group, asym, dtype, seed)
+    x = x[:m].to(DEVICE, dtype)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype) if bias else None
+    w = prepack_w4a16(q, s, z, group)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)
+    y = w4a16_gemm(x, w, b, config=config, out=out)
+    assert y is out
+    _assert_close(y, w4a16_linear_ref(x, q, s, z, group, b), dtype)
+    assert int(w.locks.abs().sum()) == 0, "split-K counters must return to zero"
+
+
+# (N, K, group): N 72/96 are not multiples of BLOCK_N; K 192 is not a multiple of BLOCK_K 128
+SHAPES = [(64, 128, 32), (96, 192, 64), (72, 256, 128), (72, 192, 192)]
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(m, dtype):
+    # rotate shape / group / sym-asym with m so every combination of each axis appears
+    for i, (n, k, group) in enumerate(SHAPES):
+        _run(m, n, k, group, asym=(i + m) % 2 == 0, dtype=dtype, seed=100 * m + i)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 128])
+@pytest.mark.parametrize("n,k,group", SHAPES + [(64, 256, 64), (96, 128, 128)])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference_sweep(m, n, k, group, asym, dtype):
+    _run(m, n, k, group, asym, dtype, seed=m * 7 + n + k + group)
+
+
+@pytest.mark.parametrize("m,n,k,group,config", [
+    (3, 72, 256, 32, W4A16Config(1, 32, 64, 3, 4, 1)),      # GEMV, 3 rows, split-K 3
+    (5, 40, 128, 64, W4A16Config(1, 16, 32, 2, 2, 1)),      # GEMV, BK < group
+    (1, 96, 256, 128, W4A16Config(1, 32, 256, 1, 4, 1)),    # GEMV, BK > group (per-row scales)
+    (16, 72, 256, 32, W4A16Config(16, 32, 128, 2, 4, 1)),   # dot, scale per row, split-K
+    (16, 64, 512, 256, W4A16Config(16, 64, 128, 4, 4, 1)),  # dot, scale after dot, split-K 4
+    (40, 72, 384, 128, W4A16Config(32, 32, 128, 3, 4, 1)),  # dot, 2 M tiles, scale after dot
+    (64, 48, 200, 200, W4A16Config(64, 16, 128, 2, 4, 1)),  # per-channel, K padded to 224
+])
+@pytest.mark.parametrize("asym", [False, True])
+def test_forced_paths(m, n, k, group, config, asym):
+    _run(m, n, k, group, asym, torch.bfloat16, seed=m + n + k, config=config)
+
+
+def test_float32_activations():
+    _run(33, 72, 192, 64, True, torch.float32, seed=5)
+    _run(1, 72, 192, 64, True, torch.float32, seed=6)
+
+
+@pytest.mark.parametrize("group,asym", [(32, False), (64, True), (128, True), (200, True)])
+def test_prepack_dequantize_exact(group, asym):
+    k = 200 if group == 200 else 256
+    q, s, z, _ = _quantized(48, k, group, asym, torch.bfloat16, seed=group)
+    q[0, :8] = torch.tensor([-8, 7, -8, 7, 0, -1, 1, 7], dtype=torch.int8)  # extremes, sign bit
+    w = prepack_w4a16(q, s, z, group)
+    expect = q.float() if z is None else q.float() - z.float().repeat_interleave(group, 1)
+    expect = expect * s.float().repeat_interleave(group, 1)
+    assert w.packed.dtype == torch.int32 and tuple(w.packed.shape) == (-(-k // 32) * 4, 48)
+    assert torch.equal(dequantize_w4a16(w), expect)
+    assert torch.equal(dequantize_w4a16(w, torch.bfloat16), expect.to(torch.bfloat16))
+
+
+def test_layout_word_order():
+    # word (r, n), nibble j <-> k = 32 * (r // 4) + 4 * j + r % 4, stored as q + 8
+    q = torch.full((1, 64), -8, dtype=torch.int8)
+    q[0, 32 + 4 * 5 + 2] = 7  # r = 4 + 2, j = 5
+    w = prepack_w4a16(q, torch.ones(1, 1), None, 64)
+    nibbles = (w.packed[:, 0:1] >> (4 * torch.arange(8))) & 15
+    assert int(nibbles.sum()) == 15 and int(nibbles[6, 5]) == 15
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
+def test_linear_batch_dims_and_bias(backend):
+    q, s, z, x = _quantized(72, 192, 64, True, torch.float16, seed=11)
+    w = prepack_w4a16(q, s, z, 64)
+    x = x[:30].reshape(2, 3, 5, 192).to(DEVICE, torch.float16)
+    b = torch.randn(72).to(DEVICE, torch.float16)
+    y = w4a16_linear(x, w, b, backend=backend)
+    assert y.shape == (2, 3, 5, 72) and y.dtype == torch.float16
+    ref = w4a16_linear_ref(x, q, s, z, 64, b)
+    # the torch backend rounds the dequantized weight to fp16 before the fp16 matmul
+    _assert_close(y, ref, torch.float16)
+    y1 = w4a16_linear(x[0, 0, 0], w, None, backend=backend)  # 1-D input
+    assert y1.shape == (72,)
+    _assert_close(y1, w4a16_linear_ref(x[0, 0, 0], q, s, z, 64), torch.float16)
+
+
+def test_bad_inputs():
+    q, s, z, x = _quantized(16, 128, 32, True, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="group_size"):
+        prepack_w4a16(q, s[:, :3], None, 48)  # 128 % 48 != 0
+    with pytest.raises(ValueError, match="group_size"):
+        prepack_w4a16(q[:, :96], s[:, :6], None, 16)  # not a multiple of 32, not K
+    with pytest.raises(ValueError, match="K"):
+        prepack_w4a16(q[:, :12], s[:, :1], None, 12)  # K % 8 != 0
+    with pytest.raises(ValueError, match="q"):
+        prepack_w4a16(q.to(torch.int32), s, z, 32)
+    with pytest.raises(ValueError, match="q"):
+        prepack_w4a16(q * 2, s, z, 32)  # outside [-8, 7]
+    with pytest.raises(ValueError, match="scales"):
+        prepack_w4a16(q, s[:, :2], z, 32)
+    with pytest.raises(ValueError, match="zeros"):
+        prepack_w4a16(q, s, z.to(torch.int32), 32)
+    w = prepack_w4a16(q, s, z, 32)
+    xb = x[:4].to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match="x"):
+        w4a16_linear(xb[:, :64], w)
+    with pytest.raises(ValueError, match="bias"):
+        w4a16_linear(xb, w, torch.zeros(15, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="backend"):
+        w4a16_linear(xb, w, backend="cuda")
+    with pytest.raises(ValueError, match="x"):
+        w4a16_gemm(xb.to(torch.int32), w)
+    with pytest.raises(ValueError, match="out"):
+        w4a16_gemm(xb, w, out=torch.empty(4, 15, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="block_k"):
+        W4A16Config(16, 64, 64)  # the tensor-core kernel needs block_k >= 128
+    with pytest.raises(ValueError, match="block_m"):
+        W4A16Config(4, 64, 128)
+    with pytest.raises(ValueError, match="block_n"):
+        W4A16Config(1, 24, 128)
+
+
+def test_configs_are_valid_data():
+    assert [m_bucket(m) for m in (1, 2, 16, 17, 64, 65, 256, 257, 10**5)] == \
+        [1, 16, 16, 64, 64, 256, 256, 4096, 4096]
+    for (bucket, n, k), cfg in W4A16_CONFIGS.items():
+        assert bucket in (1, 16, 64, 256, 4096) and isinstance(cfg, W4A16Config)
+        assert (cfg.block_m == 1) == (bucket == 1)
+    for m in (1, 2, 16, 64, 200, 4096):
+        assert isinstance(default_w4a16_config(m, 11008, 4096), W4A16Config)
+
+
+def test_custom_op_opcheck():
+    q, s, z, x = _quantized(40, 128, 64, True, torch.bfloat16, seed=9)
+    w = prepack_w4a16(q, s, z, 64)
+    args = (x[:3].to(DEVICE, torch.bfloat16), w.packed, w.scales, w.zeros,
+            torch.randn(40).to(DEVICE, torch.bfloat16), w.locks, w.K, w.group_size)
+    torch.library.opcheck(torch.ops.optllm.w4a16_gemm.default, args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.optllm.w4a16_gemm(*(mode.from_tensor(a) if isinstance(a, torch.Tensor)
+                                             else a for a in args))
+    assert fake.shape == (3, 40) and fake.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_llama_shapes_gpu(m, n, k):
+    _run(m, n, k, 128, True, torch.bfloat16, seed=m + n, bias=False)
