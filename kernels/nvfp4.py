@@ -1,0 +1,454 @@
+"""NVFP4 weights (compressed-tensors `nvfp4-pack-quantized`) and their GEMM.
+
+Format, as compressed-tensors 0.20 writes and reads it, for W [N, K] (out, in):
+- ``weight_packed`` uint8 [N, K/2]: element k of a row sits in byte k // 2, even k in the
+  low nibble, odd k in the high nibble. A nibble is the E2M1 bit pattern itself
+  (sign << 3 | exponent << 1 | mantissa): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for codes 0-7.
+- ``weight_scale`` float8_e4m3fn [N, K/16]: one scale per 16 consecutive values along K.
+- ``weight_global_scale`` float32 [1]: global = 448 * 6 / amax(|W|), so that the largest group
+  scale lands on the top of the E4M3 range.
+- dequant: w = fp4 * (scale / global_scale); group scale = fp8(global * group_amax / 6), a
+  scale that rounds to 0 becomes 0.125 (E4M3 eps). Rounding onto E2M1 is nearest-even.
+- ``input_global_scale`` (W4A4 checkpoints): the same 448 * 6 / amax convention over
+  calibrated activations; the per-16 activation scales are computed on the fly.
+
+Hopper has no FP4 tensor cores, so the kernel here is weight-only: it decodes the E2M1
+nibbles and E4M3 scales with integer bit operations in registers (one code path on the GPU
+and the interpreter, which cannot bitcast to fp8), multiplies them, and feeds a bf16/fp16
+``tl.dot`` with fp32 accumulation; 1 / global_scale is applied once to the accumulator.
+fp4 * E4M3 has at most 6 significant bits, so the in-register weight is exact in bf16 and
+fp16. Dispatch is by M: M <= 16 takes the GEMV-like path (block_m 16, split-K over long K with
+fp32 partials summed after), larger M a tiled path with grouped tile order. Tuning configs are
+data (``TUNED_CONFIGS``), keyed on (M bucket, N, K).
+``nvfp4_w4a4_linear_ref`` keeps the W4A4 numerics a Blackwell FP4 GEMM would compute.
+
+Status: correct on an H200, not yet fast. Measured there through ``nvfp4_linear`` (no CUDA
+graph, host overhead included) at N = K = 4096: 72 us at M = 1 and 180 us at M = 256, against
+23 us and 20 us for dense bf16 cuBLAS.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 16
+FP4_MAX = 6.0
+FP8_MAX = 448.0
+_FP8_EPS = 0.125  # smallest scale compressed-tensors substitutes for a zero group
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Round-to-nearest-even decision points between consecutive E2M1 magnitudes: True means a tie
+# rounds up (the upper neighbour has the even mantissa).
+_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                    (2.5, False), (3.5, True), (5.0, False))
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BACKENDS = ("auto", "triton", "torch")
+
+
+# ---------------------------------------------------------------------------- format (torch)
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Global scale float32 [1] for a tensor whose largest magnitude is ``amax``: 448 * 6 / amax
+    (1.0 where amax is 0 or non-finite, as compressed-tensors does)."""
+    a = amax.detach().float().abs().clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(FP8_MAX * FP4_MAX / a, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
+
+
+def _check_float_2d(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: dtype must be one of float32/bfloat16/float16, got {t.dtype}")
+    if t.ndim != 2 or t.shape[1] % GROUP != 0:
+        raise ValueError(f"{name}: shape must be [rows, K] with K % {GROUP} == 0, got {tuple(t.shape)}")
+
+
+def _group_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 scales [R, K/16] of float32 x [R, K]."""
+    amax = x.abs().unflatten(-1, (-1, GROUP)).amax(-1)
+    s = global_scale * (amax / FP4_MAX)  # same operation order as compressed-tensors: bit-equal
+    s = s.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return torch.where(s == 0, _FP8_EPS, s).to(torch.float8_e4m3fn)
+
+
+def _encode_e2m1(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [R, K] (0..15) of float32 x [R, K] under E4M3 scales [R, K/16]."""
+    eff = (scales.float() / global_scale).repeat_interleave(GROUP, dim=-1)
+    v = x / eff
+    a = v.abs()
+    code = torch.zeros_like(v, dtype=torch.uint8)
+    for t, tie_up in _E2M1_THRESHOLDS:
+        code += (a >= t) if tie_up else (a > t)
+    # signbit (not v < 0) so negatives that round to zero keep their sign, as compressed-tensors'
+    # packer does: the bytes then match bit for bit.
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def _decode_e2m1(code: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=code.device)
+    mag = lut[(code & 7).long()]
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+def _unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize W [N, K] (float32/bf16/fp16, K % 16 == 0, finite) to NVFP4.
+
+    Returns (packed uint8 [N, K/2], scales float8_e4m3fn [N, K/16], global_scale float32 [1]),
+    exactly the compressed-tensors tensors weight_packed / weight_scale / weight_global_scale.
+    Maths is float32; E2M1 rounding is nearest-even. Per element, |w - dequant| <= scale/global
+    (half the widest E2M1 step), and <= 0.25 * scale/global where |w| <= 1.75 * scale/global.
+    """
+    _check_float_2d("w", w)
+    x = w.detach().float()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("w: contains NaN or Inf")
+    g = nvfp4_global_scale(x.abs().amax() if x.numel() else torch.zeros(()))
+    scales = _group_scales(x, g)
+    code = _encode_e2m1(x, scales, g)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed.contiguous(), scales.contiguous(), g.to(w.device)
+
+
+def _check_format(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> None:
+    if packed.dtype != torch.uint8 or packed.ndim != 2:
+        raise ValueError(f"packed: must be uint8 [N, K/2], got {packed.dtype} {tuple(packed.shape)}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if k % GROUP != 0:
+        raise ValueError(f"packed: K = 2 * packed.shape[1] = {k} must be a multiple of {GROUP}")
+    if scales.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (n, k // GROUP):
+        raise ValueError(
+            f"scales: must be float8_e4m3fn [{n}, {k // GROUP}], got {scales.dtype} {tuple(scales.shape)}")
+    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+        raise ValueError(f"global_scale: must be one float32 value, got {global_scale.dtype} "
+                         f"with {global_scale.numel()} elements")
+    if packed.device != scales.device or packed.device != global_scale.device:
+        raise ValueError("packed, scales, global_scale: must be on one device")
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """W [N, K] in ``dtype`` from NVFP4 tensors: fp4 * (scale / global_scale), computed in
+    float32 then cast once (bit-equal to compressed-tensors' decompression)."""
+    _check_format(packed, scales, global_scale)
+    eff = (scales.float() / global_scale.float().reshape(1)).repeat_interleave(GROUP, dim=-1)
+    return (_decode_e2m1(_unpack_codes(packed)) * eff).to(dtype)
+
+
+def nvfp4_w4a4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                          global_scale: torch.Tensor, input_global_scale: torch.Tensor,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 [..., N]: what a Blackwell FP4 tensor-core GEMM computes for x [..., K].
+
+    x is quantized to NVFP4 along K (dynamic per-16 E4M3 scales under the static
+    ``input_global_scale``), both operands' fp4 * scale products are summed in float32 and the
+    sum is multiplied by 1 / (input_global_scale * global_scale).
+    """
+    _check_format(packed, scales, global_scale)
+    k = packed.shape[1] * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dim must be K = {k}, got {x.shape[-1]}")
+    x2 = x.detach().reshape(-1, k).float()
+    gx = input_global_scale.detach().float().reshape(1)
+    xs = _group_scales(x2, gx)
+    xq = _decode_e2m1(_encode_e2m1(x2, xs, gx)) * xs.float().repeat_interleave(GROUP, dim=-1)
+    wq = _decode_e2m1(_unpack_codes(packed)) * scales.float().repeat_interleave(GROUP, dim=-1)
+    y = (xq @ wq.T) * (1.0 / (gx * global_scale.float().reshape(1)))
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+# ---------------------------------------------------------------------------- runtime weight
+@dataclass(frozen=True, eq=False)
+class NVFP4Weight:
+    """A linear's NVFP4 weight in the kernel's layout (build it with ``prepack_nvfp4``):
+    packed_t uint8 [K/2, N] (byte j of column n holds k = 2j low, 2j + 1 high), scales_t uint8
+    [K/16, N] (E4M3 bits), global_scale float32 [1]; contiguous, on one device."""
+
+    packed_t: torch.Tensor
+    scales_t: torch.Tensor
+    global_scale: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.packed_t.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.packed_t.shape[0] * 2
+
+    def checkpoint_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed uint8 [N, K/2], scales float8_e4m3fn [N, K/16], global_scale [1]) as views."""
+        return self.packed_t.T, self.scales_t.T.view(torch.float8_e4m3fn), self.global_scale
+
+
+def prepack_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> NVFP4Weight:
+    """Validate checkpoint tensors and transpose them to the kernel's N-contiguous layout.
+
+    Why transpose: the kernel builds [BLOCK_K, BLOCK_N] weight tiles for ``tl.dot`` and reads
+    byte k // 2 for element k. With N contiguous every tile row is one coalesced, vectorised
+    run of bytes (and of scale bytes); in the checkpoint's [N, K/2] layout a tile row is strided
+    by K/2 bytes and nothing vectorises (H200, M = 1, N = K = 4096, same config: 237 us before
+    the transpose, 159 us after).
+    The bytes are unchanged, so ``checkpoint_tensors`` gives the checkpoint tensors back.
+    """
+    _check_format(packed, scales, global_scale)
+    return NVFP4Weight(packed.T.contiguous(), scales.view(torch.uint8).T.contiguous(),
+                       global_scale.float().reshape(1).contiguous())
+
+
+# ---------------------------------------------------------------------------- configs (data)
+def _pow2_ceil(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class NVFP4GemmConfig:
+    """Launch parameters of the GEMM kernel. block_* are powers of two (block_m, block_n >= 16,
+    block_k >= 16 so every K tile covers whole scale groups); split_k >= 1 splits K (M <= 16)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}: must be a power of two >= 16, got {v}")
+        for name in ("split_k", "group_m", "num_warps", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+# Keyed on (M bucket, N, K); M bucket = M rounded up to a power of two, capped at 256.
+# Winners of a sweep on one H200 (triton 3.6): median time of nvfp4_linear over 4 rotating
+# weights, no CUDA graph, so host overhead is in the numbers (it penalises split-K's extra
+# reduction launches at small K). Shapes not listed use the heuristic in _default_config.
+_C = NVFP4GemmConfig
+TUNED_CONFIGS = MappingProxyType({
+    (1, 4096, 4096): _C(16, 64, 128, 1, num_stages=4),
+    (16, 4096, 4096): _C(16, 64, 128, 1, num_stages=3),
+    (64, 4096, 4096): _C(32, 64, 128, 1, num_stages=4),
+    (256, 4096, 4096): _C(64, 128, 64, 1, num_warps=8, num_stages=4),
+    (1, 14336, 4096): _C(16, 64, 128, 4, num_stages=4),
+    (16, 14336, 4096): _C(16, 64, 128, 1, num_stages=3),
+    (64, 14336, 4096): _C(64, 64, 128, 1, num_stages=4),
+    (256, 14336, 4096): _C(128, 128, 64, 1, num_stages=3),
+    (1, 4096, 14336): _C(16, 64, 128, 8, num_stages=3),
+    (16, 4096, 14336): _C(16, 64, 128, 8, num_stages=3),
+    (64, 4096, 14336): _C(32, 64, 128, 1, num_stages=3),
+    (256, 4096, 14336): _C(64, 128, 64, 1, num_warps=8, num_stages=4),
+})
+_SM_COUNT = 132  # H100 / H200
+
+
+def m_bucket(m: int) -> int:
+    return min(_pow2_ceil(m), 256)
+
+
+def _default_config(bucket: int, n: int, k: int) -> NVFP4GemmConfig:
+    bk_cap = max(16, min(256, 1 << (k.bit_length() - 1)))  # largest power of two <= K
+    bn = min(64, max(16, _pow2_ceil(n)))
+    if bucket <= 16:
+        bk = min(128, bk_cap)
+        k_tiles = math.ceil(k / bk)
+        # split only long K (the reduction costs launches) and only up to ~2 programs per SM
+        want = math.ceil(2 * _SM_COUNT / math.ceil(n / bn))
+        split = 1 if k_tiles < 64 else max(1, min(8, k_tiles // 16, want))
+        return NVFP4GemmConfig(16, bn, bk, split, num_warps=4, num_stages=4)
+    if bucket <= 64:
+        return NVFP4GemmConfig(32, bn, min(128, bk_cap), num_warps=4, num_stages=4)
+    bn = min(128, max(16, _pow2_ceil(n)))
+    return NVFP4GemmConfig(128, bn, min(64, bk_cap), num_warps=4, num_stages=3)
+
+
+def select_config(m: int, n: int, k: int) -> NVFP4GemmConfig:
+    """Tuned config for (M bucket, N, K) if listed, else the heuristic. Only M <= 16 (block_m
+    16, the GEMV-like path) splits K, and only for long K; larger M takes the tiled path."""
+    bucket = m_bucket(m)
+    return TUNED_CONFIGS.get((bucket, n, k)) or _default_config(bucket, n, k)
+
+
+# ---------------------------------------------------------------------------- Triton kernel
+@triton.jit
+def _e2m1_to_f32(code):
+    """int32 codes 0..15 -> float32 (E2M1: sign, 2 exponent bits with bias 1, 1 mantissa bit)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -val, val)
+
+
+@triton.jit
+def _e4m3_to_f32(b):
+    """int32 bytes 0..255 -> float32 (E4M3FN, bias 7; subnormals m * 2^-9; no NaN expected)."""
+    e = (b >> 3) & 15
+    # Exponent field e + 120 rebiases 7 -> 127; explicit subnormal branch so FTZ cannot bite.
+    normal = (((b & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, (b & 7).to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -val, val)
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wk, stride_sk, stride_os, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M row-tiles share each weight column-tile while it is in L2.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt_lo = pid_k * per_split
+    kt_hi = tl.minimum(kt_lo + per_split, k_tiles)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(kt_lo, kt_hi):
+        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        byte = tl.load(w_ptr + (offs_k[:, None] // 2) * stride_wk + offs_n[None, :],
+                       mask=k_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)
+        code = (byte >> ((offs_k[:, None] & 1) * 4)) & 15
+        # One scale per 16 k: decode [BLOCK_K/16, BLOCK_N] bytes, then broadcast along k.
+        offs_g = kt * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        sb = tl.load(s_ptr + offs_g[:, None] * stride_sk + offs_n[None, :],
+                     mask=(offs_g < K // 16)[:, None] & n_mask[None, :], other=0).to(tl.int32)
+        s = _e4m3_to_f32(sb)
+        s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // 16, 16, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        w = (_e2m1_to_f32(code) * s).to(x_ptr.dtype.element_ty)  # exact: <= 6 significant bits
+        if DOT_F32:
+            # The interpreter multiplies bf16 as raw uint16; fp32 products of bf16/fp16 are exact.
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+
+    acc = acc / tl.load(g_ptr)
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, acc, mask=mask)  # fp32 partials; empty splits write zeros
+
+
+def _launch(x: torch.Tensor, packed_t: torch.Tensor, scales_t: torch.Tensor, global_scale: torch.Tensor,
+            bias: Optional[torch.Tensor], out: torch.Tensor, workspace: Optional[torch.Tensor],
+            cfg: NVFP4GemmConfig) -> torch.Tensor:
+    """Run the kernel on x [M, K] into out [M, N]; split_k > 1 needs fp32 workspace [split, M, N]."""
+    m, k = x.shape
+    n = packed_t.shape[1]
+    k_tiles = math.ceil(k / cfg.block_k)
+    split = math.ceil(k_tiles / math.ceil(k_tiles / cfg.split_k))  # drop splits left with no tile
+    grid = (math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n), split)
+    dst = out if split == 1 else workspace[:split]
+    _nvfp4_gemm_kernel[grid](
+        x, packed_t, scales_t, global_scale, bias if bias is not None else global_scale, dst,
+        m, n, k,
+        x.stride(0), x.stride(1), packed_t.stride(0), scales_t.stride(0),
+        dst.stride(0) if split > 1 else 0, dst.stride(-2), dst.stride(-1),
+        HAS_BIAS=bias is not None, SPLIT_K=split, DOT_F32=_interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        y = dst.sum(0)
+        if bias is not None:
+            y += bias.float()
+        out.copy_(y)
+    return out
+
+
+@torch.library.custom_op("optllm::nvfp4_gemm", mutates_args=())
+def nvfp4_gemm(x: torch.Tensor, packed_t: torch.Tensor, scales_t: torch.Tensor, global_scale: torch.Tensor,
+               bias: Optional[torch.Tensor], block_m: int, block_n: int, block_k: int, split_k: int,
+               group_m: int, num_warps: int, num_stages: int) -> torch.Tensor:
+    """y [M, N] (x.dtype) = x [M, K] @ dequant(W).T + bias on the Triton kernel, with W in the
+    ``NVFP4Weight`` layout (packed_t uint8 [K/2, N], scales_t uint8 [K/16, N])."""
+    cfg = NVFP4GemmConfig(block_m, block_n, block_k, split_k, group_m, num_warps, num_stages)
+    n = packed_t.shape[1]
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    ws = None
+    if split_k > 1:
+        ws = torch.empty((split_k, x.shape[0], n), dtype=torch.float32, device=x.device)
+    return _launch(x, packed_t, scales_t, global_scale, bias, out, ws, cfg)
+
+
+@nvfp4_gemm.register_fake
+def _(x, packed_t, scales_t, global_scale, bias, *launch_params):
+    return x.new_empty((x.shape[0], packed_t.shape[1]))
+
+
+# ---------------------------------------------------------------------------- public wrapper
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def nvfp4_linear(x: torch.Tensor, weight: NVFP4Weight, bias: Optional[torch.Tensor] = None,
+                 backend: str = "auto", config: Optional[NVFP4GemmConfig] = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W.T + bias for an NVFP4 weight W [N, K], in x.dtype.
+
+    backend: "triton" (weight-only kernel; x bf16/fp16 on CUDA, or any device under
+    TRITON_INTERPRET=1), "torch" (dequantize to x.dtype + matmul; x may also be float32), or
+    "auto" (triton where it can run, else torch). ``config`` overrides ``select_config``.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
+    if not isinstance(weight, NVFP4Weight):
+        raise ValueError(f"weight: must be an NVFP4Weight (see prepack_nvfp4), got {type(weight).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x: dtype must be bfloat16/float16 (float32 on the torch backend), got {x.dtype}")
+    n, k = weight.out_features, weight.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dim must be in_features = {k}, got {x.shape[-1]}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias: shape must be ({n},), got {tuple(bias.shape)}")
+    if x.device != weight.packed_t.device:
+        raise ValueError(f"x: on {x.device} but the weight is on {weight.packed_t.device}")
+    can_triton = (x.is_cuda or _interpreting()) and x.dtype in (torch.bfloat16, torch.float16)
+    if backend == "auto":
+        backend = "triton" if can_triton else "torch"
+    if backend == "torch":
+        w = dequantize_nvfp4(*weight.checkpoint_tensors(), x.dtype)
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    if not can_triton:
+        raise ValueError("backend: 'triton' needs bf16/fp16 x on CUDA, or TRITON_INTERPRET=1")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    cfg = config or select_config(x2.shape[0], n, k)
+    y = nvfp4_gemm(x2, weight.packed_t, weight.scales_t, weight.global_scale, bias, cfg.block_m,
+                   cfg.block_n, cfg.block_k, cfg.split_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return y.reshape(*x.shape[:-1], n)
