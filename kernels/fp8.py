@@ -4,8 +4,9 @@ dynamically (per token, scale = row absmax / 448); fp32 accumulation on fp8 tens
 
     y[m, n] = x_scale[m or 0] * w_scale[n or 0] * sum_k xq[m, k] * w[n, k]  (+ bias[n])
 
-The weight stays [N, K] row-major for the reason given in kernels/w8a8_int8.py (Hopper's fp8
-wgmma takes K-major operands only); the matmul kernel itself is the shared one there.
+The weight stays [N, K] row-major for the reason given in kernels/scaled_mm.py (Hopper's fp8
+wgmma takes K-major operands only); the matmul kernel itself is the shared one there, and this
+file holds the E4M3 activation quantizer, the FP8 config table, the fp8 ops and references.
 Hopper's fp8 tensor cores accumulate with fewer mantissa bits than fp32: configs for M < 256
 promote partial sums to fp32 every block_k (as torch._scaled_mm does by default); larger M
 uses fast_accum (sums over all of K stay in the tensor core: measured 1.3e-3 relative error
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optllm.kernels.w8a8_int8 import (
+from optllm.kernels.scaled_mm import (
     SCALE_EPS,
     GemmConfig,
     check_activation,
