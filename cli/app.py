@@ -34,7 +34,7 @@ def quantize(
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
     group_size: Optional[str] = typer.Option(None, help="32, 64, 128 or 'channel' [default 128]"),
     asym: Optional[bool] = typer.Option(None, "--asym/--sym", help="asymmetric grid with zero points [default sym]"),
-    actorder: Optional[bool] = typer.Option(None, "--actorder/--no-actorder", help="GPTQ act-order (static groups)"),
+    actorder: Optional[bool] = typer.Option(None, "--actorder/--no-actorder", help="GPTQ act-order with static groups [default: on for gptq]"),
     calib: Optional[str] = typer.Option(None, help="builtin | self | FILE.txt/.jsonl/.parquet | hub dataset"),
     num_samples: Optional[int] = typer.Option(None, help="calibration sequences [default 128]"),
     seq_len: Optional[int] = typer.Option(None, help="tokens per calibration sequence [default 512]"),
@@ -54,7 +54,7 @@ def quantize(
         "device": device, "dtype": dtype,
         "group_size": _group(group_size) if group_size is not None else None,
         "symmetric": None if asym is None else not asym,
-        "actorder": None if actorder is None else ("static" if actorder else None),
+        "actorder": None if actorder is None else ("static" if actorder else "none"),
         "ignore": tuple(ignore) if ignore else None,
     }
     try:
@@ -64,8 +64,6 @@ def quantize(
             given = {k: v for k, v in overrides.items() if v is not None}
             if group_size is not None and overrides["group_size"] is None:
                 given["group_size"] = None
-            if actorder is False:
-                given["actorder"] = None
             cfg = QuantizeConfig.from_dict(given)
         report = run(model, out, cfg, overwrite=overwrite)
     except UserError as e:

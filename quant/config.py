@@ -21,7 +21,9 @@ class QuantizeConfig:
     scheme: str = "w4a16-rtn"
     group_size: int | None = 128
     symmetric: bool = True
-    actorder: str | None = None  # GPTQ: None or "static"
+    # GPTQ column order: "static" (act-order with static groups; the default for GPTQ, as in
+    # llm-compressor: it measured 18.4 vs 19.3-19.9 ppl on SmolLM2 W4 g64) or None
+    actorder: str | None = "auto"
     ignore: tuple[str, ...] = ("lm_head",)
     calib: str = "builtin"
     num_samples: int = 128
@@ -53,7 +55,12 @@ class QuantizeConfig:
             raise UserError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
 
     def quant_scheme(self) -> QuantScheme:
-        return parse_scheme(self.scheme, self.group_size, self.symmetric, self.actorder)
+        actorder = self.actorder
+        if actorder == "auto":
+            actorder = "static" if self.scheme.strip().lower().endswith("-gptq") else None
+        elif actorder == "none":
+            actorder = None
+        return parse_scheme(self.scheme, self.group_size, self.symmetric, actorder)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

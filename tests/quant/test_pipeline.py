@@ -75,6 +75,14 @@ def test_config_validation():
         QuantizeConfig(dtype="float64")
 
 
+def test_gptq_defaults_to_static_actorder_only_for_gptq():
+    assert QuantizeConfig(scheme="w4a16-gptq").quant_scheme().weights.actorder == "static"
+    assert QuantizeConfig(scheme="w4a16-gptq", actorder="none").quant_scheme().weights.actorder is None
+    assert QuantizeConfig(scheme="w4a16-awq").quant_scheme().weights.actorder is None
+    with pytest.raises(UserError, match="actorder is a GPTQ option"):
+        QuantizeConfig(scheme="w4a16-awq", actorder="static")
+
+
 def test_recipe_file(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("scheme: w4a16-gptq\ngroup_size: 64\nawq:\n  n_grid: 5\n")
