@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def tiny_tokenizer(vocab_size: int = 320):
+def tiny_tokenizer(vocab_size: int = 320, eos: str = "</s>", docs: int | None = 200):
     """A byte-level BPE tokenizer trained in-process on the built-in corpus (no downloads)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -24,10 +24,10 @@ def tiny_tokenizer(vocab_size: int = 320):
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(builtin_texts("calib")[:200], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+    tok.train_from_iterator(builtin_texts("calib")[:docs], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos)
 
 
 def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2):

@@ -18,20 +18,9 @@ from optllm.quant.calib_data import CalibrationData, load_calibration, token_has
 @pytest.fixture(scope="module")
 def tokenizer():
     """A byte-level BPE (vocab 384) trained in-process on the built-in corpus; EOS <eos>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from conftest import tiny_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(builtin_texts("calib"), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    return tiny_tokenizer(384, eos="<eos>", docs=None)
 
 
 @pytest.fixture(scope="module")
