@@ -25,6 +25,17 @@ from optllm.quant.config import QuantizeConfig
 from optllm.quant.pipeline import quantize
 
 
+def overrides(items: list[str]) -> dict:
+    """--set FIELD=VALUE pairs; VALUE read as YAML (true, 64, none -> "none")."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -37,6 +48,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--eval-dtype", default="float32")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="QuantizeConfig override, e.g. --set actorder=none --set true_sequential=false")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if (a.device == "auto" and torch.cuda.is_available()) else ("cpu" if a.device == "auto" else a.device)
@@ -45,8 +58,8 @@ def main() -> None:
     for bits in [int(b) for b in a.bits.split(",")]:
         for algo in a.algos.split(","):
             name = f"w{bits}a16-{algo}"
-            cfg = QuantizeConfig(scheme=name, group_size=a.group_size, num_samples=a.num_samples,
-                                 seq_len=a.seq_len, device=dev)
+            cfg = QuantizeConfig.from_dict({"scheme": name, "group_size": a.group_size, "num_samples": a.num_samples,
+                                            "seq_len": a.seq_len, "device": dev, **overrides(a.set)})
             t0 = time.perf_counter()
             rep = quantize(a.model, a.out / f"{name}-g{a.group_size}", cfg, overwrite=True, progress=False)
             runs.append({"scheme": name, "bits": bits, "algo": algo, "dir": str(a.out / f"{name}-g{a.group_size}"),
