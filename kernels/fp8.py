@@ -28,6 +28,7 @@ from optllm.kernels.scaled_mm import (
     check_gemm_shapes,
     m_bucket,
     row_kernel_launch_params,
+    scaled_mm_ref,
     scaled_mm_triton,
     use_triton,
 )
@@ -292,16 +293,7 @@ def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | None = None) -> tupl
     return xq, scale
 
 
-def fp8_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dequantized math: (xq * x_scale) @ (w * w_scale)^T (+ bias) in compute_dtype, cast to out_dtype."""
-    xd = xq.to(compute_dtype) * x_scale.reshape(-1, 1).to(compute_dtype)
-    wd = w.to(compute_dtype) * w_scale.reshape(-1, 1).to(compute_dtype)
-    y = xd @ wd.t()
-    if bias is not None:
-        y = y + bias.to(compute_dtype)
-    return y.to(out_dtype)
+fp8_gemm_ref = scaled_mm_ref  # one reference serves int8 and fp8
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: FP8Weight, input_scale: torch.Tensor | None = None,

@@ -216,3 +216,16 @@ def check_gemm_shapes(xq, x_scale, w, w_scale, bias, out_dtype, scalar_scales: b
         raise ValueError(f"bias.shape={tuple(bias.shape)} must be ({n},)")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} is not supported; allowed: {OUT_DTYPES}")
+
+
+def scaled_mm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                  compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Torch reference of the scaled matmul, int8 or fp8 operands alike:
+    (xq * x_scale) @ (w * w_scale)^T (+ bias) in compute_dtype, cast to out_dtype."""
+    xd = xq.to(compute_dtype) * x_scale.reshape(-1, 1).to(compute_dtype)
+    wd = w.to(compute_dtype) * w_scale.reshape(-1, 1).to(compute_dtype)
+    y = xd @ wd.t()
+    if bias is not None:
+        y = y + bias.to(compute_dtype)
+    return y.to(out_dtype)

@@ -30,6 +30,7 @@ from optllm.kernels.scaled_mm import (  # noqa: F401
     check_gemm_shapes,
     m_bucket,
     row_kernel_launch_params,
+    scaled_mm_ref,
     scaled_mm_triton,
     use_triton,
 )
@@ -232,16 +233,7 @@ def quantize_per_token_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return xq, scale
 
 
-def w8a8_int8_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                       bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                       compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dequantized math: (xq * x_scale) @ (w * w_scale)^T (+ bias) in compute_dtype, cast to out_dtype."""
-    xd = xq.to(compute_dtype) * x_scale.reshape(-1, 1).to(compute_dtype)
-    wd = w.to(compute_dtype) * w_scale.reshape(-1, 1).to(compute_dtype)
-    y = xd @ wd.t()
-    if bias is not None:
-        y = y + bias.to(compute_dtype)
-    return y.to(out_dtype)
+w8a8_int8_gemm_ref = scaled_mm_ref  # one reference serves int8 and fp8
 
 
 def w8a8_int8_linear_ref(x: torch.Tensor, weight: W8A8Weight, bias: torch.Tensor | None = None,
