@@ -130,7 +130,7 @@ def load_model(
 
     A quantized optllm folder is handled by optllm.quant.checkpoint.load_quantized instead.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder = resolve_model(model)
     config = load_config(folder)

@@ -19,7 +19,7 @@ from torch import nn
 from . import observers
 from .mappings import BlockMapping, SmoothMapping
 from .scheme import QuantArgs
-from .sequential import BlockInputs, _to, capture_inputs
+from .sequential import BlockInputs, _to, capture_inputs, run_block
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def awq_block(
     firsts = {m.balance[0]: layer.get_submodule(m.balance[0]) for m in mapping.smooth}
     captured: dict[str, list[torch.Tensor]] = {name: [] for name in firsts}
     with capture_inputs(firsts, lambda name, x: captured[name].append(x)):
-        _run(layer, inputs)
+        run_block(layer, inputs, keep=False)
     todo = []
     for m in mapping.smooth:
         prev = layer.get_submodule(m.smooth)
@@ -193,7 +193,7 @@ def awq_block(
         mods = {n: layer.get_submodule(n) for n in clip_names}
         samples: dict[str, list[torch.Tensor]] = {n: [] for n in clip_names}
         with capture_inputs(mods, lambda name, x: samples[name].append(x.reshape(-1, x.shape[-1]))):
-            _run(layer, inputs)
+            run_block(layer, inputs, keep=False)
         for name, mod in mods.items():
             x = torch.cat(samples[name])
             step = max(1, x.shape[0] // opts.clip_tokens)
@@ -203,10 +203,3 @@ def awq_block(
 
 def _out_features(mod: nn.Module) -> int:
     return mod.out_features if isinstance(mod, nn.Linear) else mod.weight.shape[0]
-
-
-def _run(layer: nn.Module, inputs: BlockInputs) -> None:
-    device = next(layer.parameters()).device
-    with torch.no_grad():
-        for h, kw in zip(inputs.hidden, inputs.kwargs):
-            layer(h.to(device), **_to(kw, device))

@@ -57,12 +57,10 @@ def load_quantized(
         from ..runtime.layers.quantized_linear import QuantizedLinear
 
         for name, qw in qweights.items():
-            old = model.get_submodule(name)
             bias = rest.get(f"{name}.bias")
             new = QuantizedLinear.from_quantized(qw, bias=bias, dtype=dt, device=device)
             _set_module(model, name, new)
             state.pop(f"{name}.bias", None)
-            del old
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not _is_tied(model, m)]
     if linear == "kernel":

@@ -129,7 +129,7 @@ def quantize_block(
         mods = {n: linears[n] for n in group}
         acc = {n: HessianAccumulator(lin.in_features) for n, lin in mods.items()}
         with capture_inputs(mods, lambda n, x: acc[n].add(x)):
-            run_block(layer, inputs)
+            run_block(layer, inputs, keep=False)
         for name, lin in mods.items():
             w = lin.weight.detach()
             h = acc[name].hessian

@@ -106,14 +106,18 @@ def capture_block_inputs(
     return BlockInputs(hidden=hidden, kwargs=kwargs)
 
 
-def run_block(layer: nn.Module, inputs: BlockInputs) -> list[torch.Tensor]:
-    """Run a (device-resident) block over every cached batch; returns its outputs per batch."""
+def run_block(layer: nn.Module, inputs: BlockInputs, keep: bool = True) -> list[torch.Tensor]:
+    """Run a (device-resident) block over every cached batch; returns its outputs per batch.
+
+    keep=False runs it for its hooks' sake only (statistics) and holds no outputs.
+    """
     device = next(layer.parameters()).device
     outs = []
     with torch.no_grad():
         for h, kw in zip(inputs.hidden, inputs.kwargs):
             out = layer(h.to(device), **_to(kw, device))
-            outs.append((out[0] if isinstance(out, tuple) else out).detach())
+            if keep:
+                outs.append((out[0] if isinstance(out, tuple) else out).detach())
     return outs
 
 
