@@ -1,31 +1,38 @@
 """W4A16 GEMM: int4 weights with grouped scales (and optional zero points) times bf16/fp16
-activations, fp32 accumulation.
+activations, fp32 accumulation on the tensor cores.
 
-    y[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, k // G]) * scale[n, k // G]  (+ bias[n])
+    y[m, n] = sum_k x[m, k] * w[n, k],   w[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]
 
-Runtime layout (``prepack_w4a16``, once at load)
-    ``packed`` is int32 [Kp // 8, N] with N contiguous (Kp = K rounded up to 32). Word
-    (r, n) holds eight nibbles u = q + 8, nibble j in bits [4j, 4j + 4), of column n at
-    ``k = 32 * (r // 4) + 4 * j + r % 4``. ``scales`` [K // G, N] and ``zeros`` int8
-    [K // G, N] are transposed the same way.
-Why this layout
-    * N contiguous: every tile is whole row segments of words, read with 16-byte vector
-      loads and fully coalesced, whatever BLOCK_N or the split-K factor.
-    * Eight k per word, all inside one quantization group (G is a multiple of 32): the
-      GEMV folds scale and zero point once per word after an 8-term in-thread dot product.
-    * The 4-row interleave makes "nibble j of a tile" a set of x columns in contiguous
-      runs of 4, so the tensor-core path multiplies eight [BM, BK/8] x [BK/8, BN] slices
-      (one per nibble) with no register reshape of the unpacked tile.
-Dequant: nibble u moved into mantissa bits 19..22 of 1.0f reads as 1 + u/16 exactly, so
-16 * f - (24 + zero) = q - zero without an int->float conversion (shift, and/or, FMA).
+Layout: the checkpoint's own packing, with the scales transposed once at load
+    ``packed`` is int32 [N, K // 8], K contiguous: word (n, c) holds u = q + 8 of
+    k = 8c .. 8c + 7, nibble j in bits [4j, 4j + 4) -- bit for bit the compressed-tensors
+    ``pack-quantized`` ``weight_packed`` that vLLM reads, so loading a checkpoint moves no
+    weight bits. ``scales`` [K // G, N] and ``zeros`` int8 [K // G, N] are transposed at load
+    (N contiguous: a K-block reads one coalesced row of them).
+Dequantization (in registers, per K-block of BLOCK_K <= G, so one scale per column)
+    On CUDA with bf16/fp16 activations a few PTX instructions per word make pairs: one lop3
+    puts nibbles j and j + 4 into the mantissas of a bf16x2 (fp16x2) 128 + u (1024 + u),
+    one packed FMA subtracts 136 + zero (exact: small integers), one packed multiply applies
+    the scale, rounding once. That is exactly the bf16 weight the checkpoint dequantizes to
+    ((q - zero) * scale in the scale dtype), so the kernels and a dequantized model differ
+    only in summation order. Elsewhere (fp32, the CPU interpreter) plain float ops compute
+    the same values. The eight nibble slices are interleaved back into K order with a
+    ``tl.join`` tree and a free reshape.
+Paths (kernels/w4a16_configs.py picks one per (M, N, K))
+    * swap_ab (decode, small M): y^T = W x^T -- the weight tile is the MMA's M side (64+
+      rows fill a Hopper wgmma), the few x rows its N side, so M = 1 wastes no weight work.
+    * tiled: x [BM, BK] @ W^T tile, for prefill-sized M.
+    * dequant: dequantize the weight to a bf16 scratch once, then cuBLAS (large M, where
+      the GEMM is compute-bound and the extra pass costs a few per cent).
 Split-K: each split stores its fp32 partial tile into a workspace and bumps a per-tile
-counter (``W4A16Weight.locks``); the last split to arrive sums the partials in split
-order (deterministic), adds the bias, writes y and resets the counter. One launch, no
-float atomics, no memset -- but one weight must not run on two streams at once.
+counter (``W4A16Weight.locks``); the last split to arrive sums the partials in split order
+(deterministic), adds the bias, writes y and resets the counter. One launch, no float
+atomics, no memset -- but one weight must not run on two streams at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -40,6 +47,10 @@ from .w4a16_configs import M_BUCKETS, W4A16_CONFIGS, W4A16Config, default_w4a16_
 BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOCK_SLOTS = 1024  # output tiles one launch may split over K; more tiles -> no split-K
+# nibble j of a word holds k = 8c + _NIBBLE_K[j]: nibbles j and j + 4 are consecutive k, so
+# one lop3 on the word shifted by 4j yields the bf16x2 pair (k, k + 1) = one x pair
+_NIBBLE_K = [0, 2, 4, 6, 1, 3, 5, 7]
+_K_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]  # its inverse: k = 8c + i lives in nibble _K_NIBBLE[i]
 
 
 # --------------------------------------------------------------------------- weight
@@ -47,7 +58,7 @@ LOCK_SLOTS = 1024  # output tiles one launch may split over K; more tiles -> no 
 class W4A16Weight:
     """Prepacked int4 weight of a [N, K] linear (see the module docstring for the layout).
 
-    packed: int32 [ceil(K/32)*4, N]; scales: [K // group_size, N] float; zeros: int8
+    packed: int32 [N, K // 8]; scales: [K // group_size, N] float; zeros: int8
     [K // group_size, N] or None (symmetric); locks: int32 [LOCK_SLOTS] split-K counters,
     zero between calls.
     """
@@ -81,49 +92,45 @@ def _check_quantized(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
     if zeros is not None and (zeros.dtype != torch.int8 or tuple(zeros.shape) != groups):
         raise ValueError(f"zeros: must be None or an int8 tensor of shape {groups}, got "
                          f"{zeros.dtype} {tuple(zeros.shape)}")
+    if zeros is not None and zeros.numel() and (int(zeros.min()) < -8 or int(zeros.max()) > 7):
+        raise ValueError("zeros: values must lie in the signed int4 range [-8, 7]")
 
 
 def prepack_w4a16(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                   group_size: int, dtype: Optional[torch.dtype] = None) -> W4A16Weight:
-    """Repack quantized values into the runtime layout (once, at load).
+    """Pack quantized values into the kernels' layout (once, at load).
 
     q: int8 [N, K] in [-8, 7]; scales: [N, K // group_size] float; zeros: int8
-    [N, K // group_size] or None; group_size: a multiple of 32 dividing K, or K itself
-    (per-channel). dtype: cast the scales to it (use the activation dtype); None keeps them.
+    [N, K // group_size] in [-8, 7] or None; group_size: a multiple of 32 dividing K, or K
+    (per-channel). dtype: cast the scales to it (use the activation dtype: the fast
+    dequantization needs scales in x's dtype); None keeps them.
     Dequantized weight: (q - zero) * scale.
     """
     _check_quantized(q, scales, zeros, group_size)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype: must be a floating dtype or None, got {dtype}")
     n, k = q.shape
-    kp = -(-k // 32) * 32
-    u = q.to(torch.int32) + 8
-    if kp != k:  # only per-channel weights pad; the pad multiplies masked (zero) x columns
-        u = F.pad(u, (0, kp - k), value=8)
-    # [N, Kp] -> [b, j, rr, N] (k = 32b + 4j + rr) -> [b, rr, j, N]
-    u = u.t().reshape(kp // 32, 8, 4, n).permute(0, 2, 1, 3)
+    u = (q.to(torch.int32) + 8).view(n, k // 8, 8)[:, :, _NIBBLE_K]  # nibble j <- k = 8c + _NIBBLE_K[j]
     # nibble 7 enters as its signed value so the sum stays inside int32 without wrapping
     top = ((u[:, :, 7] ^ 8) - 8) << 28
-    shifts = (4 * torch.arange(7, device=q.device, dtype=torch.int32)).view(1, 1, 7, 1)
+    shifts = 4 * torch.arange(7, device=q.device, dtype=torch.int32)
     words = (u[:, :, :7] << shifts).sum(dim=2, dtype=torch.int32) + top
     scales_t = scales.t().contiguous() if dtype is None else scales.t().to(dtype).contiguous()
     zeros_t = None if zeros is None else zeros.t().contiguous()
     locks = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=q.device)
-    return W4A16Weight(words.reshape(kp // 8, n).contiguous(), scales_t, zeros_t, locks,
-                       n, k, group_size)
+    return W4A16Weight(words.contiguous(), scales_t, zeros_t, locks, n, k, group_size)
 
 
 def dequantize_w4a16(w: W4A16Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unpack the runtime layout to the dense weight (q - zero) * scale, [N, K] in dtype
-    (computed in float32, then cast)."""
-    kw, n = w.packed.shape
+    """Unpack to the dense weight (q - zero) * scale, [N, K] in dtype (computed in float32,
+    rounded once to dtype: the same bits as the kernels' and the checkpoint's dequant)."""
     shifts = 4 * torch.arange(8, device=w.packed.device, dtype=torch.int32)
-    u = (w.packed.view(kw // 4, 4, n, 1) >> shifts) & 15          # [b, rr, N, j]
-    q = u.permute(0, 3, 1, 2).reshape(kw * 8, n)[: w.K].float() - 8.0  # [K, N]
-    s = w.scales.float().repeat_interleave(w.group_size, dim=0)
+    u = (w.packed.unsqueeze(-1) >> shifts) & 15  # [N, K // 8, nibble]
+    q = u[:, :, _K_NIBBLE].reshape(w.N, w.K).float() - 8.0
+    s = w.scales.t().float().repeat_interleave(w.group_size, dim=1)
     if w.zeros is not None:
-        q = q - w.zeros.float().repeat_interleave(w.group_size, dim=0)
-    return (q * s).t().to(dtype)
+        q = q - w.zeros.t().float().repeat_interleave(w.group_size, dim=1)
+    return (q * s).to(dtype)
 
 
 def w4a16_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
@@ -137,37 +144,130 @@ def w4a16_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     return y if bias is None else y + bias.float()
 
 
-# configs: kernels/w4a16_configs.py
-
-
 # --------------------------------------------------------------------------- kernels
-@triton.jit
-def _nibble(words, J: tl.constexpr):
-    """Nibble J of every int32 word as float32 1 + u/16 (exact)."""
-    if 4 * J <= 19:
-        v = words << (19 - 4 * J)
-    else:
-        v = words >> (4 * J - 19)
-    return ((v & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+# bf16x2 / fp16x2 constants: (magic: 128 + u or 1024 + u once a nibble is or-ed in, one)
+_PAIR_ASM = """
+{{
+.reg .b32 t, p, m, c1, nz;
+mov.b32 m, {magic};
+mov.b32 c1, {one};
+mov.b32 nz, 0x80008000;
+lop3.b32 p, $8, 0x000F000F, m, 0xEA;
+fma.rn.{ty} p, p, c1, $9;
+fma.rn.{ty} p, p, $10, nz;
+mov.b32 {{$0, $4}}, p;
+shr.u32 t, $8, 4;
+lop3.b32 p, t, 0x000F000F, m, 0xEA;
+fma.rn.{ty} p, p, c1, $9;
+fma.rn.{ty} p, p, $10, nz;
+mov.b32 {{$1, $5}}, p;
+shr.u32 t, $8, 8;
+lop3.b32 p, t, 0x000F000F, m, 0xEA;
+fma.rn.{ty} p, p, c1, $9;
+fma.rn.{ty} p, p, $10, nz;
+mov.b32 {{$2, $6}}, p;
+shr.u32 t, $8, 12;
+lop3.b32 p, t, 0x000F000F, m, 0xEA;
+fma.rn.{ty} p, p, c1, $9;
+fma.rn.{ty} p, p, $10, nz;
+mov.b32 {{$3, $7}}, p;
+}}
+"""
+_ASM_BF16 = tl.constexpr(_PAIR_ASM.format(magic="0x43004300", one="0x3F803F80", ty="bf16x2"))
+_ASM_FP16 = tl.constexpr(_PAIR_ASM.format(magic="0x64006400", one="0x3C003C00", ty="f16x2"))
+
+
+# GEMV: dot product of one word's eight (q - zero) with the matching four x pairs; products
+# and the four-pair chain in bf16x2 (rounding 2^-9 each, like one bf16 rounding of y), the
+# two halves added in fp32. $0 = result, $1 = word, $2..$5 = x pairs, $6 = -(136 + zero) x2.
+_GEMV_ASM_BF16 = tl.constexpr("""
+{
+.reg .b32 t, p, q, r, m, c1, nz, a, b;
+mov.b32 m, 0x43004300;
+mov.b32 c1, 0x3F803F80;
+mov.b32 nz, 0x80008000;
+lop3.b32 p, $1, 0x000F000F, m, 0xEA;
+fma.rn.bf16x2 q, p, c1, $6;
+fma.rn.bf16x2 r, q, $2, nz;
+shr.u32 t, $1, 4;
+lop3.b32 p, t, 0x000F000F, m, 0xEA;
+fma.rn.bf16x2 q, p, c1, $6;
+fma.rn.bf16x2 r, q, $3, r;
+shr.u32 t, $1, 8;
+lop3.b32 p, t, 0x000F000F, m, 0xEA;
+fma.rn.bf16x2 q, p, c1, $6;
+fma.rn.bf16x2 r, q, $4, r;
+shr.u32 t, $1, 12;
+lop3.b32 p, t, 0x000F000F, m, 0xEA;
+fma.rn.bf16x2 q, p, c1, $6;
+fma.rn.bf16x2 r, q, $5, r;
+and.b32 a, r, 0xFFFF0000;
+shl.b32 b, r, 16;
+add.f32 $0, a, b;
+}
+""")
 
 
 @triton.jit
-def _group_params(s_ptr, z_ptr, r0, rows, offs_n, N, KW, rows_per_group,
-                  PER_BLOCK: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """fp32 scale and zero offset (24 + zero) of the packed rows of one block:
-    [1, BN] when the block lies inside one group, else [BKW, BN]."""
-    if PER_BLOCK:
-        offs = (r0 // rows_per_group) * N + offs_n[None, :]
-        mask = ((offs_n < N) & (offs_n * 0 + r0 < KW))[None, :]
+def _pair(v):
+    """A 16-bit float tensor's bits, twice, in one int32 (a packed x2 operand)."""
+    lo = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo | (lo << 16)
+
+
+@triton.jit
+def _dequant_tile(words, s, zoff, dtype: tl.constexpr, USE_ASM: tl.constexpr):
+    """words int32 [BN, BKW] -> weight tile [BN, 8 * BKW] in dtype, K order.
+
+    s: [BN] scales (fp32 values of the scale dtype); zoff: [BN] fp32 8 + zero.
+    """
+    if USE_ASM:
+        if dtype == tl.float16:
+            negc = tl.broadcast_to(_pair((-(zoff + 1024.0)).to(dtype))[:, None], words.shape)
+            s2 = tl.broadcast_to(_pair(s.to(dtype))[:, None], words.shape)
+            e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+                _ASM_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, negc, s2],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            negc = tl.broadcast_to(_pair((-(zoff + 128.0)).to(dtype))[:, None], words.shape)
+            s2 = tl.broadcast_to(_pair(s.to(dtype))[:, None], words.shape)
+            e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+                _ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, negc, s2],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
-        offs = (rows // rows_per_group)[:, None] * N + offs_n[None, :]
-        mask = (rows < KW)[:, None] & (offs_n < N)[None, :]
-    s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s_ = s[:, None]
+        z_ = zoff[:, None]
+        e0 = ((((words >> 0) & 15).to(tl.float32) - z_) * s_).to(dtype)
+        e1 = ((((words >> 4) & 15).to(tl.float32) - z_) * s_).to(dtype)
+        e2 = ((((words >> 8) & 15).to(tl.float32) - z_) * s_).to(dtype)
+        e3 = ((((words >> 12) & 15).to(tl.float32) - z_) * s_).to(dtype)
+        e4 = ((((words >> 16) & 15).to(tl.float32) - z_) * s_).to(dtype)
+        e5 = ((((words >> 20) & 15).to(tl.float32) - z_) * s_).to(dtype)
+        e6 = ((((words >> 24) & 15).to(tl.float32) - z_) * s_).to(dtype)
+        e7 = ((((words >> 28) & 15).to(tl.float32) - z_) * s_).to(dtype)
+    # position 4a + 2b + c of a word's eight (k = 8c' + 4a + 2b + c): c picks the outer join,
+    # b the middle, a the inner; even k sit in nibbles 0..3, odd k in nibbles 4..7
+    t = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(e4, e6), tl.join(e5, e7)))
+    return tl.reshape(t, (words.shape[0], words.shape[1] * 8))
+
+
+@triton.jit
+def _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
+                dtype: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    """Dequantized weight tile [BN, BLOCK_K] of K-block kb (zeros past K are harmless:
+    the matching x columns load as zero)."""
+    BKW: tl.constexpr = BLOCK_K // 8
+    cols = kb * BKW + tl.arange(0, BKW)
+    words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
+                    mask=n_mask[:, None] & (cols < KW)[None, :], other=0)
+    g = kb // blocks_per_group
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        zoff = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32) + 24.0
+        zoff = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8.0
     else:
-        zoff = tl.zeros_like(s) + 24.0
-    return s, zoff
+        zoff = tl.zeros_like(s) + 8.0
+    return _dequant_tile(words, s, zoff, dtype, USE_ASM)
 
 
 @triton.jit
@@ -180,58 +280,22 @@ def _store_out(acc, offs_m, offs_n, mask, y_ptr, stride_ym, b_ptr, N, HAS_BIAS: 
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, y_ptr, stride_ym, b_ptr, ws_ptr, lock_ptr, tile, pid_k,
-              HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+              split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if SPLIT_K > 1:
+    if SPLIT:
         ws_offs = offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws_ptr + pid_k * M * N + ws_offs, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if arrived == split - 1:
             total = tl.zeros_like(acc)
-            for s in tl.static_range(SPLIT_K):  # fixed order: same bits whoever is last
+            for s in range(split):  # fixed order: same bits whoever is last
                 total += tl.load(ws_ptr + s * M * N + ws_offs, mask=mask, other=0.0,
                                  cache_modifier=".cg")
             _store_out(total, offs_m, offs_n, mask, y_ptr, stride_ym, b_ptr, N, HAS_BIAS)
             tl.atomic_xchg(lock_ptr + tile, 0)
     else:
         _store_out(acc, offs_m, offs_n, mask, y_ptr, stride_ym, b_ptr, N, HAS_BIAS)
-
-
-@triton.jit
-def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-                       M, N, K, KW, stride_xm, stride_ym, rows_per_group, rows_per_split, iters,
-                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, PER_BLOCK: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """CUDA-core path, one x row per program; grid (N tiles, K splits, M)."""
-    BKW: tl.constexpr = BLOCK_K // 8
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-    # per-thread partial sums over K; reduced across threads once, after the loop
-    acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
-    for i in range(iters):
-        r0 = pid_k * rows_per_split + i * BKW
-        rows = r0 + tl.arange(0, BKW)
-        words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :],
-                        mask=(rows < KW)[:, None] & (offs_n < N)[None, :], other=0)
-        kbase = (rows // 4) * 32 + rows % 4
-        t = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
-        xs = tl.zeros((BKW,), dtype=tl.float32)
-        for j in tl.static_range(8):
-            k = kbase + 4 * j
-            xj = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            t += xj[:, None] * _nibble(words, j)
-            xs += xj
-        s, zoff = _group_params(s_ptr, z_ptr, r0, rows, offs_n, N, KW, rows_per_group,
-                                PER_BLOCK, HAS_ZEROS)
-        # sum_j x_j (q_j - z) = 16 * (sum_j x_j f_j - (24 + z) / 16 * sum_j x_j)
-        acc += (s * 16.0) * (t - (zoff * 0.0625) * xs[:, None])
-    out = tl.sum(acc, axis=0)[None, :]
-    _epilogue(out, pid_m + tl.arange(0, 1), offs_n, M, N, y_ptr, stride_ym, b_ptr, ws_ptr,
-              lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -245,15 +309,13 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-                       M, N, K, KW, stride_xm, stride_ym, rows_per_group, rows_per_split, iters,
-                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, PER_BLOCK: tl.constexpr,
-                       SCALE_AFTER_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Tensor-core path: dequantize each nibble slice in registers, then tl.dot;
-    grid (M tiles * N tiles, K splits)."""
-    BKW: tl.constexpr = BLOCK_K // 8
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+                  M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split, split,
+                  HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
+                  USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
+    """grid (M tiles * N tiles, K splits). SWAP_AB: acc^T [BN, BM] += W [BN, BK] @ x^T."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -266,32 +328,103 @@ def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_pt
     pid_n = (pid % width) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(iters):
-        r0 = pid_k * rows_per_split + i * BKW
-        rows = r0 + tl.arange(0, BKW)
-        words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :],
-                        mask=(rows < KW)[:, None] & (offs_n < N)[None, :], other=0)
-        kbase = (rows // 4) * 32 + rows % 4
-        s, zoff = _group_params(s_ptr, z_ptr, r0, rows, offs_n, N, KW, rows_per_group,
-                                PER_BLOCK, HAS_ZEROS)
-        if SCALE_AFTER_DOT:  # one group per block: exact integer operand, scale once
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(8):
-                k = kbase + 4 * j
-                xj = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-                part = _dot(xj, (_nibble(words, j) * 16.0 - zoff).to(dtype), part, DOT_F32)
-            acc += part * s
-        else:  # keeps one accumulator chain for the big-M tensor-core pipeline
-            for j in tl.static_range(8):
-                k = kbase + 4 * j
-                xj = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-                acc = _dot(xj, ((_nibble(words, j) * 16.0 - zoff) * s).to(dtype), acc, DOT_F32)
+    kb0 = pid_k * blocks_per_split
+    nblocks = tl.minimum(blocks_per_split, tl.cdiv(K, BLOCK_K) - kb0)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(nblocks):
+        kb = kb0 + i
+        ks = kb * BLOCK_K + offs_k
+        w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
+                        dtype, BLOCK_K, HAS_ZEROS, USE_ASM)
+        if SWAP_AB:
+            xt = tl.load(x_rows[None, :] + ks[:, None], mask=(ks < K)[:, None] & m_mask[None, :],
+                         other=0.0)
+            acc = _dot(w, xt, acc, DOT_F32)
+        else:
+            xt = tl.load(x_rows[:, None] + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :],
+                         other=0.0)
+            acc = _dot(xt, tl.trans(w), acc, DOT_F32)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     _epilogue(acc, offs_m, offs_n, M, N, y_ptr, stride_ym, b_ptr, ws_ptr, lock_ptr,
-              pid_m * num_pid_n + pid_n, pid_k, HAS_BIAS, SPLIT_K)
+              pid_m * num_pid_n + pid_n, pid_k, split, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+                       M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split,
+                       split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr):
+    """CUDA-core GEMV, one x row per program; grid (N tiles, K splits, M). Per thread:
+    whole words (eight k) of a few weight rows; partial sums stay per word slot until the
+    end. USE_ASM (bf16 only): packed bf16x2 dequant and products, see _GEMV_ASM_BF16."""
+    BKW: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BKW)
+    n_mask = offs_n < N
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    kb0 = pid_k * blocks_per_split
+    nblocks = tl.minimum(blocks_per_split, tl.cdiv(K, BLOCK_K) - kb0)
+    acc = tl.zeros((BLOCK_N, BKW), dtype=tl.float32)
+    for i in range(nblocks):
+        kb = kb0 + i
+        cols = kb * BKW + offs_w
+        c_mask = cols < KW
+        words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
+                        mask=n_mask[:, None] & c_mask[None, :], other=0)
+        g = kb // blocks_per_group
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zoff = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8.0
+        else:
+            zoff = tl.zeros_like(s) + 8.0
+        if USE_ASM:
+            xp = x_row.to(tl.pointer_type(tl.int32), bitcast=True) + 4 * cols
+            x0 = tl.broadcast_to(tl.load(xp, mask=c_mask, other=0)[None, :], words.shape)
+            x1 = tl.broadcast_to(tl.load(xp + 1, mask=c_mask, other=0)[None, :], words.shape)
+            x2 = tl.broadcast_to(tl.load(xp + 2, mask=c_mask, other=0)[None, :], words.shape)
+            x3 = tl.broadcast_to(tl.load(xp + 3, mask=c_mask, other=0)[None, :], words.shape)
+            negc = tl.broadcast_to(_pair((-(zoff + 128.0)).to(tl.bfloat16))[:, None], words.shape)
+            d = tl.inline_asm_elementwise(_GEMV_ASM_BF16, "=r,r,r,r,r,r,r",
+                                          [words, x0, x1, x2, x3, negc], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            d = tl.zeros((BLOCK_N, BKW), dtype=tl.float32)
+            for j in tl.static_range(8):  # nibble j holds k = 8c + 2j (j < 4), 8c + 2(j - 4) + 1
+                kj = 8 * cols + (2 * j if j < 4 else 2 * (j - 4) + 1)
+                xj = tl.load(x_row + kj, mask=kj < K, other=0.0).to(tl.float32)
+                d += (((words >> (4 * j)) & 15).to(tl.float32) - zoff[:, None]) * xj[None, :]
+        acc += d * s[:, None]
+    out = tl.sum(acc, axis=1)[None, :]
+    _epilogue(out, pid_m + tl.arange(0, 1), offs_n, M, N, y_ptr, stride_ym, b_ptr, ws_ptr,
+              lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, split, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _w4a16_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, blocks_per_group,
+                          HAS_ZEROS: tl.constexpr, USE_ASM: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, K] = dequantized weight, in out's dtype; grid (N tiles, K blocks)."""
+    kb = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
+                    out_ptr.dtype.element_ty, BLOCK_K, HAS_ZEROS, USE_ASM)
+    ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + ks[None, :], w,
+             mask=n_mask[:, None] & (ks < K)[None, :])
 
 
 # --------------------------------------------------------------------------- launch
@@ -299,37 +432,80 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _use_asm(x_dtype: torch.dtype, scales: torch.Tensor) -> bool:
+    """Packed-PTX dequant: CUDA, 16-bit activations with scales of the same dtype."""
+    return (not _interpreting() and scales.is_cuda and x_dtype in (torch.bfloat16, torch.float16)
+            and scales.dtype == x_dtype and os.environ.get("OPTLLM_W4A16_ASM", "1") != "0")
+
+
+def _block_k(block_k: int, k: int, group_size: int) -> int:
+    """The config's block_k, halved until a K-block lies inside one quantization group."""
+    bk = block_k
+    while group_size != k and group_size % bk:
+        bk //= 2
+    return bk
+
+
+def _blocks_per_group(k: int, group_size: int, bk: int) -> int:
+    return -(-k // bk) if group_size == k else group_size // bk
+
+
+def dequantize_w4a16_triton(w: W4A16Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a dense [N, K] tensor in dtype, by a Triton kernel (same bits as
+    ``dequantize_w4a16``)."""
+    out = torch.empty((w.N, w.K), device=w.packed.device, dtype=dtype)
+    bk = _block_k(128, w.K, w.group_size)
+    grid = (triton.cdiv(w.N, 64), triton.cdiv(w.K, bk))
+    _w4a16_dequant_kernel[grid](
+        w.packed, w.scales, w.scales if w.zeros is None else w.zeros, out, w.N, w.K, w.K // 8,
+        _blocks_per_group(w.K, w.group_size, bk), HAS_ZEROS=w.zeros is not None,
+        USE_ASM=_use_asm(dtype, w.scales), BLOCK_N=64, BLOCK_K=bk, num_warps=4)
+    return out
+
+
 def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
             zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], locks: torch.Tensor,
             k: int, group_size: int, out: Optional[torch.Tensor] = None,
             config: Optional[W4A16Config] = None) -> torch.Tensor:
-    m, (kw, n) = x.shape[0], packed.shape
+    m, n = x.shape[0], packed.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=x.dtype) if out is None else out
     if m == 0:
         return y
     cfg = config or W4A16_CONFIGS.get((m_bucket(m), n, k)) or default_w4a16_config(m, n, k)
-    bkw = cfg.block_k // 8
-    num_m, num_n = -(-m // cfg.block_m), -(-n // cfg.block_n)
-    split = min(cfg.split_k, -(-kw // bkw))
+    if cfg.gemv and m > 65535:  # grid z limit
+        cfg = W4A16Config(128, 128, 128, dequant=True)
+    if cfg.dequant:
+        w = W4A16Weight(packed, scales, zeros, locks, n, k, group_size)
+        dense = dequantize_w4a16_triton(w, x.dtype)
+        return torch.addmm(bias, x, dense.t(), out=out) if bias is not None else \
+            torch.mm(x, dense.t(), out=out)
+    bk = _block_k(cfg.block_k, k, group_size)
+    if not (cfg.gemv or cfg.swap_ab) and bk < 64:  # triton 3.6 fails to compile that tiled dot
+        cfg = dataclasses.replace(cfg, swap_ab=True)
+    nblocks = -(-k // bk)
+    num_m, num_n = (m if cfg.gemv else -(-m // cfg.block_m)), -(-n // cfg.block_n)
+    split = min(cfg.split_k, nblocks)
     if num_m * num_n > locks.numel() or split * m * n >= 2**31:
         split = 1
-    rows_per_split = -(-kw // (split * bkw)) * bkw
-    split = -(-kw // rows_per_split)  # no empty trailing split
+    per_split = -(-nblocks // split)
+    split = -(-nblocks // per_split)  # no empty trailing split
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    rows_per_group = kw if group_size == k else group_size // 8
-    per_block = rows_per_group % bkw == 0 or group_size == k
+    blocks_per_group = _blocks_per_group(k, group_size, bk)
     args = (x, packed, scales, scales if zeros is None else zeros, y if bias is None else bias,
-            y, ws, locks, m, n, k, kw, x.stride(0), y.stride(0), rows_per_group,
-            rows_per_split, rows_per_split // bkw)
-    flags = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, PER_BLOCK=per_block)
-    launch = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.block_m == 1:
-        _w4a16_gemv_kernel[(num_n, split, m)](*args, **flags, **launch)
+            y, ws, locks, m, n, k, k // 8, x.stride(0), y.stride(0), blocks_per_group, per_split,
+            split)
+    flags = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
+                 BLOCK_K=bk, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.gemv:
+        _w4a16_gemv_kernel[(num_n, split, m)](
+            *args, USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales), **flags)
     else:
-        _w4a16_gemm_kernel[(num_m * num_n, split)](
-            *args, **flags, BLOCK_M=cfg.block_m, SCALE_AFTER_DOT=per_block and cfg.block_m <= 32,
-            DOT_F32=x.dtype == torch.float32 or _interpreting(), GROUP_M=8, **launch)
+        _w4a16_kernel[(num_m * num_n, split)](
+            # the tiled path keeps plain float ops: triton 3.6 fails to compile the PTX dequant
+            # feeding a transposed dot operand (TritonGPUOptimizeDotOperands crashes)
+            *args, SWAP_AB=cfg.swap_ab, USE_ASM=cfg.swap_ab and _use_asm(x.dtype, scales),
+            DOT_F32=x.dtype == torch.float32 or _interpreting(), BLOCK_M=cfg.block_m, GROUP_M=8,
+            **flags)
     return y
 
 
@@ -343,7 +519,7 @@ def _w4a16_gemm_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 @_w4a16_gemm_op.register_fake
 def _(x, packed, scales, zeros, bias, locks, k, group_size):
-    return x.new_empty((x.shape[0], packed.shape[1]))
+    return x.new_empty((x.shape[0], packed.shape[0]))
 
 
 def w4a16_gemm(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] = None, *,
@@ -355,11 +531,12 @@ def w4a16_gemm(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] = N
     if x.dim() != 2 or x.shape[1] != w.K or x.dtype not in TRITON_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x: must be bf16/fp16/fp32 [M, K={w.K}] with unit stride along K, "
                          f"got {x.dtype} {tuple(x.shape)}")
-    if bias is not None and tuple(bias.shape) != (w.N,):
-        raise ValueError(f"bias: must have shape ({w.N},), got {tuple(bias.shape)}")
+    if bias is not None and (tuple(bias.shape) != (w.N,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias: must be {x.dtype} of shape ({w.N},), got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
     if out is not None and (out.shape != (x.shape[0], w.N) or out.dtype != x.dtype
-                            or out.stride(-1) != 1):
-        raise ValueError(f"out: must be {x.dtype} [{x.shape[0]}, {w.N}] with unit column stride")
+                            or not out.is_contiguous()):
+        raise ValueError(f"out: must be a contiguous {x.dtype} [{x.shape[0]}, {w.N}] tensor")
     return _launch(x, w.packed, w.scales, w.zeros, bias, w.locks, w.K, w.group_size, out, config)
 
 
@@ -388,5 +565,6 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] =
                          f"got {x.dtype} on {x.device}")
     else:
         y = torch.ops.optllm.w4a16_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), w.packed,
-                                        w.scales, w.zeros, bias, w.locks, w.K, w.group_size)
+                                        w.scales, w.zeros, None if bias is None else bias.to(x.dtype),
+                                        w.locks, w.K, w.group_size)
     return y.reshape(*x.shape[:-1], w.N)

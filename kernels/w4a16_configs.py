@@ -14,11 +14,13 @@ M_BUCKETS = (1, 16, 64, 256, 4096)
 
 @dataclass(frozen=True)
 class W4A16Config:
-    """Launch shape: block_m == 1 selects the CUDA-core GEMV kernel (one x row per program,
-    so M rows re-read the weights, from L2), block_m >= 16 the tensor-core kernel.
+    """Launch shape of the W4A16 kernel.
 
-    block_k counts K values per iteration (block_k // 8 packed rows); the tensor-core
-    kernel needs block_k >= 128 (each of its eight per-nibble dots has K = block_k // 8).
+    gemv: the CUDA-core GEMV, one x row per program (M = 1; block_m unused).
+    swap_ab: the weight tile is the MMA's M side and x's rows its N side (decode sizes);
+    block_m is then the x rows per tile. dequant: dequantize the weight to x's dtype and
+    call cuBLAS (large M); the block sizes are unused. block_k counts K values per
+    iteration; the kernel halves it until a K-block lies inside one quantization group.
     """
 
     block_m: int
@@ -27,17 +29,18 @@ class W4A16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    swap_ab: bool = False
+    dequant: bool = False
+    gemv: bool = False
 
     def __post_init__(self) -> None:
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-        if self.block_m != 1 and (not pow2(self.block_m) or not 16 <= self.block_m <= 256):
-            raise ValueError(f"block_m={self.block_m}: allowed 1 or a power of two in 16..256")
-        if not pow2(self.block_n) or self.block_n < 16:
-            raise ValueError(f"block_n={self.block_n}: allowed a power of two >= 16")
-        min_k = 128 if self.block_m > 1 else 32
-        if not pow2(self.block_k) or self.block_k < min_k:
-            raise ValueError(f"block_k={self.block_k}: allowed a power of two >= {min_k} "
-                             f"for block_m={self.block_m}")
+        if not pow2(self.block_m) or not 16 <= self.block_m <= 256:
+            raise ValueError(f"block_m={self.block_m}: allowed a power of two in 16..256")
+        if not pow2(self.block_n) or not 16 <= self.block_n <= 512:
+            raise ValueError(f"block_n={self.block_n}: allowed a power of two in 16..512")
+        if not pow2(self.block_k) or not 32 <= self.block_k <= 1024:
+            raise ValueError(f"block_k={self.block_k}: allowed a power of two in 32..1024")
         if self.split_k < 1 or self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"split_k={self.split_k}, num_stages={self.num_stages}, num_warps="
                              f"{self.num_warps}: need split_k, num_stages >= 1, num_warps in 1..16")
@@ -49,48 +52,41 @@ def m_bucket(m: int) -> int:
 
 
 _C = W4A16Config
-# (m_bucket, N, K) -> config, Llama-3-8B projections qkv / o / gate_up / down. Roofline
-# guesses for the H200 (132 SMs), not tuned: decode keeps ~4-8 programs per SM through
-# split-K while partials (split * M * N * 4 bytes) stay small beside the weights; from
-# M = 64 up, tensor-core tiles with little or no split. One untuned H200 run (the 3-D GEMV
-# since replaced by the 2-D one) gave 0.6-1.0x cuBLAS bf16 at M <= 16, ~0.2x at M >= 256.
+# (m_bucket, N, K) -> config, Llama-3-8B projections qkv / o / gate_up / down, the fastest of
+# benchmarks/tune_w4a16.py's candidates on the H200 (2026-11-30; µs of a CUDA-graph replay,
+# sym g128, bf16). M = 1: the CUDA-core GEMV; M = 16, 64: swap_ab tensor-core tiles; M >= 256:
+# dequantize + cuBLAS, which beat every fused tile tried (0.2-0.5x cuBLAS bf16).
 W4A16_CONFIGS = MappingProxyType({
-    (1, 6144, 4096): _C(1, 128, 128, 16, 4, 2),
-    (1, 4096, 4096): _C(1, 128, 128, 16, 4, 2),
-    (1, 28672, 4096): _C(1, 128, 128, 4, 4, 2),
-    (1, 4096, 14336): _C(1, 128, 128, 16, 4, 2),
-    (16, 6144, 4096): _C(16, 64, 128, 4, 4, 3),
-    (16, 4096, 4096): _C(16, 32, 128, 4, 4, 3),
-    (16, 28672, 4096): _C(16, 128, 128, 2, 4, 3),
-    (16, 4096, 14336): _C(16, 64, 128, 8, 4, 3),
-    (64, 6144, 4096): _C(64, 128, 128, 2, 4, 3),
-    (64, 4096, 4096): _C(64, 64, 128, 2, 4, 3),
-    (64, 28672, 4096): _C(64, 128, 128, 1, 4, 3),
-    (64, 4096, 14336): _C(64, 128, 128, 4, 4, 3),
-    (256, 6144, 4096): _C(128, 128, 128, 2, 8, 3),
-    (256, 4096, 4096): _C(128, 128, 128, 2, 8, 3),
-    (256, 28672, 4096): _C(128, 128, 128, 1, 8, 3),
-    (256, 4096, 14336): _C(128, 128, 128, 2, 8, 3),
-    (4096, 6144, 4096): _C(128, 128, 128, 1, 8, 3),
-    (4096, 4096, 4096): _C(128, 128, 128, 1, 8, 3),
-    (4096, 28672, 4096): _C(128, 128, 128, 1, 8, 3),
-    (4096, 4096, 14336): _C(128, 128, 128, 1, 8, 3),
+    (1, 6144, 4096): _C(16, 64, 256, 8, 4, 1, gemv=True),        # 8.4
+    (1, 4096, 4096): _C(16, 32, 128, 8, 2, 1, gemv=True),        # 6.2
+    (1, 28672, 4096): _C(16, 128, 256, 4, 2, 1, gemv=True),      # 27.1
+    (1, 4096, 14336): _C(16, 64, 128, 8, 8, 1, gemv=True),       # 16.7
+    (16, 6144, 4096): _C(16, 64, 128, 8, 4, 2, swap_ab=True),    # 14.3
+    (16, 4096, 4096): _C(16, 128, 128, 8, 8, 3, swap_ab=True),   # 10.2
+    (16, 28672, 4096): _C(16, 64, 256, 2, 4, 2, swap_ab=True),   # 43.3
+    (16, 4096, 14336): _C(16, 64, 128, 8, 4, 4, swap_ab=True),   # 26.8
+    (64, 6144, 4096): _C(64, 64, 128, 4, 4, 3, swap_ab=True),    # 20.8
+    (64, 4096, 4096): _C(64, 128, 128, 4, 8, 3, swap_ab=True),   # 16.2
+    (64, 28672, 4096): _C(64, 128, 128, 1, 4, 3, swap_ab=True),  # 58.5
+    (64, 4096, 14336): _C(64, 128, 128, 8, 8, 3, swap_ab=True),  # 35.1
+    **{(m, n, k): _C(128, 128, 128, dequant=True)
+       for m in (256, 4096) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))},
 })
 
 
 def default_w4a16_config(m: int, n: int, k: int) -> W4A16Config:
-    """Heuristic for shapes absent from W4A16_CONFIGS: pick the tile by M, then split K
-    until about `target` programs run (each split keeping >= 2 iterations)."""
-    bn = min(128, max(16, 1 << (n - 1).bit_length()))
+    """Heuristic for shapes absent from W4A16_CONFIGS: swap_ab tiles up to M = 64, split
+    over K until about `target` programs run (each split keeping >= 2 K-blocks), the plain
+    tiled kernel up to M = 256, dequantize + cuBLAS above."""
+    if m > 256:
+        return W4A16Config(128, 128, 128, dequant=True)
     if m == 1:
-        bm, warps, stages, target = 1, 4, 2, 512
-    elif m <= 16:
-        bm, bn, warps, stages, target = 16, min(bn, 64), 4, 3, 384
-    elif m <= 64:
-        bm, warps, stages, target = 64, 4, 3, 192
+        return W4A16Config(16, 64, 256, max(1, min(8, k // 1024)), 4, 3, gemv=True)
+    if m <= 64:
+        bm = 16 if m <= 16 else 64
+        bn, bk, warps, stages, swap, target = 128, 128, 4, 3, True, 528
     else:
-        bm, warps, stages, target = 128, 8, 3, 192 if m <= 256 else 0
+        bm, bn, bk, warps, stages, swap, target = 64, 128, 64, 4, 3, False, 264
     tiles = -(-m // bm) * -(-n // bn)
-    iters = -(-k // 128)
-    split = max(1, min(target // tiles, iters // 2))
-    return W4A16Config(bm, bn, 128, split, warps, stages)
+    split = max(1, min(target // tiles, -(-k // bk) // 2))
+    return W4A16Config(bm, bn, bk, split, warps, stages, swap)

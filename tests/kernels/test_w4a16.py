@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 
 from optllm.kernels.w4a16 import (  # noqa: E402  (TRITON_INTERPRET must be set first)
     W4A16_CONFIGS, W4A16Config, default_w4a16_config, dequantize_w4a16, m_bucket,
-    prepack_w4a16, w4a16_gemm, w4a16_linear, w4a16_linear_ref)
+    dequantize_w4a16_triton, prepack_w4a16, w4a16_gemm, w4a16_linear, w4a16_linear_ref)
+from optllm.quant.packing import pack_int32  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -71,13 +72,16 @@ def test_matches_reference_sweep(m, n, k, group, asym, dtype):
 
 
 @pytest.mark.parametrize("m,n,k,group,config", [
-    (3, 72, 256, 32, W4A16Config(1, 32, 64, 3, 4, 1)),      # GEMV, 3 rows, split-K 3
-    (5, 40, 128, 64, W4A16Config(1, 16, 32, 2, 2, 1)),      # GEMV, BK < group
-    (1, 96, 256, 128, W4A16Config(1, 32, 256, 1, 4, 1)),    # GEMV, BK > group (per-row scales)
-    (16, 72, 256, 32, W4A16Config(16, 32, 128, 2, 4, 1)),   # dot, scale per row, split-K
-    (16, 64, 512, 256, W4A16Config(16, 64, 128, 4, 4, 1)),  # dot, scale after dot, split-K 4
-    (40, 72, 384, 128, W4A16Config(32, 32, 128, 3, 4, 1)),  # dot, 2 M tiles, scale after dot
-    (64, 48, 200, 200, W4A16Config(64, 16, 128, 2, 4, 1)),  # per-channel, K padded to 224
+    (1, 72, 256, 32, W4A16Config(16, 32, 64, 3, swap_ab=True)),     # decode, split-K 3, BK > group
+    (1, 72, 256, 64, W4A16Config(16, 32, 128, 2, gemv=True)),       # CUDA-core GEMV, split-K 2
+    (3, 40, 192, 192, W4A16Config(16, 16, 128, 1, gemv=True)),      # GEMV, 3 rows, per-channel tail
+    (5, 40, 128, 64, W4A16Config(16, 16, 32, 2, swap_ab=True)),     # decode, BK < group
+    (3, 96, 256, 128, W4A16Config(16, 64, 256, 1, swap_ab=True)),   # BK halved to the group
+    (16, 72, 256, 32, W4A16Config(16, 32, 128, 2)),                 # tiled, split-K
+    (16, 64, 512, 256, W4A16Config(16, 64, 128, 4)),                # tiled, split-K 4
+    (40, 72, 384, 128, W4A16Config(32, 32, 128, 3, swap_ab=True)),  # swap, 2 row tiles
+    (64, 48, 200, 200, W4A16Config(64, 16, 128, 2)),                # per-channel, K tail of 72
+    (70, 48, 192, 64, W4A16Config(16, 16, 64, dequant=True)),       # dequantize + cuBLAS path
 ])
 @pytest.mark.parametrize("asym", [False, True])
 def test_forced_paths(m, n, k, group, config, asym):
@@ -97,18 +101,25 @@ def test_prepack_dequantize_exact(group, asym):
     w = prepack_w4a16(q, s, z, group)
     expect = q.float() if z is None else q.float() - z.float().repeat_interleave(group, 1)
     expect = expect * s.float().repeat_interleave(group, 1)
-    assert w.packed.dtype == torch.int32 and tuple(w.packed.shape) == (-(-k // 32) * 4, 48)
+    assert w.packed.dtype == torch.int32 and tuple(w.packed.shape) == (48, k // 8)
     assert torch.equal(dequantize_w4a16(w), expect)
     assert torch.equal(dequantize_w4a16(w, torch.bfloat16), expect.to(torch.bfloat16))
+    dense = dequantize_w4a16_triton(w, torch.bfloat16).float()
+    if DEVICE == "cuda":  # the same bits as the checkpoint's bf16 dequantization
+        assert torch.equal(dense, expect.to(torch.bfloat16).float())
+    else:  # the interpreter truncates to bf16 instead of rounding: within one bf16 ulp
+        assert ((dense - expect).abs() <= expect.abs() * 2.0**-7).all()
 
 
-def test_layout_word_order():
-    # word (r, n), nibble j <-> k = 32 * (r // 4) + 4 * j + r % 4, stored as q + 8
-    q = torch.full((1, 64), -8, dtype=torch.int8)
-    q[0, 32 + 4 * 5 + 2] = 7  # r = 4 + 2, j = 5
-    w = prepack_w4a16(q, torch.ones(1, 1), None, 64)
-    nibbles = (w.packed[:, 0:1] >> (4 * torch.arange(8))) & 15
-    assert int(nibbles.sum()) == 15 and int(nibbles[6, 5]) == 15
+def test_layout_is_the_checkpoint_packing_with_nibbles_paired():
+    # word (n, c) holds k = 8c .. 8c + 7 as q + 8, like compressed-tensors' pack-quantized
+    # weight_packed, with the nibbles reordered so that nibbles j and j + 4 are k = 8c + 2j, + 1
+    q = torch.randint(-8, 8, (24, 256), dtype=torch.int8, generator=torch.Generator().manual_seed(4))
+    q[0, 8 * 3 + 5] = 7
+    w = prepack_w4a16(q, torch.ones(24, 4), None, 64)
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    assert torch.equal(w.packed, pack_int32(q.view(24, 32, 8)[:, :, order].reshape(24, 256), 4))
+    assert int((w.packed[0, 3] >> 24) & 15) == 15  # k = 8 * 3 + 5 = 8c + 2 * 2 + 1 -> nibble 6
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
@@ -155,12 +166,14 @@ def test_bad_inputs():
         w4a16_gemm(xb.to(torch.int32), w)
     with pytest.raises(ValueError, match="out"):
         w4a16_gemm(xb, w, out=torch.empty(4, 15, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="zeros"):
+        prepack_w4a16(q, s, z * 2, 32)  # outside [-8, 7]
     with pytest.raises(ValueError, match="block_k"):
-        W4A16Config(16, 64, 64)  # the tensor-core kernel needs block_k >= 128
+        W4A16Config(16, 64, 16)
     with pytest.raises(ValueError, match="block_m"):
         W4A16Config(4, 64, 128)
     with pytest.raises(ValueError, match="block_n"):
-        W4A16Config(1, 24, 128)
+        W4A16Config(16, 24, 128)
 
 
 def test_configs_are_valid_data():
@@ -168,7 +181,8 @@ def test_configs_are_valid_data():
         [1, 16, 16, 64, 64, 256, 256, 4096, 4096]
     for (bucket, n, k), cfg in W4A16_CONFIGS.items():
         assert bucket in (1, 16, 64, 256, 4096) and isinstance(cfg, W4A16Config)
-        assert (cfg.block_m == 1) == (bucket == 1)
+        assert cfg.dequant or cfg.swap_ab or cfg.gemv or bucket >= 64
+        assert not cfg.gemv or bucket == 1
     for m in (1, 2, 16, 64, 200, 4096):
         assert isinstance(default_w4a16_config(m, 11008, 4096), W4A16Config)
 

@@ -1,0 +1,117 @@
+"""Tune the W4A16 kernel's launch configs on the GPU, at Llama-3-8B shapes.
+
+    python benchmarks/tune_w4a16.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64,256,4096]
+                                    [--budget-s 300] [--out DIR]
+
+For each (shape, M) every candidate config of kernels/w4a16_configs.W4A16Config is timed
+as benchmarks/gemm.py times it (CUDA-graph replay, 4 weight copies rotated, sym g128,
+bf16), the best is checked against the float32 reference, and the winners are printed as
+entries for W4A16_CONFIGS. Candidates that fail to compile (shared memory) are skipped.
+Stops sweeping when the time budget is spent and reports what it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from optllm.kernels import w4a16 as w4k
+from optllm.kernels.w4a16_configs import W4A16Config, default_w4a16_config
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+ROT, G = 4, 128
+
+
+def candidates(m):
+    C = W4A16Config
+    out = [C(128, 128, 128, dequant=True)]
+    if m == 1:
+        for bn, bk, split, wp in itertools.product([32, 64, 128], [128, 256, 512], [1, 2, 4, 8],
+                                                   [2, 4, 8]):
+            out.append(C(16, bn, bk, split, wp, 1, gemv=True))
+    if m <= 16:
+        for (bn, bk), split, (wp, st) in itertools.product(
+                [(64, 128), (64, 256), (128, 64), (128, 128), (128, 256), (256, 64), (256, 128)],
+                [1, 2, 4, 8, 16], [(4, 2), (4, 4), (8, 3)]):
+            out.append(C(16, bn, bk, split, wp, st, swap_ab=True))
+    elif m <= 64:
+        for (bn, bk), split, (wp, st) in itertools.product(
+                [(64, 64), (64, 128), (128, 64), (128, 128)], [1, 2, 4, 8], [(4, 3), (8, 3)]):
+            out.append(C(64, bn, bk, split, wp, st, swap_ab=True))
+            if split <= 4:
+                out.append(C(64, bn, bk, split, wp, st))
+    elif m <= 256:
+        for bm, (bn, bk), split, (wp, st) in itertools.product(
+                [64, 128], [(128, 64), (128, 128), (256, 64)], [1, 2], [(4, 3), (8, 3), (8, 4)]):
+            out.append(C(bm, bn, bk, split, wp, st))
+    else:
+        for bm, (bn, bk), (wp, st) in itertools.product(
+                [128], [(128, 64), (128, 128), (256, 64)], [(8, 3), (8, 4)]):
+            out.append(C(bm, bn, bk, 1, wp, st))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
+    ap.add_argument("--ms", default="1,16,64,256,4096")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    a = ap.parse_args()
+    t_end = time.time() + a.budget_s
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    results, best = [], {}
+    for sname in a.shapes.split(","):
+        k, n = SHAPES[sname]
+        ws = []
+        for _ in range(ROT):
+            q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=dev)
+            s = (torch.rand(n, k // G, device=dev) * 0.002 + 0.001).to(torch.bfloat16)
+            ws.append(w4k.prepack_w4a16(q, s, None, G))
+        for m in [int(v) for v in a.ms.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            cfgs = candidates(m)
+            default = default_w4a16_config(m, n, k)
+            if default not in cfgs:
+                cfgs.insert(0, default)
+            timed = []
+            for cfg in cfgs:
+                if time.time() > t_end:
+                    break
+                fn = lambda cfg=cfg: [w4k.w4a16_gemm(x, ws[i], config=cfg) for i in range(ROT)]
+                try:
+                    fn()
+                    us = 1000 * triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / ROT
+                except Exception as e:  # out of shared memory / registers for this tile
+                    results.append({"shape": sname, "M": m, "config": repr(cfg), "error": str(e).splitlines()[0][:120]})
+                    continue
+                timed.append((us, cfg))
+                results.append({"shape": sname, "M": m, "config": repr(cfg), "us": us})
+            if not timed:
+                continue
+            timed.sort(key=lambda t: t[0])
+            us, cfg = timed[0]
+            ref = x.float() @ w4k.dequantize_w4a16(ws[0]).t()
+            err = float((w4k.w4a16_gemm(x, ws[0], config=cfg).float() - ref).norm() / ref.norm())
+            d_us = next((t for t, c in timed if c == default), None)
+            best[(sname, m)] = (us, cfg, err, d_us, len(timed))
+            print(f"{sname} M={m}: best {us:.1f} us {cfg} err {err:.1e} (default {d_us}, "
+                  f"{len(timed)} timed)", flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "tune_w4a16.json").write_text(json.dumps(results, indent=1))
+    print("\n# W4A16_CONFIGS entries")
+    for (sname, m), (us, cfg, err, d_us, cnt) in best.items():
+        k, n = SHAPES[sname]
+        print(f"    ({m}, {n}, {k}): {cfg!r},  # {us:.1f} us, {sname}")
+
+
+if __name__ == "__main__":
+    main()
