@@ -33,13 +33,12 @@ def candidates(m):
     C = W4A16Config
     out = [C(128, 128, 128, dequant=True)]
     if m == 1:
-        for bn, bk, split, wp in itertools.product([32, 64, 128], [128, 256, 512], [1, 2, 4, 8],
-                                                   [2, 4, 8]):
-            out.append(C(16, bn, bk, split, wp, 1, gemv=True))
-    if m <= 16:
+        for bn, bk, split, wp, pf in itertools.product([32, 64, 128], [128, 256], [2, 4, 8],
+                                                       [2, 4, 8], [False, True]):
+            out.append(C(16, bn, bk, split, wp, 1, gemv=True, prefetch=pf))
+    elif m <= 16:
         for (bn, bk), split, (wp, st) in itertools.product(
-                [(64, 128), (64, 256), (128, 64), (128, 128), (128, 256), (256, 64), (256, 128)],
-                [1, 2, 4, 8, 16], [(4, 2), (4, 4), (8, 3)]):
+                [(64, 128), (64, 256), (128, 128)], [2, 4, 8], [(4, 1), (4, 2), (8, 1), (8, 3)]):
             out.append(C(16, bn, bk, split, wp, st, swap_ab=True))
     elif m <= 64:
         for (bn, bk), split, (wp, st) in itertools.product(

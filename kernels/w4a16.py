@@ -359,14 +359,34 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
 
 
 @triton.jit
+def _gemv_load(w_ptr, s_ptr, z_ptr, kb, kb_end, offs_n, offs_w, n_mask, N, KW, blocks_per_group,
+               HAS_ZEROS: tl.constexpr, BKW: tl.constexpr):
+    """Words [BN, BKW], fp32 scales [BN] and 8 + zero [BN] of K-block kb (all zero from
+    kb_end on)."""
+    cols = kb * BKW + offs_w
+    words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
+                    mask=n_mask[:, None] & ((cols < KW) & (cols < kb_end * BKW))[None, :], other=0)
+    g = kb // blocks_per_group
+    n_ok = n_mask & (offs_n * 0 + kb < kb_end)
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zoff = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32) + 8.0
+    else:
+        zoff = tl.zeros_like(s) + 8.0
+    return words, s, zoff
+
+
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
                        M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split,
                        split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr):
+                       SPLIT: tl.constexpr, PREFETCH: tl.constexpr):
     """CUDA-core GEMV, one x row per program; grid (N tiles, K splits, M). Per thread:
     whole words (eight k) of a few weight rows; partial sums stay per word slot until the
-    end. USE_ASM (bf16 only): packed bf16x2 dequant and products, see _GEMV_ASM_BF16."""
+    end. USE_ASM (bf16 only): packed bf16x2 dequant and products, see _GEMV_ASM_BF16.
+    PREFETCH: load K-block i + 1 into registers before computing block i (the loop has no
+    other latency hiding than the warps an SM holds)."""
     BKW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -378,18 +398,20 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_pt
     kb0 = pid_k * blocks_per_split
     nblocks = tl.minimum(blocks_per_split, tl.cdiv(K, BLOCK_K) - kb0)
     acc = tl.zeros((BLOCK_N, BKW), dtype=tl.float32)
+    if PREFETCH:
+        nw, ns, nz = _gemv_load(w_ptr, s_ptr, z_ptr, kb0, kb0 + nblocks, offs_n, offs_w, n_mask,
+                                N, KW, blocks_per_group, HAS_ZEROS, BKW)
     for i in range(nblocks):
         kb = kb0 + i
+        if PREFETCH:
+            words, s, zoff = nw, ns, nz
+            nw, ns, nz = _gemv_load(w_ptr, s_ptr, z_ptr, kb + 1, kb0 + nblocks, offs_n, offs_w,
+                                    n_mask, N, KW, blocks_per_group, HAS_ZEROS, BKW)
+        else:
+            words, s, zoff = _gemv_load(w_ptr, s_ptr, z_ptr, kb, kb0 + nblocks, offs_n, offs_w, n_mask,
+                                        N, KW, blocks_per_group, HAS_ZEROS, BKW)
         cols = kb * BKW + offs_w
         c_mask = cols < KW
-        words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
-                        mask=n_mask[:, None] & c_mask[None, :], other=0)
-        g = kb // blocks_per_group
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zoff = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8.0
-        else:
-            zoff = tl.zeros_like(s) + 8.0
         if USE_ASM:
             xp = x_row.to(tl.pointer_type(tl.int32), bitcast=True) + 4 * cols
             x0 = tl.broadcast_to(tl.load(xp, mask=c_mask, other=0)[None, :], words.shape)
@@ -498,7 +520,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                  BLOCK_K=bk, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.gemv:
         _w4a16_gemv_kernel[(num_n, split, m)](
-            *args, USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales), **flags)
+            *args, USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales),
+            PREFETCH=cfg.prefetch, **flags)
     else:
         _w4a16_kernel[(num_m * num_n, split)](
             # the tiled path keeps plain float ops: triton 3.6 fails to compile the PTX dequant

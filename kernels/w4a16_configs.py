@@ -16,7 +16,8 @@ M_BUCKETS = (1, 16, 64, 256, 4096)
 class W4A16Config:
     """Launch shape of the W4A16 kernel.
 
-    gemv: the CUDA-core GEMV, one x row per program (M = 1; block_m unused).
+    gemv: the CUDA-core GEMV, one x row per program (M = 1; block_m unused); prefetch: it
+    loads the next K-block into registers before computing the current one.
     swap_ab: the weight tile is the MMA's M side and x's rows its N side (decode sizes);
     block_m is then the x rows per tile. dequant: dequantize the weight to x's dtype and
     call cuBLAS (large M); the block sizes are unused. block_k counts K values per
@@ -32,6 +33,7 @@ class W4A16Config:
     swap_ab: bool = False
     dequant: bool = False
     gemv: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731

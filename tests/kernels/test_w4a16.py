@@ -75,6 +75,8 @@ def test_matches_reference_sweep(m, n, k, group, asym, dtype):
     (1, 72, 256, 32, W4A16Config(16, 32, 64, 3, swap_ab=True)),     # decode, split-K 3, BK > group
     (1, 72, 256, 64, W4A16Config(16, 32, 128, 2, gemv=True)),       # CUDA-core GEMV, split-K 2
     (3, 40, 192, 192, W4A16Config(16, 16, 128, 1, gemv=True)),      # GEMV, 3 rows, per-channel tail
+    (2, 72, 512, 64, W4A16Config(16, 32, 64, 2, gemv=True, prefetch=True)),  # GEMV, prefetching
+    (1, 40, 192, 192, W4A16Config(16, 16, 64, 2, gemv=True, prefetch=True)),
     (5, 40, 128, 64, W4A16Config(16, 16, 32, 2, swap_ab=True)),     # decode, BK < group
     (3, 96, 256, 128, W4A16Config(16, 64, 256, 1, swap_ab=True)),   # BK halved to the group
     (16, 72, 256, 32, W4A16Config(16, 32, 128, 2)),                 # tiled, split-K
