@@ -6,13 +6,16 @@ Quantizes SmolLM2-135M with RTN, AWQ and GPTQ at W4 g64 and W3 g64 (the same cal
 tokens for all), measures perplexity of each on the held-out corpus part (same windows for
 all), and prints a Markdown table: perplexity, gap to the float model, the share of RTN's
 gap each algorithm closes, quantization time and peak memory. With --kernels every W4
-checkpoint is evaluated a second time through the W4A16 Triton kernels (QuantizedLinear),
-and the relative perplexity difference to its dequantized evaluation is printed.
+checkpoint is evaluated again through the W4A16 Triton kernels (QuantizedLinear), once with
+the tuned table (at evaluation sizes, M >= 256: dequantize + cuBLAS) and once forced onto
+each fused path (the M = 1 GEMV, the swap-AB and the tiled tensor-core kernels), and the
+largest relative perplexity difference to the dequantized evaluation is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
@@ -21,8 +24,18 @@ from pathlib import Path
 import torch
 
 from optllm.eval.evaluate import evaluate_ppl
+from optllm.kernels import w4a16 as w4k
+from optllm.kernels.w4a16_configs import W4A16Config
 from optllm.quant.config import QuantizeConfig
 from optllm.quant.pipeline import quantize
+
+
+KERNEL_PATHS = {
+    "table": None,
+    "gemv": W4A16Config(16, 64, 128, 4, 4, 1, gemv=True),
+    "swap_ab": W4A16Config(16, 64, 128, 4, 4, 2, swap_ab=True),
+    "tiled": W4A16Config(64, 128, 64, 2, 4, 3),
+}
 
 
 def overrides(items: list[str]) -> dict:
@@ -74,10 +87,15 @@ def main() -> None:
         r["ppl"] = row.ppl
     if a.kernels:
         w4 = [r for r in runs if r["bits"] == 4]
-        krows = evaluate_ppl([r["dir"] for r in w4], dtype="bfloat16", device=dev, linear="kernel", progress=False)
         drows = evaluate_ppl([r["dir"] for r in w4], dtype="bfloat16", device=dev, linear="dequant", progress=False)
-        for r, k, d in zip(w4, krows, drows):
-            r["ppl_bf16_kernel"], r["ppl_bf16_dequant"] = k.ppl, d.ppl
+        for r, d in zip(w4, drows):
+            r["ppl_bf16_dequant"] = d.ppl
+        for path, cfg in KERNEL_PATHS.items():  # each kernel path on every window, whatever M is
+            with w4k.force_config(cfg) if cfg else contextlib.nullcontext():
+                krows = evaluate_ppl([r["dir"] for r in w4], dtype="bfloat16", device=dev, linear="kernel",
+                                     progress=False)
+            for r, k in zip(w4, krows):
+                r["ppl_bf16_kernel" if path == "table" else f"ppl_bf16_kernel_{path}"] = k.ppl
 
     lines = [f"float model ({a.model}): perplexity {fp:.4f} on {rows[0].num_tokens} tokens, "
              f"{rows[0].num_windows} windows of {rows[0].num_windows and rows[0].num_tokens // rows[0].num_windows}",
@@ -89,11 +107,15 @@ def main() -> None:
         lines.append(f"| {r['scheme']} | {a.group_size} | {r['ppl']:.4f} | {r['ppl'] - fp:+.4f} ({100 * (r['ppl'] / fp - 1):+.1f}%) "
                      f"| {closed} | {r['quant_seconds']:.1f} | {r['peak_memory_bytes'] / 2**20:.0f} MiB ({r['peak_memory_kind']}) |")
     if a.kernels:
-        lines += ["", "| scheme | ppl bf16 dequant | ppl bf16 kernels | rel. diff |", "|---|---|---|---|"]
+        paths = list(KERNEL_PATHS)
+        lines += ["", "| scheme | ppl bf16 dequant | " + " | ".join(f"kernels: {p}" for p in paths)
+                  + " | max rel. diff |", "|---|---|" + "---|" * (len(paths) + 1)]
         for r in runs:
             if "ppl_bf16_kernel" in r:
-                d = abs(r["ppl_bf16_kernel"] / r["ppl_bf16_dequant"] - 1)
-                lines.append(f"| {r['scheme']} | {r['ppl_bf16_dequant']:.4f} | {r['ppl_bf16_kernel']:.4f} | {100 * d:.3f}% |")
+                ks = [r["ppl_bf16_kernel" if p == "table" else f"ppl_bf16_kernel_{p}"] for p in paths]
+                d = max(abs(k / r["ppl_bf16_dequant"] - 1) for k in ks)
+                lines.append(f"| {r['scheme']} | {r['ppl_bf16_dequant']:.4f} | "
+                             + " | ".join(f"{k:.4f}" for k in ks) + f" | {100 * d:.3f}% |")
     table = "\n".join(lines)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": dev,
            "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else platform.processor() or "cpu"}

@@ -32,6 +32,7 @@ atomics, no memset -- but one weight must not run on two streams at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -450,6 +451,20 @@ def _w4a16_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, blocks_per_gro
 
 
 # --------------------------------------------------------------------------- launch
+_FORCED: list = []  # a stack of W4A16Config that overrides the table (force_config)
+
+
+@contextlib.contextmanager
+def force_config(config: W4A16Config):
+    """Run every W4A16 call inside the block with ``config`` whatever M is, e.g. to check
+    the decode kernels' numerics on a whole model (benchmarks/quality.py --kernels)."""
+    _FORCED.append(config)
+    try:
+        yield config
+    finally:
+        _FORCED.pop()
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -493,7 +508,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     y = torch.empty((m, n), device=x.device, dtype=x.dtype) if out is None else out
     if m == 0:
         return y
-    cfg = config or W4A16_CONFIGS.get((m_bucket(m), n, k)) or default_w4a16_config(m, n, k)
+    cfg = (config or (_FORCED[-1] if _FORCED else None) or W4A16_CONFIGS.get((m_bucket(m), n, k))
+           or default_w4a16_config(m, n, k))
     if cfg.gemv and m > 65535:  # grid z limit
         cfg = W4A16Config(128, 128, 128, dequant=True)
     if cfg.dequant:

@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 
 from optllm.kernels.w4a16 import (  # noqa: E402  (TRITON_INTERPRET must be set first)
     W4A16_CONFIGS, W4A16Config, default_w4a16_config, dequantize_w4a16, m_bucket,
-    dequantize_w4a16_triton, prepack_w4a16, w4a16_gemm, w4a16_linear, w4a16_linear_ref)
+    dequantize_w4a16_triton, force_config, prepack_w4a16, w4a16_gemm, w4a16_linear, w4a16_linear_ref)
+from optllm.kernels import w4a16 as kernels_w4a16  # noqa: E402
 from optllm.quant.packing import pack_int32  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,3 +208,17 @@ def test_custom_op_opcheck():
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_llama_shapes_gpu(m, n, k):
     _run(m, n, k, 128, True, torch.bfloat16, seed=m + n, bias=False)
+
+
+def test_force_config_overrides_the_table():
+    q, s, z, x = _quantized(72, 256, 64, True, torch.bfloat16, seed=21)
+    w = prepack_w4a16(q, s, z, 64)
+    xb = x[:40].to(DEVICE, torch.bfloat16)
+    ref = w4a16_linear_ref(xb, q, s, z, 64)
+    forced = W4A16Config(16, 32, 128, 2, gemv=True)
+    with force_config(forced):
+        with force_config(W4A16Config(16, 32, 64, swap_ab=True)):
+            _assert_close(w4a16_linear(xb, w), ref, torch.bfloat16)
+        assert kernels_w4a16._FORCED == [forced]
+        _assert_close(w4a16_linear(xb, w), ref, torch.bfloat16)  # 40 rows through the GEMV
+    assert kernels_w4a16._FORCED == []
