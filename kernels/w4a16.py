@@ -3,25 +3,32 @@ activations, fp32 accumulation on the tensor cores.
 
     y[m, n] = sum_k x[m, k] * w[n, k],   w[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]
 
-Layout: the checkpoint's own packing, with the scales transposed once at load
+Layout: the checkpoint's words, nibbles reordered inside each word, scales transposed
     ``packed`` is int32 [N, K // 8], K contiguous: word (n, c) holds u = q + 8 of
-    k = 8c .. 8c + 7, nibble j in bits [4j, 4j + 4) -- bit for bit the compressed-tensors
-    ``pack-quantized`` ``weight_packed`` that vLLM reads, so loading a checkpoint moves no
-    weight bits. ``scales`` [K // G, N] and ``zeros`` int8 [K // G, N] are transposed at load
-    (N contiguous: a K-block reads one coalesced row of them).
+    k = 8c .. 8c + 7, as the compressed-tensors ``pack-quantized`` ``weight_packed`` that
+    vLLM reads, except that nibble j (bits [4j, 4j + 4)) holds k = 8c + _NIBBLE_K[j]: 0, 2,
+    4, 6 in nibbles 0..3 and 1, 3, 5, 7 in nibbles 4..7, so nibbles j and j + 4 are the
+    consecutive pair (8c + 2j, 8c + 2j + 1) that one lop3 turns into a bf16x2 and that meets
+    one bf16x2 pair of x. Repacked once at load (``prepack_w4a16``), because the checkpoint
+    order would need a byte permute per pair on the hot path. ``scales`` [K // G, N] and
+    ``zeros`` int8 [K // G, N] are transposed (N contiguous: a K-block reads one coalesced
+    row of them).
 Dequantization (in registers, per K-block of BLOCK_K <= G, so one scale per column)
     On CUDA with bf16/fp16 activations a few PTX instructions per word make pairs: one lop3
     puts nibbles j and j + 4 into the mantissas of a bf16x2 (fp16x2) 128 + u (1024 + u),
     one packed FMA subtracts 136 + zero (exact: small integers), one packed multiply applies
     the scale, rounding once. That is exactly the bf16 weight the checkpoint dequantizes to
-    ((q - zero) * scale in the scale dtype), so the kernels and a dequantized model differ
-    only in summation order. Elsewhere (fp32, the CPU interpreter) plain float ops compute
-    the same values. The eight nibble slices are interleaved back into K order with a
-    ``tl.join`` tree and a free reshape.
+    ((q - zero) * scale in the scale dtype), so the tensor-core kernels and a dequantized
+    model differ only in summation order. Elsewhere (fp32, the CPU interpreter, and the
+    tiled path, see _launch) plain float ops compute the same values. The eight nibble
+    slices are interleaved back into K order with a ``tl.join`` tree and a free reshape.
 Paths (kernels/w4a16_configs.py picks one per (M, N, K))
-    * swap_ab (decode, small M): y^T = W x^T -- the weight tile is the MMA's M side (64+
-      rows fill a Hopper wgmma), the few x rows its N side, so M = 1 wastes no weight work.
-    * tiled: x [BM, BK] @ W^T tile, for prefill-sized M.
+    * gemv (M = 1): CUDA cores, one x row per program; with bf16 the products (q - zero) * x
+      are formed and summed four pairs deep in bf16x2, then in fp32 (relative error per
+      output about twice a bf16 rounding; see _GEMV_ASM_BF16).
+    * swap_ab (small M): y^T = W x^T -- the weight tile is the MMA's M side (64+ rows fill
+      a Hopper wgmma), the few x rows its N side.
+    * tiled: x [BM, BK] @ W^T tile.
     * dequant: dequantize the weight to a bf16 scratch once, then cuBLAS (large M, where
       the GEMM is compute-bound and the extra pass costs a few per cent).
 Split-K: each split stores its fp32 partial tile into a workspace and bumps a per-tile
