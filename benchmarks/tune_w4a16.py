@@ -36,14 +36,17 @@ def candidates(m):
         for bn, bk, split, wp, pf in itertools.product([32, 64, 128], [128, 256], [2, 4, 8],
                                                        [2, 4, 8], [False, True]):
             out.append(C(16, bn, bk, split, wp, 1, gemv=True, prefetch=pf))
-    elif m <= 16:
-        for (bn, bk), split, (wp, st) in itertools.product(
-                [(64, 128), (64, 256), (128, 128)], [2, 4, 8], [(4, 1), (4, 2), (8, 1), (8, 3)]):
-            out.append(C(16, bn, bk, split, wp, st, swap_ab=True))
+    if m <= 16:
+        for (bn, bk), split, (wp, st), reg_a in itertools.product(
+                [(64, 128), (64, 256), (128, 128)], [2, 4, 8], [(4, 1), (4, 2), (8, 1), (8, 3)],
+                [False, True]):
+            if m > 1 or reg_a:  # at M = 1 only the register-operand tiles can rival the GEMV
+                out.append(C(16, bn, bk, split, wp, st, swap_ab=True, reg_a=reg_a))
     elif m <= 64:
         for (bn, bk), split, (wp, st) in itertools.product(
                 [(64, 64), (64, 128), (128, 64), (128, 128)], [1, 2, 4, 8], [(4, 3), (8, 3)]):
             out.append(C(64, bn, bk, split, wp, st, swap_ab=True))
+            out.append(C(64, bn, bk, split, wp, st, swap_ab=True, reg_a=True))
             if split <= 4:
                 out.append(C(64, bn, bk, split, wp, st))
     elif m <= 256:

@@ -224,6 +224,13 @@ def _pair(v):
 
 
 @triton.jit
+def _magic_f32(v):
+    """The low nibble u of each int32 as the float32 2^23 + u (exact; one and-or, no
+    int-to-float conversion)."""
+    return ((v & 15) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dequant_tile(words, s, zoff, dtype: tl.constexpr, USE_ASM: tl.constexpr):
     """words int32 [BN, BKW] -> weight tile [BN, 8 * BKW] in dtype, K order.
 
@@ -244,15 +251,15 @@ def _dequant_tile(words, s, zoff, dtype: tl.constexpr, USE_ASM: tl.constexpr):
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
         s_ = s[:, None]
-        z_ = zoff[:, None]
-        e0 = ((((words >> 0) & 15).to(tl.float32) - z_) * s_).to(dtype)
-        e1 = ((((words >> 4) & 15).to(tl.float32) - z_) * s_).to(dtype)
-        e2 = ((((words >> 8) & 15).to(tl.float32) - z_) * s_).to(dtype)
-        e3 = ((((words >> 12) & 15).to(tl.float32) - z_) * s_).to(dtype)
-        e4 = ((((words >> 16) & 15).to(tl.float32) - z_) * s_).to(dtype)
-        e5 = ((((words >> 20) & 15).to(tl.float32) - z_) * s_).to(dtype)
-        e6 = ((((words >> 24) & 15).to(tl.float32) - z_) * s_).to(dtype)
-        e7 = ((((words >> 28) & 15).to(tl.float32) - z_) * s_).to(dtype)
+        z_ = zoff[:, None] + 8388608.0
+        e0 = ((_magic_f32(words >> 0) - z_) * s_).to(dtype)
+        e1 = ((_magic_f32(words >> 4) - z_) * s_).to(dtype)
+        e2 = ((_magic_f32(words >> 8) - z_) * s_).to(dtype)
+        e3 = ((_magic_f32(words >> 12) - z_) * s_).to(dtype)
+        e4 = ((_magic_f32(words >> 16) - z_) * s_).to(dtype)
+        e5 = ((_magic_f32(words >> 20) - z_) * s_).to(dtype)
+        e6 = ((_magic_f32(words >> 24) - z_) * s_).to(dtype)
+        e7 = ((_magic_f32(words >> 28) - z_) * s_).to(dtype)
     # position 4a + 2b + c of a word's eight (k = 8c' + 4a + 2b + c): c picks the outer join,
     # b the middle, a the inner; even k sit in nibbles 0..3, odd k in nibbles 4..7
     t = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(e4, e6), tl.join(e5, e7)))
@@ -260,22 +267,48 @@ def _dequant_tile(words, s, zoff, dtype: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, mask, N, HAS_ZEROS: tl.constexpr):
+    """fp32 scales [BN] and 8 + zero [BN] of the quantization group holding K-block kb."""
+    g = kb // blocks_per_group
+    s = tl.load(s_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zoff = tl.load(z_ptr + g * N + offs_n, mask=mask, other=0).to(tl.float32) + 8.0
+    else:
+        zoff = tl.zeros_like(s) + 8.0
+    return s, zoff
+
+
+@triton.jit
 def _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
                 dtype: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
                 USE_ASM: tl.constexpr):
-    """Dequantized weight tile [BN, BLOCK_K] of K-block kb (zeros past K are harmless:
-    the matching x columns load as zero)."""
+    """Dequantized weight tile [BN, BLOCK_K] of K-block kb, K order (zeros past K are
+    harmless: the matching x columns load as zero)."""
     BKW: tl.constexpr = BLOCK_K // 8
     cols = kb * BKW + tl.arange(0, BKW)
     words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
                     mask=n_mask[:, None] & (cols < KW)[None, :], other=0)
-    g = kb // blocks_per_group
-    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zoff = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8.0
-    else:
-        zoff = tl.zeros_like(s) + 8.0
+    s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, n_mask, N, HAS_ZEROS)
     return _dequant_tile(words, s, zoff, dtype, USE_ASM)
+
+
+@triton.jit
+def _load_block_bytes(wb_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, KB, blocks_per_group,
+                      dtype: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """The same tile read as bytes, in *nibble* order: position p holds the weight of
+    k = 8 (p // 8) + _NIBBLE_K[p % 8] (byte p // 2, low nibble for even p); x must be
+    gathered in that order. The two nibbles of a byte become two adjacent positions with
+    one join, which is the pairing of the wgmma register A operand, so Triton places the
+    tile straight in the MMA's registers instead of staging it through shared memory."""
+    BKB: tl.constexpr = BLOCK_K // 2
+    cols = kb * BKB + tl.arange(0, BKB)
+    b = tl.load(wb_ptr + offs_n[:, None] * KB + cols[None, :],
+                mask=n_mask[:, None] & (cols < KB)[None, :], other=0).to(tl.int32)
+    s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, n_mask, N, HAS_ZEROS)
+    z_ = zoff[:, None] + 8388608.0
+    lo = ((_magic_f32(b) - z_) * s[:, None]).to(dtype)
+    hi = ((_magic_f32(b >> 4) - z_) * s[:, None]).to(dtype)
+    return tl.reshape(tl.join(lo, hi), (b.shape[0], BLOCK_K))
 
 
 @triton.jit
@@ -320,10 +353,12 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
                   M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split, split,
                   HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
-                  USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
+                  USE_ASM: tl.constexpr, DOT_F32: tl.constexpr, REG_A: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
-    """grid (M tiles * N tiles, K splits). SWAP_AB: acc^T [BN, BM] += W [BN, BK] @ x^T."""
+    """grid (M tiles * N tiles, K splits). SWAP_AB: acc^T [BN, BM] += W [BN, BK] @ x^T.
+    REG_A (with SWAP_AB): w_ptr is the packed weight viewed as bytes and KW its row length
+    in bytes; the tile is built by _load_block_bytes and the x tile permuted to its order."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -350,11 +385,18 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     for i in range(nblocks):
         kb = kb0 + i
         ks = kb * BLOCK_K + offs_k
-        w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
-                        dtype, BLOCK_K, HAS_ZEROS, USE_ASM)
+        if REG_A:
+            w = _load_block_bytes(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, KW,
+                                  blocks_per_group, dtype, BLOCK_K, HAS_ZEROS)
+        else:
+            w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
+                            dtype, BLOCK_K, HAS_ZEROS, USE_ASM)
         if SWAP_AB:
             xt = tl.load(x_rows[None, :] + ks[:, None], mask=(ks < K)[:, None] & m_mask[None, :],
                          other=0.0)
+            if REG_A:  # into the tile's order: row 8c + 4i + r <- x row k = 8c + 2r + i
+                xt = tl.reshape(tl.permute(tl.reshape(xt, (BLOCK_K // 8, 4, 2, BLOCK_M)), (0, 2, 1, 3)),
+                                (BLOCK_K, BLOCK_M))
             acc = _dot(w, xt, acc, DOT_F32)
         else:
             xt = tl.load(x_rows[:, None] + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :],
@@ -374,13 +416,8 @@ def _gemv_load(w_ptr, s_ptr, z_ptr, kb, kb_end, offs_n, offs_w, n_mask, N, KW, b
     cols = kb * BKW + offs_w
     words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
                     mask=n_mask[:, None] & ((cols < KW) & (cols < kb_end * BKW))[None, :], other=0)
-    g = kb // blocks_per_group
-    n_ok = n_mask & (offs_n * 0 + kb < kb_end)
-    s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zoff = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32) + 8.0
-    else:
-        zoff = tl.zeros_like(s) + 8.0
+    s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n,
+                            n_mask & (offs_n * 0 + kb < kb_end), N, HAS_ZEROS)
     return words, s, zoff
 
 
@@ -536,8 +573,10 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     split = -(-nblocks // per_split)  # no empty trailing split
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
     blocks_per_group = _blocks_per_group(k, group_size, bk)
-    args = (x, packed, scales, scales if zeros is None else zeros, y if bias is None else bias,
-            y, ws, locks, m, n, k, k // 8, x.stride(0), y.stride(0), blocks_per_group, per_split,
+    reg_a = cfg.reg_a and not cfg.gemv
+    args = (x, packed.view(torch.uint8) if reg_a else packed, scales,
+            scales if zeros is None else zeros, y if bias is None else bias, y, ws, locks, m, n, k,
+            k // 2 if reg_a else k // 8, x.stride(0), y.stride(0), blocks_per_group, per_split,
             split)
     flags = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
                  BLOCK_K=bk, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -550,8 +589,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
             # the tiled path keeps plain float ops: triton 3.6 fails to compile the PTX dequant
             # feeding a transposed dot operand (TritonGPUOptimizeDotOperands crashes)
             *args, SWAP_AB=cfg.swap_ab, USE_ASM=cfg.swap_ab and _use_asm(x.dtype, scales),
-            DOT_F32=x.dtype == torch.float32 or _interpreting(), BLOCK_M=cfg.block_m, GROUP_M=8,
-            **flags)
+            DOT_F32=x.dtype == torch.float32 or _interpreting(), REG_A=reg_a,
+            BLOCK_M=cfg.block_m, GROUP_M=8, **flags)
     return y
 
 

@@ -16,6 +16,8 @@ M_BUCKETS = (1, 16, 64, 256, 4096)
 class W4A16Config:
     """Launch shape of the W4A16 kernel.
 
+    reg_a (with swap_ab): read the weight tile as bytes so the dequantized tile feeds the
+    wgmma from registers (no shared-memory round trip; the x tile is permuted to nibble order).
     gemv: the CUDA-core GEMV, one x row per program (M = 1; block_m unused); prefetch: it
     loads the next K-block into registers before computing the current one.
     swap_ab: the weight tile is the MMA's M side and x's rows its N side (decode sizes);
@@ -34,6 +36,7 @@ class W4A16Config:
     dequant: bool = False
     gemv: bool = False
     prefetch: bool = False
+    reg_a: bool = False
 
     def __post_init__(self) -> None:
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
@@ -43,6 +46,8 @@ class W4A16Config:
             raise ValueError(f"block_n={self.block_n}: allowed a power of two in 16..512")
         if not pow2(self.block_k) or not 32 <= self.block_k <= 1024:
             raise ValueError(f"block_k={self.block_k}: allowed a power of two in 32..1024")
+        if self.reg_a and not self.swap_ab:
+            raise ValueError("reg_a: needs swap_ab (the weight must be the MMA's A operand)")
         if self.split_k < 1 or self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"split_k={self.split_k}, num_stages={self.num_stages}, num_warps="
                              f"{self.num_warps}: need split_k, num_stages >= 1, num_warps in 1..16")

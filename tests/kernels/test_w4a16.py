@@ -80,6 +80,8 @@ def test_matches_reference_sweep(m, n, k, group, asym, dtype):
     (1, 40, 192, 192, W4A16Config(16, 16, 64, 2, gemv=True, prefetch=True)),
     (5, 40, 128, 64, W4A16Config(16, 16, 32, 2, swap_ab=True)),     # decode, BK < group
     (3, 96, 256, 128, W4A16Config(16, 64, 256, 1, swap_ab=True)),   # BK halved to the group
+    (3, 72, 256, 32, W4A16Config(16, 64, 64, 3, swap_ab=True, reg_a=True)),  # byte-read tile
+    (16, 40, 200, 200, W4A16Config(16, 16, 64, 2, swap_ab=True, reg_a=True)),  # per-channel tail
     (16, 72, 256, 32, W4A16Config(16, 32, 128, 2)),                 # tiled, split-K
     (16, 64, 512, 256, W4A16Config(16, 64, 128, 4)),                # tiled, split-K 4
     (40, 72, 384, 128, W4A16Config(32, 32, 128, 3, swap_ab=True)),  # swap, 2 row tiles
@@ -177,6 +179,8 @@ def test_bad_inputs():
         W4A16Config(4, 64, 128)
     with pytest.raises(ValueError, match="block_n"):
         W4A16Config(16, 24, 128)
+    with pytest.raises(ValueError, match="reg_a"):
+        W4A16Config(16, 64, 128, reg_a=True)
 
 
 def test_configs_are_valid_data():
