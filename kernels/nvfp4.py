@@ -40,6 +40,7 @@ from optllm.kernels.nvfp4_format import (  # noqa: F401
     nvfp4_w4a4_linear_ref,
     quantize_nvfp4,
 )
+from optllm.kernels.tiling import grouped_tile
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -189,16 +190,9 @@ def _nvfp4_gemm_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row-tiles share each weight column-tile while it is in L2.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

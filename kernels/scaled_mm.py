@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiling import grouped_tile
+
 BACKENDS = ("auto", "triton", "torch")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -78,15 +80,7 @@ def _scaled_mm_kernel(
     GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
     ACC_DTYPE: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
 ):
-    # Grouped program order: GROUP_M row-tiles share each weight column-tile while it is in L2.
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .tiling import grouped_tile
 from .w4a16_configs import M_BUCKETS, W4A16_CONFIGS, W4A16Config, default_w4a16_config, m_bucket  # noqa: F401
 
 BACKENDS = ("auto", "triton", "torch")
@@ -153,67 +154,48 @@ def w4a16_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- kernels
-# bf16x2 / fp16x2 constants: (magic: 128 + u or 1024 + u once a nibble is or-ed in, one)
-_PAIR_ASM = """
-{{
-.reg .b32 t, p, m, c1, nz;
-mov.b32 m, {magic};
-mov.b32 c1, {one};
-mov.b32 nz, 0x80008000;
-lop3.b32 p, $8, 0x000F000F, m, 0xEA;
-fma.rn.{ty} p, p, c1, $9;
-fma.rn.{ty} p, p, $10, nz;
-mov.b32 {{$0, $4}}, p;
-shr.u32 t, $8, 4;
-lop3.b32 p, t, 0x000F000F, m, 0xEA;
-fma.rn.{ty} p, p, c1, $9;
-fma.rn.{ty} p, p, $10, nz;
-mov.b32 {{$1, $5}}, p;
-shr.u32 t, $8, 8;
-lop3.b32 p, t, 0x000F000F, m, 0xEA;
-fma.rn.{ty} p, p, c1, $9;
-fma.rn.{ty} p, p, $10, nz;
-mov.b32 {{$2, $6}}, p;
-shr.u32 t, $8, 12;
-lop3.b32 p, t, 0x000F000F, m, 0xEA;
-fma.rn.{ty} p, p, c1, $9;
-fma.rn.{ty} p, p, $10, nz;
-mov.b32 {{$3, $7}}, p;
-}}
-"""
-_ASM_BF16 = tl.constexpr(_PAIR_ASM.format(magic="0x43004300", one="0x3F803F80", ty="bf16x2"))
-_ASM_FP16 = tl.constexpr(_PAIR_ASM.format(magic="0x64006400", one="0x3C003C00", ty="f16x2"))
+def _nibble_pairs(word: str, then) -> str:
+    """PTX for the four nibble pairs (j, j + 4) of ``word``: pair j is shifted down, lop3-ed
+    into the mantissas of the x2 register ``p`` over the magic ``m``, then ``then(j)``'s
+    instructions consume it."""
+    lines = []
+    for j in range(4):
+        if j:
+            lines.append(f"shr.u32 t, {word}, {4 * j};")
+        lines.append(f"lop3.b32 p, {word if j == 0 else 't'}, 0x000F000F, m, 0xEA;")
+        lines.append(then(j))
+    return "\n".join(lines)
+
+
+def _ptx(regs: str, magic: str, one: str, pairs: str, tail: str = "") -> str:
+    return (f"\n{{\n.reg .b32 {regs};\nmov.b32 m, {magic};\nmov.b32 c1, {one};\n"
+            f"mov.b32 nz, 0x80008000;\n{pairs}\n{tail}}}\n")
+
+
+# Tensor-core dequant: $0..$7 = the eight nibbles as 16-bit floats, $8 = word, $9 =
+# -(magic base + 8 + zero) x2, $10 = scale x2. magic: 128 + u (bf16) or 1024 + u (fp16)
+# once a nibble is or-ed in; one: 1.0 x2.
+def _dequant_ptx(magic: str, one: str, ty: str) -> str:
+    def then(j):
+        return (f"fma.rn.{ty} p, p, c1, $9;\nfma.rn.{ty} p, p, $10, nz;\n"
+                f"mov.b32 {{${j}, ${j + 4}}}, p;")
+    return _ptx("t, p, m, c1, nz", magic, one, _nibble_pairs("$8", then))
+
+
+_ASM_BF16 = tl.constexpr(_dequant_ptx("0x43004300", "0x3F803F80", "bf16x2"))
+_ASM_FP16 = tl.constexpr(_dequant_ptx("0x64006400", "0x3C003C00", "f16x2"))
 
 
 # GEMV: dot product of one word's eight (q - zero) with the matching four x pairs; products
 # and the four-pair chain in bf16x2 (rounding 2^-9 each, like one bf16 rounding of y), the
 # two halves added in fp32. $0 = result, $1 = word, $2..$5 = x pairs, $6 = -(136 + zero) x2.
-_GEMV_ASM_BF16 = tl.constexpr("""
-{
-.reg .b32 t, p, q, r, m, c1, nz, a, b;
-mov.b32 m, 0x43004300;
-mov.b32 c1, 0x3F803F80;
-mov.b32 nz, 0x80008000;
-lop3.b32 p, $1, 0x000F000F, m, 0xEA;
-fma.rn.bf16x2 q, p, c1, $6;
-fma.rn.bf16x2 r, q, $2, nz;
-shr.u32 t, $1, 4;
-lop3.b32 p, t, 0x000F000F, m, 0xEA;
-fma.rn.bf16x2 q, p, c1, $6;
-fma.rn.bf16x2 r, q, $3, r;
-shr.u32 t, $1, 8;
-lop3.b32 p, t, 0x000F000F, m, 0xEA;
-fma.rn.bf16x2 q, p, c1, $6;
-fma.rn.bf16x2 r, q, $4, r;
-shr.u32 t, $1, 12;
-lop3.b32 p, t, 0x000F000F, m, 0xEA;
-fma.rn.bf16x2 q, p, c1, $6;
-fma.rn.bf16x2 r, q, $5, r;
-and.b32 a, r, 0xFFFF0000;
-shl.b32 b, r, 16;
-add.f32 $0, a, b;
-}
-""")
+def _gemv_then(j):
+    return f"fma.rn.bf16x2 q, p, c1, $6;\nfma.rn.bf16x2 r, q, ${j + 2}, {'nz' if j == 0 else 'r'};"
+
+
+_GEMV_ASM_BF16 = tl.constexpr(_ptx(
+    "t, p, q, r, m, c1, nz, a, b", "0x43004300", "0x3F803F80", _nibble_pairs("$1", _gemv_then),
+    "and.b32 a, r, 0xFFFF0000;\nshl.b32 b, r, 16;\nadd.f32 $0, a, b;\n"))
 
 
 @triton.jit
@@ -361,14 +343,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     in bytes; the tile is built by _load_block_bytes and the x tile permuted to its order."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row tiles walk the same weight columns together, while those are in L2
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
