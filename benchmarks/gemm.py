@@ -5,7 +5,8 @@
 For each shape (K×N, y = x·Wᵀ) and M: GPU time of a CUDA-graph replay (median, 4 weight
 copies rotated so int4 weights do not sit in the 60 MB L2) of
   ours: W4A16 (sym, g128), W8A8-INT8 (per-token activation quantize + GEMM), FP8 (dynamic
-        per-token + GEMM), NVFP4 weight-only;
+        per-token + GEMM), NVFP4 weight-only; INT8 and FP8 also as the GEMM alone on the
+        quantized x (the peers' terms: they are given quantized operands);
   peers: cuBLAS bf16 (x @ w.t()), tinygemm int4 (aten._weight_int4pack_mm, g128),
         torch._scaled_mm fp8 (row-wise scales), torch._int_mm int8 (no scaling);
 plus our eager time (host overhead included), each kernel's relative error against its
@@ -114,6 +115,10 @@ def main():
             wsc = [f.scale.reshape(1, -1) for f in f8]
             ops["torch_scaled_mm"] = lambda i: torch._scaled_mm(xf8, wt[i], scale_a=xsf8, scale_b=wsc[i],
                                                                 out_dtype=torch.bfloat16)
+            # our GEMMs alone on the pre-quantized x, as the peers are timed: the gap to the
+            # columns above is the activation-quantize kernel
+            ops["ours_int8_gemm"] = lambda i: i8k.w8a8_int8_gemm(xq8, xs8, i8[i].weight, i8[i].scale)
+            ops["ours_fp8_gemm"] = lambda i: fp8k.fp8_gemm(xf8, xsf8, f8[i].weight, f8[i].scale)
             # correctness of ours on these inputs
             ref4 = x.float() @ w4k.dequantize_w4a16(w4p[0]).t()
             r["err_w4a16"] = rel(ops["ours_w4a16"](0), ref4) if not a.ops or "ours_w4a16" in a.ops else 0.0
@@ -127,7 +132,7 @@ def main():
                 try:
                     fn()
                     r[name] = bench(fn)
-                    if name.startswith("ours") and not a.no_eager:
+                    if name.startswith("ours") and not name.endswith("_gemm") and not a.no_eager:
                         r[name + "_eager"] = bench(fn, graph=False)
                 except Exception as e:  # a peer that does not take this shape (e.g. _int_mm at M <= 16)
                     r[name] = None
@@ -155,7 +160,8 @@ def render(rows):
     env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
     out = [f"GPU time per call, µs, CUDA-graph replay, {ROT} weight copies rotated ({env})", "",
            "| shape | M | cuBLAS bf16 | tinygemm | ours W4A16 (eager) | ×bf16 | ×tinygemm | % int4 floor "
-           "| _scaled_mm | ours FP8 (eager) | ×_scaled_mm | _int_mm | ours INT8 (eager) | ×_int_mm | ours NVFP4 | max rel. err |",
+           "| _scaled_mm | ours FP8 (eager) | ×_scaled_mm (GEMM only) | _int_mm | ours INT8 (eager) "
+           "| ×_int_mm (GEMM only) | ours NVFP4 | max rel. err |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def pct(floor, t):
@@ -171,8 +177,9 @@ def render(rows):
             f"| {fmt(g('ours_w4a16'))} ({fmt(g('ours_w4a16_eager'))}) | {ratio(g('cublas_bf16'), g('ours_w4a16'))} "
             f"| {ratio(g('tinygemm_int4'), g('ours_w4a16'))} | {pct(r['floor_int4'], g('ours_w4a16'))} "
             f"| {fmt(g('torch_scaled_mm'))} | {fmt(g('ours_fp8'))} ({fmt(g('ours_fp8_eager'))}) "
-            f"| {ratio(g('torch_scaled_mm'), g('ours_fp8'))} | {fmt(g('torch_int_mm'))} "
-            f"| {fmt(g('ours_int8'))} ({fmt(g('ours_int8_eager'))}) | {ratio(g('torch_int_mm'), g('ours_int8'))} "
+            f"| {ratio(g('torch_scaled_mm'), g('ours_fp8'))} ({ratio(g('torch_scaled_mm'), g('ours_fp8_gemm'))}) "
+            f"| {fmt(g('torch_int_mm'))} | {fmt(g('ours_int8'))} ({fmt(g('ours_int8_eager'))}) "
+            f"| {ratio(g('torch_int_mm'), g('ours_int8'))} ({ratio(g('torch_int_mm'), g('ours_int8_gemm'))}) "
             f"| {fmt(g('ours_nvfp4'))} | {max(r['err_w4a16'], r['err_int8'], r['err_fp8'], r['err_nvfp4']):.1e} |"
         )
     return "\n".join(out) + "\n"

@@ -275,25 +275,6 @@ def _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_gr
 
 
 @triton.jit
-def _load_block_bytes(wb_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, KB, blocks_per_group,
-                      dtype: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """The same tile read as bytes, in *nibble* order: position p holds the weight of
-    k = 8 (p // 8) + _NIBBLE_K[p % 8] (byte p // 2, low nibble for even p); x must be
-    gathered in that order. The two nibbles of a byte become two adjacent positions with
-    one join, which is the pairing of the wgmma register A operand, so Triton places the
-    tile straight in the MMA's registers instead of staging it through shared memory."""
-    BKB: tl.constexpr = BLOCK_K // 2
-    cols = kb * BKB + tl.arange(0, BKB)
-    b = tl.load(wb_ptr + offs_n[:, None] * KB + cols[None, :],
-                mask=n_mask[:, None] & (cols < KB)[None, :], other=0).to(tl.int32)
-    s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, n_mask, N, HAS_ZEROS)
-    z_ = zoff[:, None] + 8388608.0
-    lo = ((_magic_f32(b) - z_) * s[:, None]).to(dtype)
-    hi = ((_magic_f32(b >> 4) - z_) * s[:, None]).to(dtype)
-    return tl.reshape(tl.join(lo, hi), (b.shape[0], BLOCK_K))
-
-
-@triton.jit
 def _store_out(acc, offs_m, offs_n, mask, y_ptr, stride_ym, b_ptr, N, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -335,12 +316,10 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
                   M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split, split,
                   HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
-                  USE_ASM: tl.constexpr, DOT_F32: tl.constexpr, REG_A: tl.constexpr,
+                  USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
-    """grid (M tiles * N tiles, K splits). SWAP_AB: acc^T [BN, BM] += W [BN, BK] @ x^T.
-    REG_A (with SWAP_AB): w_ptr is the packed weight viewed as bytes and KW its row length
-    in bytes; the tile is built by _load_block_bytes and the x tile permuted to its order."""
+    """grid (M tiles * N tiles, K splits). SWAP_AB: acc^T [BN, BM] += W [BN, BK] @ x^T."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -361,18 +340,11 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     for i in range(nblocks):
         kb = kb0 + i
         ks = kb * BLOCK_K + offs_k
-        if REG_A:
-            w = _load_block_bytes(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, KW,
-                                  blocks_per_group, dtype, BLOCK_K, HAS_ZEROS)
-        else:
-            w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
-                            dtype, BLOCK_K, HAS_ZEROS, USE_ASM)
+        w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
+                        dtype, BLOCK_K, HAS_ZEROS, USE_ASM)
         if SWAP_AB:
             xt = tl.load(x_rows[None, :] + ks[:, None], mask=(ks < K)[:, None] & m_mask[None, :],
                          other=0.0)
-            if REG_A:  # into the tile's order: row 8c + 4i + r <- x row k = 8c + 2r + i
-                xt = tl.reshape(tl.permute(tl.reshape(xt, (BLOCK_K // 8, 4, 2, BLOCK_M)), (0, 2, 1, 3)),
-                                (BLOCK_K, BLOCK_M))
             acc = _dot(w, xt, acc, DOT_F32)
         else:
             xt = tl.load(x_rows[:, None] + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :],
@@ -385,29 +357,17 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
 
 
 @triton.jit
-def _gemv_load(w_ptr, s_ptr, z_ptr, kb, kb_end, offs_n, offs_w, n_mask, N, KW, blocks_per_group,
-               HAS_ZEROS: tl.constexpr, BKW: tl.constexpr):
-    """Words [BN, BKW], fp32 scales [BN] and 8 + zero [BN] of K-block kb (all zero from
-    kb_end on)."""
-    cols = kb * BKW + offs_w
-    words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
-                    mask=n_mask[:, None] & ((cols < KW) & (cols < kb_end * BKW))[None, :], other=0)
-    s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n,
-                            n_mask & (offs_n * 0 + kb < kb_end), N, HAS_ZEROS)
-    return words, s, zoff
-
-
-@triton.jit
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
                        M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split,
                        split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, PREFETCH: tl.constexpr):
+                       SPLIT: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """CUDA-core GEMV, one x row per program; grid (N tiles, K splits, M). Per thread:
     whole words (eight k) of a few weight rows; partial sums stay per word slot until the
     end. USE_ASM (bf16 only): packed bf16x2 dequant and products, see _GEMV_ASM_BF16.
-    PREFETCH: load K-block i + 1 into registers before computing block i (the loop has no
-    other latency hiding than the warps an SM holds)."""
+    LOOP_STAGES > 1: Triton software-pipelines the loop, copying the weight (and scale)
+    blocks of the next LOOP_STAGES - 1 iterations into shared memory asynchronously while
+    this one computes; otherwise only the warps an SM holds hide the load latency."""
     BKW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -419,20 +379,13 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_pt
     kb0 = pid_k * blocks_per_split
     nblocks = tl.minimum(blocks_per_split, tl.cdiv(K, BLOCK_K) - kb0)
     acc = tl.zeros((BLOCK_N, BKW), dtype=tl.float32)
-    if PREFETCH:
-        nw, ns, nz = _gemv_load(w_ptr, s_ptr, z_ptr, kb0, kb0 + nblocks, offs_n, offs_w, n_mask,
-                                N, KW, blocks_per_group, HAS_ZEROS, BKW)
-    for i in range(nblocks):
+    for i in tl.range(nblocks, num_stages=LOOP_STAGES):
         kb = kb0 + i
-        if PREFETCH:
-            words, s, zoff = nw, ns, nz
-            nw, ns, nz = _gemv_load(w_ptr, s_ptr, z_ptr, kb + 1, kb0 + nblocks, offs_n, offs_w,
-                                    n_mask, N, KW, blocks_per_group, HAS_ZEROS, BKW)
-        else:
-            words, s, zoff = _gemv_load(w_ptr, s_ptr, z_ptr, kb, kb0 + nblocks, offs_n, offs_w, n_mask,
-                                        N, KW, blocks_per_group, HAS_ZEROS, BKW)
         cols = kb * BKW + offs_w
         c_mask = cols < KW
+        words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
+                        mask=n_mask[:, None] & c_mask[None, :], other=0)
+        s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, n_mask, N, HAS_ZEROS)
         if USE_ASM:
             xp = x_row.to(tl.pointer_type(tl.int32), bitcast=True) + 4 * cols
             x0 = tl.broadcast_to(tl.load(xp, mask=c_mask, other=0)[None, :], words.shape)
@@ -549,23 +502,22 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     split = -(-nblocks // per_split)  # no empty trailing split
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
     blocks_per_group = _blocks_per_group(k, group_size, bk)
-    reg_a = cfg.reg_a and not cfg.gemv
-    args = (x, packed.view(torch.uint8) if reg_a else packed, scales,
+    args = (x, packed, scales,
             scales if zeros is None else zeros, y if bias is None else bias, y, ws, locks, m, n, k,
-            k // 2 if reg_a else k // 8, x.stride(0), y.stride(0), blocks_per_group, per_split,
+            k // 8, x.stride(0), y.stride(0), blocks_per_group, per_split,
             split)
     flags = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
                  BLOCK_K=bk, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.gemv:
         _w4a16_gemv_kernel[(num_n, split, m)](
             *args, USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales),
-            PREFETCH=cfg.prefetch, **flags)
+            LOOP_STAGES=cfg.num_stages, **flags)
     else:
         _w4a16_kernel[(num_m * num_n, split)](
             # the tiled path keeps plain float ops: triton 3.6 fails to compile the PTX dequant
             # feeding a transposed dot operand (TritonGPUOptimizeDotOperands crashes)
             *args, SWAP_AB=cfg.swap_ab, USE_ASM=cfg.swap_ab and _use_asm(x.dtype, scales),
-            DOT_F32=x.dtype == torch.float32 or _interpreting(), REG_A=reg_a,
+            DOT_F32=x.dtype == torch.float32 or _interpreting(),
             BLOCK_M=cfg.block_m, GROUP_M=8, **flags)
     return y
 
