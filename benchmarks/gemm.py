@@ -119,6 +119,8 @@ def main():
             # columns above is the activation-quantize kernel
             ops["ours_int8_gemm"] = lambda i: i8k.w8a8_int8_gemm(xq8, xs8, i8[i].weight, i8[i].scale)
             ops["ours_fp8_gemm"] = lambda i: fp8k.fp8_gemm(xf8, xsf8, f8[i].weight, f8[i].scale)
+            ops["ours_int8_quant"] = lambda i: i8k.quantize_per_token_int8(x)  # in gemm.json only
+            ops["ours_fp8_quant"] = lambda i: fp8k.quantize_fp8(x)
             # correctness of ours on these inputs
             ref4 = x.float() @ w4k.dequantize_w4a16(w4p[0]).t()
             r["err_w4a16"] = rel(ops["ours_w4a16"](0), ref4) if not a.ops or "ours_w4a16" in a.ops else 0.0
@@ -132,7 +134,7 @@ def main():
                 try:
                     fn()
                     r[name] = bench(fn)
-                    if name.startswith("ours") and not name.endswith("_gemm") and not a.no_eager:
+                    if name.startswith("ours") and not name.endswith(("_gemm", "_quant")) and not a.no_eager:
                         r[name + "_eager"] = bench(fn, graph=False)
                 except Exception as e:  # a peer that does not take this shape (e.g. _int_mm at M <= 16)
                     r[name] = None

@@ -57,6 +57,9 @@ def candidates(m, table=None, gemv_stages=(1, 3)):
         for bm, (bn, bk), split, (wp, st) in itertools.product(
                 [64, 128], [(128, 64), (128, 128), (256, 64)], [1, 2], [(4, 3), (8, 3), (8, 4)]):
             out.append(C(bm, bn, bk, split, wp, st))
+        for bm, (bn, bk), (wp, st) in itertools.product(  # swap-AB: PTX dequant, A from registers
+                [128, 256], [(64, 64), (64, 128), (128, 64), (128, 128)], [(4, 3), (8, 3), (8, 4)]):
+            out.append(C(bm, bn, bk, 1, wp, st, swap_ab=True))
     else:
         for bm, (bn, bk), (wp, st) in itertools.product(
                 [128], [(128, 64), (128, 128), (256, 64)], [(8, 3), (8, 4)]):

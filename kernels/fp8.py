@@ -26,6 +26,8 @@ from optllm.kernels.scaled_mm import (
     GemmConfig,
     check_activation,
     check_gemm_shapes,
+    div_rn,
+    interpreting,
     m_bucket,
     row_kernel_launch_params,
     scaled_mm_ref,
@@ -67,10 +69,13 @@ FP8_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
 
 
 @triton.jit
-def _round_to_e4m3(v):
-    # Round to the E4M3 grid in fp32 arithmetic (nearest, ties to even) so the final cast is
-    # exact: Triton's CPU interpreter casts fp32 -> fp8 without carrying into the exponent.
+def _to_e4m3(v, INTERPRET: tl.constexpr):
+    """v (fp32) clamped to +-448 and rounded to E4M3, nearest even. The GPU's conversion
+    (cvt.rn.satfinite) rounds so; Triton's CPU interpreter casts without carrying into the
+    exponent, so there we round on the E4M3 grid in fp32 arithmetic first."""
     v = tl.clamp(v, -448.0, 448.0)
+    if not INTERPRET:
+        return v.to(tl.float8e4nv)
     e = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
     qe = tl.maximum(e, 127 - 6) - 3  # biased exponent of one unit in the last of 3 mantissa bits
     quantum = (qe << 23).to(tl.float32, bitcast=True)
@@ -79,12 +84,13 @@ def _round_to_e4m3(v):
     t = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: round |t| < 2**22 to an integer, ties even
     # put back the sign that the rounding drops from negatives going to zero (-0, as torch)
     sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
-    return ((t * quantum).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return ((t * quantum).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
 
 
 @triton.jit
 def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, EPS: tl.constexpr,
-                      STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                      STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                      INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
@@ -104,14 +110,14 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, EPS: tl.cons
             amax = tl.max(run, axis=0)
         scale = tl.maximum(tl.math.div_rn(amax, 448.0), EPS)
         tl.store(s_ptr + row, scale)
+    inv = tl.math.div_rn(1.0, scale)
     if ONE_PASS:
-        v = _round_to_e4m3(tl.math.div_rn(x, scale))
-        tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < K)
+        tl.store(q_row + offs, _to_e4m3(div_rn(x, scale, inv, INTERPRET), INTERPRET), mask=offs < K)
     else:
         for k0 in range(0, K, BLOCK):
             xk = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            v = _round_to_e4m3(tl.math.div_rn(xk, scale))
-            tl.store(q_row + k0 + offs, v.to(tl.float8e4nv), mask=k0 + offs < K)
+            tl.store(q_row + k0 + offs, _to_e4m3(div_rn(xk, scale, inv, INTERPRET), INTERPRET),
+                     mask=k0 + offs < K)
 
 
 def launch_quantize_fp8(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, static: bool) -> torch.Tensor:
@@ -121,7 +127,8 @@ def launch_quantize_fp8(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, 
     if m:
         block, one_pass, warps = row_kernel_launch_params(k)
         _quant_fp8_kernel[(m,)](x, xq, scale, k, x.stride(0), xq.stride(0), EPS=SCALE_EPS,
-                                STATIC=static, BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+                                STATIC=static, BLOCK=block, ONE_PASS=one_pass,
+                                INTERPRET=interpreting(), num_warps=warps)
     return xq
 
 

@@ -129,6 +129,28 @@ def _scaled_mm_kernel(
     tl.store(out_ptrs, c.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# --------------------------------------------------------------------------- quantizer helpers
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def div_rn(x, d, inv, INTERPRET: tl.constexpr):
+    """x / d correctly rounded (IEEE round to nearest even), given inv = RN(1 / d).
+
+    On the GPU: q = RN(x * inv) is within one ulp of x / d, and one FMA correction
+    RN(q + (x - d q) inv), with the remainder exact by FMA, is the correctly rounded
+    quotient (Markstein's theorem) -- three instructions instead of a division with a
+    slow-path branch per element, which made the quantizers instruction-bound. Results
+    below 2^-126, where the theorem's premises fail, quantize to zero either way. The
+    CPU interpreter does not fuse tl.fma, so there we divide."""
+    if INTERPRET:
+        return tl.math.div_rn(x, d)
+    else:
+        q = x * inv
+        return tl.fma(tl.fma(-q, d, x), inv, q)
+
+
 # --------------------------------------------------------------------------- launchers
 def row_kernel_launch_params(k: int) -> tuple[int, bool, int]:
     """(BLOCK, ONE_PASS, num_warps) for a one-program-per-row kernel over rows of length k:

@@ -56,7 +56,8 @@ _C = W4A16Config
 # (m_bucket, N, K) -> config, Llama-3-8B projections qkv / o / gate_up / down, the fastest of
 # benchmarks/tune_w4a16.py's candidates on the H200 (2026-11-30; µs of a CUDA-graph replay,
 # sym g128, bf16). M = 1: the CUDA-core GEMV; M = 16, 64: swap_ab tensor-core tiles; M >= 256:
-# dequantize + cuBLAS, which beat every fused tile tried (0.2-0.5x cuBLAS bf16).
+# dequantize + cuBLAS, which beat every fused tile tried (0.2-0.5x cuBLAS bf16), except a
+# 128-row swap_ab tile on gate_up at M = 256.
 W4A16_CONFIGS = MappingProxyType({
     (1, 6144, 4096): _C(16, 64, 256, 8, 4, 1, gemv=True),        # 8.4
     (1, 4096, 4096): _C(16, 32, 128, 8, 2, 1, gemv=True),        # 6.2
@@ -72,6 +73,7 @@ W4A16_CONFIGS = MappingProxyType({
     (64, 4096, 14336): _C(64, 128, 128, 8, 8, 3, swap_ab=True),  # 35.1
     **{(m, n, k): _C(128, 128, 128, dequant=True)
        for m in (256, 4096) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))},
+    (256, 28672, 4096): _C(128, 128, 64, 1, 8, 4, swap_ab=True),  # 168.6 (dequant 188.1)
 })
 
 

@@ -28,6 +28,8 @@ from optllm.kernels.scaled_mm import (  # noqa: F401
     GemmConfig,
     check_activation,
     check_gemm_shapes,
+    div_rn,
+    interpreting,
     m_bucket,
     row_kernel_launch_params,
     scaled_mm_ref,
@@ -66,7 +68,8 @@ INT8_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
 # --------------------------------------------------------------------------- kernel
 @triton.jit
 def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
-                       EPS: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                       EPS: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
@@ -82,16 +85,17 @@ def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
         amax = tl.max(run, axis=0)
     scale = tl.maximum(tl.math.div_rn(amax, 127.0), EPS)
     tl.store(s_ptr + row, scale)
+    inv = tl.math.div_rn(1.0, scale)
     # Adding then subtracting 1.5 * 2**23 rounds |v| < 2**22 to the nearest integer, ties to
     # even, as torch.round does; libdevice.rint has no CPU-interpreter counterpart.
     if ONE_PASS:
-        v = tl.clamp(tl.math.div_rn(x, scale), -127.0, 127.0)
+        v = tl.clamp(div_rn(x, scale, inv, INTERPRET), -127.0, 127.0)
         v = (v + 12582912.0) - 12582912.0
         tl.store(q_row + offs, v.to(tl.int8), mask=offs < K)
     else:
         for k0 in range(0, K, BLOCK):
             xk = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            v = tl.clamp(tl.math.div_rn(xk, scale), -127.0, 127.0)
+            v = tl.clamp(div_rn(xk, scale, inv, INTERPRET), -127.0, 127.0)
             v = (v + 12582912.0) - 12582912.0
             tl.store(q_row + k0 + offs, v.to(tl.int8), mask=k0 + offs < K)
 
@@ -104,7 +108,8 @@ def launch_quantize_int8(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor)
     if m:
         block, one_pass, warps = row_kernel_launch_params(k)
         _quant_int8_kernel[(m,)](x, xq, scale, k, x.stride(0), xq.stride(0), EPS=SCALE_EPS,
-                                 BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+                                 BLOCK=block, ONE_PASS=one_pass, INTERPRET=interpreting(),
+                                 num_warps=warps)
 
 
 def _quantize_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

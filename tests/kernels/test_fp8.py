@@ -209,3 +209,30 @@ def test_gpu_llama_shapes_and_scaled_mm(m):
             peer = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.expand(n).reshape(1, n).contiguous(),
                                     out_dtype=torch.bfloat16)
             assert rel(y, peer) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [4096, 14336, 20000])  # rows held in registers, and two-pass rows
+def test_quantize_bit_exact_large_gpu(k):
+    # GPU path: reciprocal + one FMA correction (scaled_mm.div_rn) and the hardware RN cast
+    g = torch.Generator(device="cuda").manual_seed(k)
+    m = 256
+    x = torch.randn(m, k, device="cuda", generator=g)
+    x *= torch.exp2(torch.randint(-20, 20, (m, 1), device="cuda", generator=g).float())
+    x *= torch.exp2(torch.randint(-8, 8, (m, k), device="cuda", generator=g).float())
+    for dtype in (torch.bfloat16, torch.float32):
+        for static in (None, torch.tensor([x.abs().max().item() / 300], device="cuda")):
+            xq, s = F.quantize_fp8(x.to(dtype), static)
+            rq, rs = F.quantize_fp8_ref(x.to(dtype), static)
+            assert torch.equal(s, rs) and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+    # scale 3 (row absmax 1344): x / scale lands exactly halfway between E4M3 neighbours
+    grid = torch.arange(0, 127, device="cuda", dtype=torch.uint8).view(F.FP8_DTYPE).float()
+    mids = (grid[:-1] + grid[1:]) / 2
+    pick = torch.randint(0, mids.numel(), (m, k), device="cuda", generator=g)
+    sign = torch.randint(0, 2, (m, k), device="cuda", generator=g).float() * 2 - 1
+    ties = 3 * mids[pick] * sign
+    ties[:, 0] = 1344.0
+    xq, s = F.quantize_fp8(ties)
+    rq = F.quantize_fp8_ref(ties)[0]
+    assert (s == 3.0).all() and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))

@@ -195,3 +195,25 @@ def test_gpu_llama_shapes_and_int_mm(m):
         if m > 16:  # the peer: exact int32 products, then our scaling
             acc = torch._int_mm(xq, w.t()).double()
             assert rel(y, acc * xs.double() * ws.double() + bias.double()) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [4096, 14336, 20000])  # rows held in registers, and two-pass rows
+def test_quantize_bit_exact_large_gpu(k):
+    # the GPU divides by a reciprocal with one FMA correction (scaled_mm.div_rn): it must give
+    # torch's correctly rounded x / scale everywhere, exact ties included
+    g = torch.Generator(device="cuda").manual_seed(k)
+    m = 256
+    x = torch.randn(m, k, device="cuda", generator=g)
+    x *= torch.exp2(torch.randint(-20, 20, (m, 1), device="cuda", generator=g).float())
+    x *= torch.exp2(torch.randint(-8, 8, (m, k), device="cuda", generator=g).float())
+    for dtype in (torch.bfloat16, torch.float32):
+        xq, s = W.quantize_per_token_int8(x.to(dtype))
+        rq, rs = W.quantize_per_token_int8_ref(x.to(dtype))
+        assert torch.equal(s, rs) and torch.equal(xq, rq)
+    # scale 3 (row absmax 381): x / scale = j + 1/2 exactly, ties to even
+    ties = 3 * (torch.randint(-127, 127, (m, k), device="cuda", generator=g).float() + 0.5)
+    ties[:, 0] = 381.0
+    xq, s = W.quantize_per_token_int8(ties)
+    assert (s == 3.0).all() and torch.equal(xq, W.quantize_per_token_int8_ref(ties)[0])
