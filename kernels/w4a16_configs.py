@@ -78,18 +78,15 @@ W4A16_CONFIGS = MappingProxyType({
 
 
 def default_w4a16_config(m: int, n: int, k: int) -> W4A16Config:
-    """Heuristic for shapes absent from W4A16_CONFIGS: swap_ab tiles up to M = 64, split
-    over K until about `target` programs run (each split keeping >= 2 K-blocks), the plain
-    tiled kernel up to M = 256, dequantize + cuBLAS above."""
-    if m > 256:
+    """Heuristic for shapes absent from W4A16_CONFIGS: the GEMV at M = 1, swap_ab tiles up
+    to M = 64, split over K until about 528 programs run (each split keeping >= 2 K-blocks),
+    dequantize + cuBLAS above (at M = 256 on the H200 it beat the plain tiled kernel on all
+    four Llama shapes by 5-40%, docs/bench/tune_w4a16_h200_m256.json)."""
+    if m > 64:
         return W4A16Config(128, 128, 128, dequant=True)
     if m == 1:
-        return W4A16Config(16, 64, 256, max(1, min(8, k // 1024)), 4, 3, gemv=True)
-    if m <= 64:
-        bm = 16 if m <= 16 else 64
-        bn, bk, warps, stages, swap, target = 128, 128, 4, 3, True, 528
-    else:
-        bm, bn, bk, warps, stages, swap, target = 64, 128, 64, 4, 3, False, 264
-    tiles = -(-m // bm) * -(-n // bn)
-    split = max(1, min(target // tiles, -(-k // bk) // 2))
-    return W4A16Config(bm, bn, bk, split, warps, stages, swap)
+        return W4A16Config(16, 64, 256, max(1, min(8, k // 1024)), 4, 2, gemv=True)
+    bm = 16 if m <= 16 else 64
+    tiles = -(-m // bm) * -(-n // 128)
+    split = max(1, min(528 // tiles, -(-k // 128) // 2))
+    return W4A16Config(bm, 128, 128, split, 4, 3, swap_ab=True)
