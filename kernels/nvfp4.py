@@ -92,7 +92,9 @@ def _pow2_ceil(v: int) -> int:
 @dataclass(frozen=True)
 class NVFP4GemmConfig:
     """Launch parameters of the GEMM kernel. block_* are powers of two (block_m, block_n >= 16,
-    block_k >= 16 so every K tile covers whole scale groups); split_k >= 1 splits K (M <= 16)."""
+    block_k >= 16 so every K tile covers whole scale groups); split_k >= 1 splits K (M <= 16).
+    dequant: instead, decode the weight to x's dtype once (a Triton pass over the packed
+    bytes) and call cuBLAS; the other fields are then unused."""
 
     block_m: int
     block_n: int
@@ -101,6 +103,7 @@ class NVFP4GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    dequant: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -121,15 +124,12 @@ TUNED_CONFIGS = MappingProxyType({
     (1, 4096, 4096): _C(16, 64, 128, 1, num_stages=4),
     (16, 4096, 4096): _C(16, 64, 128, 1, num_stages=3),
     (64, 4096, 4096): _C(32, 64, 128, 1, num_stages=4),
-    (256, 4096, 4096): _C(64, 128, 64, 1, num_warps=8, num_stages=4),
     (1, 14336, 4096): _C(16, 64, 128, 4, num_stages=4),
     (16, 14336, 4096): _C(16, 64, 128, 1, num_stages=3),
     (64, 14336, 4096): _C(64, 64, 128, 1, num_stages=4),
-    (256, 14336, 4096): _C(128, 128, 64, 1, num_stages=3),
     (1, 4096, 14336): _C(16, 64, 128, 8, num_stages=3),
     (16, 4096, 14336): _C(16, 64, 128, 8, num_stages=3),
     (64, 4096, 14336): _C(32, 64, 128, 1, num_stages=3),
-    (256, 4096, 14336): _C(64, 128, 64, 1, num_warps=8, num_stages=4),
 })
 _SM_COUNT = 132  # H100 / H200
 
@@ -138,7 +138,12 @@ def m_bucket(m: int) -> int:
     return min(_pow2_ceil(m), 256)
 
 
+DEQUANT = NVFP4GemmConfig(16, 16, 16, dequant=True)
+
+
 def _default_config(bucket: int, n: int, k: int) -> NVFP4GemmConfig:
+    if bucket > 64:
+        return DEQUANT
     bk_cap = max(16, min(256, 1 << (k.bit_length() - 1)))  # largest power of two <= K
     bn = min(64, max(16, _pow2_ceil(n)))
     if bucket <= 16:
@@ -148,15 +153,13 @@ def _default_config(bucket: int, n: int, k: int) -> NVFP4GemmConfig:
         want = math.ceil(2 * _SM_COUNT / math.ceil(n / bn))
         split = 1 if k_tiles < 64 else max(1, min(8, k_tiles // 16, want))
         return NVFP4GemmConfig(16, bn, bk, split, num_warps=4, num_stages=4)
-    if bucket <= 64:
-        return NVFP4GemmConfig(32, bn, min(128, bk_cap), num_warps=4, num_stages=4)
-    bn = min(128, max(16, _pow2_ceil(n)))
-    return NVFP4GemmConfig(128, bn, min(64, bk_cap), num_warps=4, num_stages=3)
+    return NVFP4GemmConfig(32, bn, min(128, bk_cap), num_warps=4, num_stages=4)
 
 
 def select_config(m: int, n: int, k: int) -> NVFP4GemmConfig:
     """Tuned config for (M bucket, N, K) if listed, else the heuristic. Only M <= 16 (block_m
-    16, the GEMV-like path) splits K, and only for long K; larger M takes the tiled path."""
+    16, the GEMV-like path) splits K, and only for long K; up to M = 64 the tiled path, above
+    it dequantize + cuBLAS."""
     bucket = m_bucket(m)
     return TUNED_CONFIGS.get((bucket, n, k)) or _default_config(bucket, n, k)
 
@@ -236,12 +239,48 @@ def _nvfp4_gemm_kernel(
         tl.store(out_ptrs, acc, mask=mask)  # fp32 partials; empty splits write zeros
 
 
+@triton.jit
+def _nvfp4_dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, K, N,
+                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out [K, N] = e2m1 * (scale / global_scale), rounded once to out's dtype (what
+    dequantize_nvfp4 computes), from packed_t [K/2, N] and scales_t [K/16, N]. A program
+    covers BLOCK_G scale groups (16 k each) of BLOCK_N columns; every store row is
+    contiguous along N."""
+    offs_g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_g < K // 16)[:, None] & (offs_n < N)[None, :]
+    sb = tl.load(s_ptr + offs_g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.int32)
+    eff = tl.math.div_rn(_e4m3_to_f32(sb), tl.load(g_ptr))  # once per group and column
+    for r in tl.static_range(8):  # the group's 8 bytes: k = 16 g + 2 r (low nibble), + 1 (high)
+        j = offs_g * 8 + r
+        b = tl.load(w_ptr + j[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.int32)
+        row = (2 * j).to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(out_ptr + row, (_e2m1_to_f32(b & 15) * eff).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row + N, (_e2m1_to_f32(b >> 4) * eff).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_nvfp4_triton(weight: "NVFP4Weight", dtype: torch.dtype) -> torch.Tensor:
+    """W^T [K, N] in dtype on the weight's device: the same numbers as
+    ``dequantize_nvfp4(*weight.checkpoint_tensors(), dtype).T`` (bit for bit on the GPU; the
+    CPU interpreter truncates, not rounds, to 16-bit floats)."""
+    k, n = weight.in_features, weight.out_features
+    out = torch.empty((k, n), device=weight.packed_t.device, dtype=dtype)
+    grid = (triton.cdiv(k // 16, 8), triton.cdiv(n, 128))
+    _nvfp4_dequant_kernel[grid](weight.packed_t, weight.scales_t, weight.global_scale, out, k, n,
+                                BLOCK_G=8, BLOCK_N=128, num_warps=4)
+    return out
+
+
 def _launch(x: torch.Tensor, packed_t: torch.Tensor, scales_t: torch.Tensor, global_scale: torch.Tensor,
             bias: Optional[torch.Tensor], out: torch.Tensor, workspace: Optional[torch.Tensor],
             cfg: NVFP4GemmConfig) -> torch.Tensor:
-    """Run the kernel on x [M, K] into out [M, N]; split_k > 1 needs fp32 workspace [split, M, N]."""
+    """Run the kernel on x [M, K] into out [M, N]; split_k > 1 needs fp32 workspace [split, M, N].
+    cfg.dequant: decode the weight to x.dtype (dequantize_nvfp4_triton) and use cuBLAS."""
     m, k = x.shape
     n = packed_t.shape[1]
+    if cfg.dequant:
+        wt = dequantize_nvfp4_triton(NVFP4Weight(packed_t, scales_t, global_scale), x.dtype)
+        return torch.addmm(bias, x, wt, out=out) if bias is not None else torch.mm(x, wt, out=out)
     k_tiles = math.ceil(k / cfg.block_k)
     split = math.ceil(k_tiles / math.ceil(k_tiles / cfg.split_k))  # drop splits left with no tile
     grid = (math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n), split)
@@ -266,14 +305,14 @@ def _launch(x: torch.Tensor, packed_t: torch.Tensor, scales_t: torch.Tensor, glo
 @torch.library.custom_op("optllm::nvfp4_gemm", mutates_args=())
 def nvfp4_gemm(x: torch.Tensor, packed_t: torch.Tensor, scales_t: torch.Tensor, global_scale: torch.Tensor,
                bias: Optional[torch.Tensor], block_m: int, block_n: int, block_k: int, split_k: int,
-               group_m: int, num_warps: int, num_stages: int) -> torch.Tensor:
+               group_m: int, num_warps: int, num_stages: int, dequant: bool = False) -> torch.Tensor:
     """y [M, N] (x.dtype) = x [M, K] @ dequant(W).T + bias on the Triton kernel, with W in the
     ``NVFP4Weight`` layout (packed_t uint8 [K/2, N], scales_t uint8 [K/16, N])."""
-    cfg = NVFP4GemmConfig(block_m, block_n, block_k, split_k, group_m, num_warps, num_stages)
+    cfg = NVFP4GemmConfig(block_m, block_n, block_k, split_k, group_m, num_warps, num_stages, dequant)
     n = packed_t.shape[1]
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     ws = None
-    if split_k > 1:
+    if split_k > 1 and not dequant:
         ws = torch.empty((split_k, x.shape[0], n), dtype=torch.float32, device=x.device)
     return _launch(x, packed_t, scales_t, global_scale, bias, out, ws, cfg)
 
@@ -324,5 +363,6 @@ def nvfp4_linear(x: torch.Tensor, weight: NVFP4Weight, bias: Optional[torch.Tens
         return x.new_empty((*x.shape[:-1], n))
     cfg = config or select_config(x2.shape[0], n, k)
     y = nvfp4_gemm(x2, weight.packed_t, weight.scales_t, weight.global_scale, bias, cfg.block_m,
-                   cfg.block_n, cfg.block_k, cfg.split_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+                   cfg.block_n, cfg.block_k, cfg.split_k, cfg.group_m, cfg.num_warps, cfg.num_stages,
+                   cfg.dequant)
     return y.reshape(*x.shape[:-1], n)

@@ -167,11 +167,13 @@ def _case(m, n, k, dtype, gen, bias=True):
     return weight, x, b, ref, scale
 
 
-def _check(y, ref, scale, dtype):
+def _check(y, ref, scale, dtype, weight_rounded=False):
+    """weight_rounded: the dequantize + cuBLAS path rounds each weight to dtype first (as the
+    torch backend does), one more relative REL per product."""
     assert y.dtype == dtype and y.shape == ref.shape
     assert torch.isfinite(y).all()
     err = (y.float() - ref).abs()
-    bound = REL[dtype] * ref.abs() + ACC * scale
+    bound = REL[dtype] * ref.abs() + (ACC + (REL[dtype] if weight_rounded else 0.0)) * scale
     assert torch.all(err <= bound), f"max excess {(err - bound).max().item():.3g}"
 
 
@@ -183,21 +185,41 @@ def test_triton_gemm_matches_dequant_reference(m, n, k, dtype):
     weight, x, b, ref, scale = _case(m, n, k, dtype, gen)
     cfg = F.select_config(m, n, k)
     assert cfg.split_k == 1 or m <= 16  # split-K only on the small-M path
+    assert cfg.dequant == (m > 64)
     cfgs = [cfg] + ([dataclasses.replace(cfg, split_k=3)] if m <= 16 else [])
+    cfgs += [F.DEQUANT] if not cfg.dequant else [F.NVFP4GemmConfig(32, 32, 32)]  # the other path
     ys = []
     for c in cfgs:
         out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
         ws = torch.full((c.split_k, m, n), float("nan"), device=DEV)
         ys.append(F._launch(x, weight.packed_t, weight.scales_t, weight.global_scale, b, out, ws, c))
-        _check(ys[-1], ref, scale, dtype)
+        _check(ys[-1], ref, scale, dtype, weight_rounded=c.dequant)
     # the public entry (custom op, default config) gives the same bits
     assert torch.equal(F.nvfp4_linear(x, weight, b, backend="triton"), ys[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_dequant_matches_reference(dtype):
+    # subnormal and zero-group scales included (rows 1e-5 below the tensor max)
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 96, generator=gen) * torch.tensor([1.0] + [1e-5] * 19 + [3.0] * 20)[:, None]
+    w[5, 16:32] = 0.0
+    weight = F.prepack_nvfp4(*F.quantize_nvfp4(w.to(DEV)))
+    got = F.dequantize_nvfp4_triton(weight, dtype)
+    ref32 = F.dequantize_nvfp4(*weight.checkpoint_tensors(), torch.float32).T
+    assert got.shape == (96, 40) and got.dtype == dtype
+    if dtype == torch.float32 or DEV == "cuda":  # bit for bit (the interpreter truncates 16-bit casts)
+        assert torch.equal(got, F.dequantize_nvfp4(*weight.checkpoint_tensors(), dtype).T)
+    else:
+        sub = 2 * REL[dtype] * torch.finfo(dtype).smallest_normal  # fp16 subnormal spacing
+        assert torch.all((got.float() - ref32).abs() <= REL[dtype] * ref32.abs() + sub)
 
 
 def test_config_selection_is_data_keyed_on_m_bucket():
     assert [F.m_bucket(m) for m in (1, 3, 16, 17, 100, 5000)] == [1, 4, 16, 32, 128, 256]
     assert F.select_config(1, 4096, 14336) is F.TUNED_CONFIGS[(1, 4096, 14336)]
-    assert F.select_config(200, 4096, 4096) is F.TUNED_CONFIGS[(256, 4096, 4096)]
+    assert F.select_config(200, 4096, 4096).dequant and F.select_config(65, 48, 96).dequant
+    assert not F.select_config(64, 48, 96).dequant
     assert F.select_config(3, 4096, 14336).split_k > 1  # small M, long K: split-K path
     assert F.select_config(3, 4096, 4096).split_k == 1  # short K: the reduction is not worth it
     assert F.select_config(33, 4096, 14336).split_k == 1  # tiled path
@@ -208,7 +230,8 @@ def test_config_selection_is_data_keyed_on_m_bucket():
     F.NVFP4GemmConfig(16, 32, 32, split_k=8),  # more splits than K tiles: trimmed, none empty
     F.NVFP4GemmConfig(16, 16, 32, group_m=2),  # 3 x 5 tiles, grouped order with a ragged group
     F.NVFP4GemmConfig(32, 64, 64, split_k=2),
-], ids=["split3", "split_surplus", "grouped", "split2"])
+    F.DEQUANT,
+], ids=["split3", "split_surplus", "grouped", "split2", "dequant"])
 def test_triton_gemm_configs(cfg):
     gen = torch.Generator().manual_seed(7)
     n, k = 72, 80
@@ -218,7 +241,7 @@ def test_triton_gemm_configs(cfg):
     y = F.nvfp4_linear(x3, weight, None, backend="triton", config=cfg)
     assert y.shape == (3, 11, n)
     _check(y.reshape(-1, n), x3.reshape(-1, k).float() @ wd.T, x3.reshape(-1, k).float().abs() @ wd.abs().T,
-           torch.bfloat16)
+           torch.bfloat16, weight_rounded=cfg.dequant)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -243,10 +266,11 @@ def test_custom_op_opcheck():
     gen = torch.Generator().manual_seed(4)
     weight, x, b, _, _ = _case(3, 32, 48, torch.bfloat16, gen)
     cfg = F.NVFP4GemmConfig(16, 32, 16, split_k=2)  # the split path allocates a workspace too
-    args = (x, weight.packed_t, weight.scales_t, weight.global_scale, b, cfg.block_m, cfg.block_n,
-            cfg.block_k, cfg.split_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
-    torch.library.opcheck(torch.ops.optllm.nvfp4_gemm.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for dequant in (False, True):
+        args = (x, weight.packed_t, weight.scales_t, weight.global_scale, b, cfg.block_m, cfg.block_n,
+                cfg.block_k, cfg.split_k, cfg.group_m, cfg.num_warps, cfg.num_stages, dequant)
+        torch.library.opcheck(torch.ops.optllm.nvfp4_gemm.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 # ------------------------------------------------------------------------------------ W4A4
@@ -312,4 +336,5 @@ def test_gpu_model_shapes(m):
     gen = torch.Generator().manual_seed(m)
     for n, k in [(4096, 4096), (1536, 576)]:
         weight, x, b, ref, scale = _case(m, n, k, torch.bfloat16, gen)
-        _check(F.nvfp4_linear(x, weight, b), ref, scale, torch.bfloat16)
+        _check(F.nvfp4_linear(x, weight, b), ref, scale, torch.bfloat16,
+               weight_rounded=F.select_config(m, n, k).dequant)
