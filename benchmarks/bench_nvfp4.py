@@ -39,9 +39,9 @@ def main():
         ws = [nvk.prepack_nvfp4(*nvk.quantize_nvfp4(w)) for w in wf]
         for m in [int(v) for v in a.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            fused = nvk.select_config(m, n, k)
-            if fused.dequant:
-                fused = nvk._default_config(64, n, k)  # the M <= 64 tiled heuristic, for reference
+            fused = nvk.TUNED_CONFIGS.get((nvk.m_bucket(m), n, k))
+            if fused is None or fused.dequant:  # the fused heuristic (its M <= 64 tiles above)
+                fused = nvk.fused_config(min(nvk.m_bucket(m), 64), n, k)
             ops = {
                 "cublas_bf16": lambda i: x @ wf[i].t(),
                 "fused": lambda i: nvk.nvfp4_linear(x, ws[i], config=fused),

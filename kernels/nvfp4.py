@@ -8,13 +8,15 @@ nibbles and E4M3 scales with integer bit operations in registers (one code path 
 and the interpreter, which cannot bitcast to fp8), multiplies them, and feeds a bf16/fp16
 ``tl.dot`` with fp32 accumulation; 1 / global_scale is applied once to the accumulator.
 fp4 * E4M3 has at most 6 significant bits, so the in-register weight is exact in bf16 and
-fp16. Dispatch is by M: M <= 16 takes the GEMV-like path (block_m 16, split-K over long K with
-fp32 partials summed after), larger M a tiled path with grouped tile order. Tuning configs are
-data (``TUNED_CONFIGS``), keyed on (M bucket, N, K).
+fp16. Its configs: block_m 16 with split-K over long K (fp32 partials summed after) for
+decode sizes, a tiled grid with grouped tile order above (``fused_config``).
 
-Status: correct on an H200, not yet fast. Measured there through ``nvfp4_linear`` (no CUDA
-graph, host overhead included) at N = K = 4096: 72 us at M = 1 and 180 us at M = 256, against
-23 us and 20 us for dense bf16 cuBLAS.
+The other path decodes the whole weight to x's dtype with a Triton pass over the packed
+bytes (``dequantize_nvfp4_triton``, bit-equal to ``dequantize_nvfp4``) and calls cuBLAS.
+Dispatch is data (``TUNED_CONFIGS``, keyed on (M bucket, N, K); ``select_config``). Measured on
+an H200 (docs/BENCHMARKS.md) the decode-and-cuBLAS path is faster at every M from 1 to 4096
+(the fused kernel decodes E2M1 and E4M3 with ~10 integer/float operations per weight and is
+instruction-bound), so it is the default; both are tested against the torch reference.
 """
 
 import math
@@ -116,21 +118,11 @@ class NVFP4GemmConfig:
 
 
 # Keyed on (M bucket, N, K); M bucket = M rounded up to a power of two, capped at 256.
-# Winners of a sweep on one H200 (triton 3.6): median time of nvfp4_linear over 4 rotating
-# weights, no CUDA graph, so host overhead is in the numbers (it penalises split-K's extra
-# reduction launches at small K). Shapes not listed use the heuristic in _default_config.
-_C = NVFP4GemmConfig
-TUNED_CONFIGS = MappingProxyType({
-    (1, 4096, 4096): _C(16, 64, 128, 1, num_stages=4),
-    (16, 4096, 4096): _C(16, 64, 128, 1, num_stages=3),
-    (64, 4096, 4096): _C(32, 64, 128, 1, num_stages=4),
-    (1, 14336, 4096): _C(16, 64, 128, 4, num_stages=4),
-    (16, 14336, 4096): _C(16, 64, 128, 1, num_stages=3),
-    (64, 14336, 4096): _C(64, 64, 128, 1, num_stages=4),
-    (1, 4096, 14336): _C(16, 64, 128, 8, num_stages=3),
-    (16, 4096, 14336): _C(16, 64, 128, 8, num_stages=3),
-    (64, 4096, 14336): _C(32, 64, 128, 1, num_stages=3),
-})
+# Empty: on the H200 (benchmarks/bench_nvfp4.py, docs/bench/bench_nvfp4_h200.json, CUDA-graph
+# replay at the four Llama-3-8B shapes) dequantize + cuBLAS beat the fused kernel at every M
+# from 1 to 4096, 1.1-3.2x at M <= 64 and 7-15x above. Fused entries go here where a tuned
+# fused config wins.
+TUNED_CONFIGS: "MappingProxyType[tuple[int, int, int], NVFP4GemmConfig]" = MappingProxyType({})
 _SM_COUNT = 132  # H100 / H200
 
 
@@ -141,9 +133,8 @@ def m_bucket(m: int) -> int:
 DEQUANT = NVFP4GemmConfig(16, 16, 16, dequant=True)
 
 
-def _default_config(bucket: int, n: int, k: int) -> NVFP4GemmConfig:
-    if bucket > 64:
-        return DEQUANT
+def fused_config(bucket: int, n: int, k: int) -> NVFP4GemmConfig:
+    """Heuristic launch config of the fused kernel (for M buckets up to 64)."""
     bk_cap = max(16, min(256, 1 << (k.bit_length() - 1)))  # largest power of two <= K
     bn = min(64, max(16, _pow2_ceil(n)))
     if bucket <= 16:
@@ -157,11 +148,9 @@ def _default_config(bucket: int, n: int, k: int) -> NVFP4GemmConfig:
 
 
 def select_config(m: int, n: int, k: int) -> NVFP4GemmConfig:
-    """Tuned config for (M bucket, N, K) if listed, else the heuristic. Only M <= 16 (block_m
-    16, the GEMV-like path) splits K, and only for long K; up to M = 64 the tiled path, above
-    it dequantize + cuBLAS."""
-    bucket = m_bucket(m)
-    return TUNED_CONFIGS.get((bucket, n, k)) or _default_config(bucket, n, k)
+    """Tuned config for (M bucket, N, K) if listed, else dequantize + cuBLAS (the faster path
+    at every size measured, see TUNED_CONFIGS)."""
+    return TUNED_CONFIGS.get((m_bucket(m), n, k)) or DEQUANT
 
 
 # ---------------------------------------------------------------------------- Triton kernel

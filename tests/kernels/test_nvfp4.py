@@ -183,11 +183,9 @@ def _check(y, ref, scale, dtype, weight_rounded=False):
 def test_triton_gemm_matches_dequant_reference(m, n, k, dtype):
     gen = torch.Generator().manual_seed(1000 * m + n + k)
     weight, x, b, ref, scale = _case(m, n, k, dtype, gen)
-    cfg = F.select_config(m, n, k)
+    cfg = F.fused_config(F.m_bucket(m), n, k)
     assert cfg.split_k == 1 or m <= 16  # split-K only on the small-M path
-    assert cfg.dequant == (m > 64)
-    cfgs = [cfg] + ([dataclasses.replace(cfg, split_k=3)] if m <= 16 else [])
-    cfgs += [F.DEQUANT] if not cfg.dequant else [F.NVFP4GemmConfig(32, 32, 32)]  # the other path
+    cfgs = [F.select_config(m, n, k), cfg] + ([dataclasses.replace(cfg, split_k=3)] if m <= 16 else [])
     ys = []
     for c in cfgs:
         out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
@@ -215,14 +213,15 @@ def test_triton_dequant_matches_reference(dtype):
         assert torch.all((got.float() - ref32).abs() <= REL[dtype] * ref32.abs() + sub)
 
 
-def test_config_selection_is_data_keyed_on_m_bucket():
+def test_config_selection_is_data_keyed_on_m_bucket(monkeypatch):
     assert [F.m_bucket(m) for m in (1, 3, 16, 17, 100, 5000)] == [1, 4, 16, 32, 128, 256]
-    assert F.select_config(1, 4096, 14336) is F.TUNED_CONFIGS[(1, 4096, 14336)]
-    assert F.select_config(200, 4096, 4096).dequant and F.select_config(65, 48, 96).dequant
-    assert not F.select_config(64, 48, 96).dequant
-    assert F.select_config(3, 4096, 14336).split_k > 1  # small M, long K: split-K path
-    assert F.select_config(3, 4096, 4096).split_k == 1  # short K: the reduction is not worth it
-    assert F.select_config(33, 4096, 14336).split_k == 1  # tiled path
+    assert F.select_config(1, 4096, 14336) is F.DEQUANT  # nothing tabled: decode + cuBLAS
+    tuned = F.NVFP4GemmConfig(16, 64, 128, 8)
+    monkeypatch.setattr(F, "TUNED_CONFIGS", {(16, 4096, 14336): tuned})
+    assert F.select_config(9, 4096, 14336) is tuned and F.select_config(17, 4096, 14336) is F.DEQUANT
+    assert F.fused_config(4, 4096, 14336).split_k > 1  # small M, long K: split-K path
+    assert F.fused_config(4, 4096, 4096).split_k == 1  # short K: the reduction is not worth it
+    assert F.fused_config(32, 4096, 14336).split_k == 1  # tiled path
 
 
 @pytest.mark.parametrize("cfg", [
