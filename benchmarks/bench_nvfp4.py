@@ -15,12 +15,10 @@ import os
 from pathlib import Path
 
 import torch
-import triton
 
+from optllm.benchmarks.common import ROT, SHAPES, parse_shapes, rotated_us
 from optllm.kernels import nvfp4 as nvk
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-ROT = 4
 
 
 def main():
@@ -33,7 +31,7 @@ def main():
     rows = []
     print("| shape | M | cuBLAS bf16 | fused (config) | dequant + cuBLAS | dequant pass alone |")
     print("|---|---|---|---|---|---|")
-    for sname in a.shapes.split(","):
+    for sname in parse_shapes(a.shapes):
         k, n = SHAPES[sname]
         wf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
         ws = [nvk.prepack_nvfp4(*nvk.quantize_nvfp4(w)) for w in wf]
@@ -50,9 +48,7 @@ def main():
             }
             r = {"shape": sname, "M": m, "N": n, "K": k, "fused_config": repr(fused)}
             for name, op in ops.items():
-                fn = lambda op=op: [op(i) for i in range(ROT)]  # noqa: E731
-                fn()
-                r[name] = 1000 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") / ROT
+                r[name] = rotated_us(op, rep=30)
             rows.append(r)
             print(f"| {sname} | {m} | {r['cublas_bf16']:.1f} | {r['fused']:.1f} | {r['dequant']:.1f} "
                   f"| {r['dequant_pass']:.1f} |", flush=True)

@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 import triton
 
+from optllm.benchmarks.common import ROT, SHAPES, graph_us, parse_shapes
 from optllm.kernels import fp8 as fp8k
 from optllm.kernels import nvfp4 as nvfp4k
 from optllm.kernels import w4a16 as w4k
 from optllm.kernels import w8a8_int8 as i8k
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BW, FLOPS = 4.27e12, 694e12
-ROT = 4
 G = 128
 
 
@@ -43,10 +42,8 @@ def floor_us(m, n, k, wbytes_per_el, extra_w=0.0, act_bytes=2):
 def bench(fn, graph=True):
     """Median microseconds of one call of fn (fn runs ROT calls over rotated weights)."""
     if graph:
-        t = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
-    else:
-        t = triton.testing.do_bench(fn, warmup=20, rep=60, return_mode="median")
-    return 1000 * t / ROT
+        return graph_us(fn, rep=60) / ROT
+    return 1000 * triton.testing.do_bench(fn, warmup=20, rep=60, return_mode="median") / ROT
 
 
 def rel(a, b):
@@ -64,7 +61,7 @@ def main():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
-    for sname in a.shapes.split(","):
+    for sname in parse_shapes(a.shapes):
         k, n = SHAPES[sname]
         wf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
         # int4 sym g128

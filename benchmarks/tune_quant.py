@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import triton
 
+from optllm.benchmarks.common import graph_us
 from optllm.kernels import fp8 as fp8k
 from optllm.kernels import w8a8_int8 as i8k
 from optllm.kernels.scaled_mm import SCALE_EPS, row_kernel_launch_params
@@ -59,7 +60,7 @@ def main():
             fn = lambda: launch(kind, x, xq, s, block, one_pass, warps)  # noqa: E731
             fn()
             ok = torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
-            us = 1000 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+            us = graph_us(fn, rep=30)
             rows.append({"kind": kind, "K": k, "M": m, "block": block, "one_pass": one_pass,
                          "warps": warps, "us": us, "floor_pct": 100 * floor / us, "exact": ok,
                          "current": (block, one_pass, warps) == current})

@@ -23,14 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
+from optllm.benchmarks.common import ROT, SHAPES, parse_shapes, rotated_us
 from optllm.kernels import fp8 as fp8k
 from optllm.kernels import w8a8_int8 as i8k
 from optllm.kernels.scaled_mm import GemmConfig, m_bucket, scaled_mm_ref, scaled_mm_triton
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-ROT = 4
 
 
 def candidates(kind: str, m: int) -> list[GemmConfig]:
@@ -62,14 +60,15 @@ def main():
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     a = ap.parse_args()
     kinds = a.kinds.split(",")
-    bad = [k for k in kinds if k not in ("int8", "fp8")] + [s for s in a.shapes.split(",") if s not in SHAPES]
+    bad = [k for k in kinds if k not in ("int8", "fp8")]
     if bad:
-        raise SystemExit(f"unknown kind/shape {bad}: kinds int8, fp8; shapes {', '.join(SHAPES)}")
+        raise SystemExit(f"unknown kind(s) {', '.join(bad)}: allowed int8, fp8")
+    shapes = parse_shapes(a.shapes)
     t_end = time.time() + a.budget_s
     torch.manual_seed(0)
     dev = torch.device("cuda")
     results, best = [], []
-    for kind, sname in itertools.product(kinds, a.shapes.split(",")):
+    for kind, sname in itertools.product(kinds, shapes):
         k, n = SHAPES[sname]
         table, default = ((i8k.INT8_CONFIGS, i8k.default_int8_config) if kind == "int8"
                           else (fp8k.FP8_CONFIGS, fp8k.default_fp8_config))
@@ -86,22 +85,20 @@ def main():
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             xq, xs = (i8k.quantize_per_token_int8(x) if kind == "int8" else fp8k.quantize_fp8(x))
             if kind == "int8":
-                peer = lambda: [torch._int_mm(xq, ws[i][0].t()) for i in range(ROT)]  # noqa: E731
+                peer = lambda i: torch._int_mm(xq, ws[i][0].t())  # noqa: E731
             else:
-                peer = lambda: [torch._scaled_mm(xq, ws[i][0].t(), scale_a=xs, scale_b=ws[i][1].reshape(1, -1),  # noqa: E731
-                                                 out_dtype=torch.bfloat16) for i in range(ROT)]
-            peer_us = 1000 * triton.testing.do_bench_cudagraph(peer, rep=20, return_mode="median") / ROT
+                peer = lambda i: torch._scaled_mm(xq, ws[i][0].t(), scale_a=xs, scale_b=ws[i][1].reshape(1, -1),  # noqa: E731
+                                                  out_dtype=torch.bfloat16)
+            peer_us = rotated_us(peer)
             current = table.get((m_bucket(m), n, k)) or default(m_bucket(m), n, k)
             cfgs = [current] + [c for c in candidates(kind, m) if c != current]
             timed = []
             for cfg in cfgs:
                 if time.time() > t_end:
                     break
-                fn = lambda cfg=cfg: [scaled_mm_triton(xq, xs, ws[i][0], ws[i][1], None, torch.bfloat16, cfg)  # noqa: E731
-                                      for i in range(ROT)]
                 try:
-                    fn()
-                    us = 1000 * triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / ROT
+                    us = rotated_us(lambda i, cfg=cfg: scaled_mm_triton(xq, xs, ws[i][0], ws[i][1], None,
+                                                                        torch.bfloat16, cfg))
                 except Exception as e:  # out of shared memory / registers for this tile
                     results.append({"kind": kind, "shape": sname, "M": m, "config": repr(cfg),
                                     "error": str(e).splitlines()[0][:120]})

@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
+from optllm.benchmarks.common import ROT, SHAPES, parse_shapes, rotated_us
 from optllm.kernels import w4a16 as w4k
 from optllm.kernels.w4a16_configs import W4A16_CONFIGS, W4A16Config, default_w4a16_config
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-ROT, G = 4, 128
+G = 128
 
 
 def candidates(m, table=None, gemv_stages=(1, 3)):
@@ -80,7 +79,7 @@ def main():
     torch.manual_seed(0)
     dev = torch.device("cuda")
     results, best = [], {}
-    for sname in a.shapes.split(","):
+    for sname in parse_shapes(a.shapes):
         k, n = SHAPES[sname]
         ws = []
         for _ in range(ROT):
@@ -102,10 +101,8 @@ def main():
             for cfg in cfgs:
                 if time.time() > t_end:
                     break
-                fn = lambda cfg=cfg: [w4k.w4a16_gemm(x, ws[i], config=cfg) for i in range(ROT)]
                 try:
-                    fn()
-                    us = 1000 * triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / ROT
+                    us = rotated_us(lambda i, cfg=cfg: w4k.w4a16_gemm(x, ws[i], config=cfg))
                 except Exception as e:  # out of shared memory / registers for this tile
                     results.append({"shape": sname, "M": m, "config": repr(cfg), "error": str(e).splitlines()[0][:120]})
                     continue
