@@ -20,7 +20,6 @@ instruction-bound), so it is the default; both are tested against the torch refe
 """
 
 import math
-import os
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Optional
@@ -42,7 +41,7 @@ from optllm.kernels.nvfp4_format import (  # noqa: F401
     nvfp4_w4a4_linear_ref,
     quantize_nvfp4,
 )
-from optllm.kernels.tiling import grouped_tile
+from optllm.kernels.common import grouped_tile, interpreting
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -279,7 +278,7 @@ def _launch(x: torch.Tensor, packed_t: torch.Tensor, scales_t: torch.Tensor, glo
         m, n, k,
         x.stride(0), x.stride(1), packed_t.stride(0), scales_t.stride(0),
         dst.stride(0) if split > 1 else 0, dst.stride(-2), dst.stride(-1),
-        HAS_BIAS=bias is not None, SPLIT_K=split, DOT_F32=_interpreting(),
+        HAS_BIAS=bias is not None, SPLIT_K=split, DOT_F32=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -312,10 +311,6 @@ def _(x, packed_t, scales_t, global_scale, bias, *launch_params):
 
 
 # ---------------------------------------------------------------------------- public wrapper
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def nvfp4_linear(x: torch.Tensor, weight: NVFP4Weight, bias: Optional[torch.Tensor] = None,
                  backend: str = "auto", config: Optional[NVFP4GemmConfig] = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T + bias for an NVFP4 weight W [N, K], in x.dtype.
@@ -337,7 +332,7 @@ def nvfp4_linear(x: torch.Tensor, weight: NVFP4Weight, bias: Optional[torch.Tens
         raise ValueError(f"bias: shape must be ({n},), got {tuple(bias.shape)}")
     if x.device != weight.packed_t.device:
         raise ValueError(f"x: on {x.device} but the weight is on {weight.packed_t.device}")
-    can_triton = (x.is_cuda or _interpreting()) and x.dtype in (torch.bfloat16, torch.float16)
+    can_triton = (x.is_cuda or interpreting()) and x.dtype in (torch.bfloat16, torch.float16)
     if backend == "auto":
         backend = "triton" if can_triton else "torch"
     if backend == "torch":

@@ -17,14 +17,13 @@ of the same storage (cuBLASLt's int8 "TN" form), so both read the same bytes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .tiling import grouped_tile
+from .common import grouped_tile, interpreting
 
 BACKENDS = ("auto", "triton", "torch")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -130,10 +129,6 @@ def _scaled_mm_kernel(
 
 
 # --------------------------------------------------------------------------- quantizer helpers
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @triton.jit
 def div_rn(x, d, inv, INTERPRET: tl.constexpr):
     """x / d correctly rounded (IEEE round to nearest even), given inv = RN(1 / d).
@@ -200,9 +195,9 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
     """Resolve ``backend`` ("auto" | "triton" | "torch") for tensor ``t``: "auto" takes Triton
     on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1, else the torch reference."""
     if backend == "auto":
-        return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        return t.is_cuda or interpreting()
     if backend == "triton":
-        if not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        if not (t.is_cuda or interpreting()):
             raise ValueError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors")
         return True
     if backend == "torch":

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .tiling import grouped_tile
+from .common import grouped_tile, interpreting
 from .w4a16_configs import M_BUCKETS, W4A16_CONFIGS, W4A16Config, default_w4a16_config, m_bucket  # noqa: F401
 
 BACKENDS = ("auto", "triton", "torch")
@@ -438,13 +438,9 @@ def force_config(config: W4A16Config):
         _FORCED.pop()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _use_asm(x_dtype: torch.dtype, scales: torch.Tensor) -> bool:
     """Packed-PTX dequant: CUDA, 16-bit activations with scales of the same dtype."""
-    return (not _interpreting() and scales.is_cuda and x_dtype in (torch.bfloat16, torch.float16)
+    return (not interpreting() and scales.is_cuda and x_dtype in (torch.bfloat16, torch.float16)
             and scales.dtype == x_dtype and os.environ.get("OPTLLM_W4A16_ASM", "1") != "0")
 
 
@@ -517,7 +513,7 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
             # the tiled path keeps plain float ops: triton 3.6 fails to compile the PTX dequant
             # feeding a transposed dot operand (TritonGPUOptimizeDotOperands crashes)
             *args, SWAP_AB=cfg.swap_ab, USE_ASM=cfg.swap_ab and _use_asm(x.dtype, scales),
-            DOT_F32=x.dtype == torch.float32 or _interpreting(),
+            DOT_F32=x.dtype == torch.float32 or interpreting(),
             BLOCK_M=cfg.block_m, GROUP_M=8, **flags)
     return y
 
@@ -567,7 +563,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] =
         raise ValueError(f"x: last dim must be K={w.K}, got {tuple(x.shape)}")
     if bias is not None and tuple(bias.shape) != (w.N,):
         raise ValueError(f"bias: must have shape ({w.N},), got {tuple(bias.shape)}")
-    triton_ok = x.is_cuda or _interpreting()
+    triton_ok = x.is_cuda or interpreting()
     if backend == "auto":
         backend = "triton" if triton_ok else "torch"
     x2 = x.reshape(-1, w.K)

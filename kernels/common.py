@@ -1,6 +1,9 @@
-"""Program-to-tile order shared by the GEMM kernels."""
+"""What the kernel families share: the program-to-tile order of the GEMMs, and whether
+Triton runs on the CPU interpreter (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -15,3 +18,8 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     first_m = (pid // width) * GROUP_M
     rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
     return first_m + (pid % width) % rows, (pid % width) // rows
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
