@@ -200,14 +200,11 @@ def test_gpu_llama_shapes_and_int_mm(m):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k", [4096, 14336, 20000])  # rows held in registers, and two-pass rows
-def test_quantize_bit_exact_large_gpu(k):
+def test_quantize_bit_exact_large_gpu(k, heavy_tailed_rows):
     # the GPU divides by a reciprocal with one FMA correction (scaled_mm.div_rn): it must give
     # torch's correctly rounded x / scale everywhere, exact ties included
-    g = torch.Generator(device="cuda").manual_seed(k)
     m = 256
-    x = torch.randn(m, k, device="cuda", generator=g)
-    x *= torch.exp2(torch.randint(-20, 20, (m, 1), device="cuda", generator=g).float())
-    x *= torch.exp2(torch.randint(-8, 8, (m, k), device="cuda", generator=g).float())
+    x, g = heavy_tailed_rows(m, k, seed=k)
     for dtype in (torch.bfloat16, torch.float32):
         xq, s = W.quantize_per_token_int8(x.to(dtype))
         rq, rs = W.quantize_per_token_int8_ref(x.to(dtype))
