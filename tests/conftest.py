@@ -76,8 +76,9 @@ def tiny_llama(tiny_models) -> Path:
 
 @pytest.fixture
 def heavy_tailed_rows():
-    """make(m, k, seed) -> (x, generator), x float32 [m, k] on CUDA: normal values scaled by 2^[-20, 20) per
-    row and 2^[-8, 8) per element, so row scales and in-row magnitudes both vary widely."""
+    """make(m, k, seed) -> (x, generator): x float32 [m, k] on CUDA, normal values scaled by
+    2^[-20, 20) per row and 2^[-8, 8) per element, so row scales and in-row magnitudes both
+    vary widely."""
     def make(m, k, seed):
         g = torch.Generator(device="cuda").manual_seed(seed)
         x = torch.randn(m, k, device="cuda", generator=g)
