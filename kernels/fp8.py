@@ -28,10 +28,9 @@ from optllm.kernels.scaled_mm import (
     check_gemm_shapes,
     div_rn,
     interpreting,
-    m_bucket,
+    register_gemm_op,
     row_kernel_launch_params,
     scaled_mm_ref,
-    scaled_mm_triton,
     use_triton,
 )
 
@@ -145,19 +144,10 @@ def _quantize_static_impl(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return launch_quantize_fp8(x, _new_xq(x), scale, True)
 
 
-def _gemm_impl(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    m, k = xq.shape
-    n = w.shape[0]
-    cfg = FP8_CONFIGS.get((m_bucket(m), n, k)) or default_fp8_config(m_bucket(m), n, k)
-    return scaled_mm_triton(xq, x_scale, w, w_scale, bias, out_dtype, cfg)
-
-
 # Registered so torch.compile sees through them; eager calls skip the dispatcher (~10 us each).
 # Two quantize ops because a custom op may not return its input: the static one returns xq alone.
 _dynamic_custom = torch.library.custom_op("optllm::quantize_fp8_dynamic", _quantize_dynamic_impl, mutates_args=())
 _static_custom = torch.library.custom_op("optllm::quantize_fp8_static", _quantize_static_impl, mutates_args=())
-_gemm_custom = torch.library.custom_op("optllm::fp8_gemm", _gemm_impl, mutates_args=())
 
 
 @_dynamic_custom.register_fake
@@ -170,11 +160,6 @@ def _(x, scale):
     return x.new_empty(x.shape, dtype=FP8_DTYPE)
 
 
-@_gemm_custom.register_fake
-def _(xq, x_scale, w, w_scale, bias, out_dtype):
-    return xq.new_empty((xq.shape[0], w.shape[0]), dtype=out_dtype)
-
-
 def _quantize_op(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     compiling = torch.compiler.is_compiling()
     if scale is None:
@@ -182,8 +167,7 @@ def _quantize_op(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Ten
     return (_static_custom if compiling else _quantize_static_impl)(x, scale), scale
 
 
-def _gemm_op(xq, x_scale, w, w_scale, bias, out_dtype):
-    return (_gemm_custom if torch.compiler.is_compiling() else _gemm_impl)(xq, x_scale, w, w_scale, bias, out_dtype)
+_gemm_op = register_gemm_op("fp8_gemm", FP8_CONFIGS, default_fp8_config)
 
 
 # --------------------------------------------------------------------------- public API

@@ -190,6 +190,31 @@ def scaled_mm_triton(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     return out
 
 
+def register_gemm_op(name: str, configs: dict, default_config):
+    """Register the scaled GEMM as custom op ``optllm::<name>`` (with its fake) over a family's
+    config table ``configs`` ((m_bucket, N, K) -> GemmConfig) and heuristic
+    ``default_config(bucket, n, k)``. Returns ``gemm(xq, x_scale, w, w_scale, bias, out_dtype)``,
+    which goes through the op only while torch.compile traces: eager calls skip the
+    dispatcher (~10 us each)."""
+
+    def impl(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        bucket, n, k = m_bucket(xq.shape[0]), w.shape[0], xq.shape[1]
+        cfg = configs.get((bucket, n, k)) or default_config(bucket, n, k)
+        return scaled_mm_triton(xq, x_scale, w, w_scale, bias, out_dtype, cfg)
+
+    custom = torch.library.custom_op(f"optllm::{name}", impl, mutates_args=())
+
+    @custom.register_fake
+    def _(xq, x_scale, w, w_scale, bias, out_dtype):
+        return xq.new_empty((xq.shape[0], w.shape[0]), dtype=out_dtype)
+
+    def gemm(xq, x_scale, w, w_scale, bias, out_dtype):
+        return (custom if torch.compiler.is_compiling() else impl)(xq, x_scale, w, w_scale, bias, out_dtype)
+
+    return gemm
+
+
 # --------------------------------------------------------------------------- argument checks
 def use_triton(backend: str, t: torch.Tensor) -> bool:
     """Resolve ``backend`` ("auto" | "triton" | "torch") for tensor ``t``: "auto" takes Triton

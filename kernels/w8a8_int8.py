@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-# BACKENDS, IN_DTYPES, OUT_DTYPES and M_BUCKETS are unused here, re-exported because they were
-# defined in this module before the shared kernel moved to scaled_mm.py.
+# BACKENDS, IN_DTYPES, OUT_DTYPES, M_BUCKETS, m_bucket and scaled_mm_triton are unused here,
+# re-exported because they were defined in this module before the shared kernel moved to
+# scaled_mm.py.
 from optllm.kernels.scaled_mm import (  # noqa: F401
     BACKENDS,
     IN_DTYPES,
@@ -31,6 +32,7 @@ from optllm.kernels.scaled_mm import (  # noqa: F401
     div_rn,
     interpreting,
     m_bucket,
+    register_gemm_op,
     row_kernel_launch_params,
     scaled_mm_ref,
     scaled_mm_triton,
@@ -119,17 +121,8 @@ def _quantize_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scale
 
 
-def _gemm_impl(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    m, k = xq.shape
-    n = w.shape[0]
-    cfg = INT8_CONFIGS.get((m_bucket(m), n, k)) or default_int8_config(m_bucket(m), n, k)
-    return scaled_mm_triton(xq, x_scale, w, w_scale, bias, out_dtype, cfg)
-
-
 # Registered so torch.compile sees through them; eager calls skip the dispatcher (~10 us each).
 _quantize_custom = torch.library.custom_op("optllm::quantize_per_token_int8", _quantize_impl, mutates_args=())
-_gemm_custom = torch.library.custom_op("optllm::w8a8_int8_gemm", _gemm_impl, mutates_args=())
 
 
 @_quantize_custom.register_fake
@@ -137,17 +130,11 @@ def _(x):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
-@_gemm_custom.register_fake
-def _(xq, x_scale, w, w_scale, bias, out_dtype):
-    return xq.new_empty((xq.shape[0], w.shape[0]), dtype=out_dtype)
-
-
 def _quantize_op(x):
     return (_quantize_custom if torch.compiler.is_compiling() else _quantize_impl)(x)
 
 
-def _gemm_op(xq, x_scale, w, w_scale, bias, out_dtype):
-    return (_gemm_custom if torch.compiler.is_compiling() else _gemm_impl)(xq, x_scale, w, w_scale, bias, out_dtype)
+_gemm_op = register_gemm_op("w8a8_int8_gemm", INT8_CONFIGS, default_int8_config)
 
 
 # --------------------------------------------------------------------------- public API
