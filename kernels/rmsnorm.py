@@ -1,0 +1,143 @@
+"""RMSNorm, optionally fused with the residual add, with the numerics of HF's LlamaRMSNorm.
+
+    h = x + residual                        (in x.dtype: that rounding is new_residual)
+    out = weight * (h32 * rsqrt(mean(h32^2) + eps)).to(x.dtype)   h32 = h in float32
+
+Rows are all leading dims of x [..., H]; each row is one program's (or, for small H, a few
+rows share one program). The row addressing is two-level (outer, inner), so a
+[T, heads, head_dim] view whose tokens are not contiguous with each other (Qwen3's per-head
+q/k norm on a slice of the fused qkv output) is read in place; only the last dim must have
+unit stride. Outputs are new contiguous tensors of x's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import interpreting
+
+BACKENDS = ("auto", "triton", "torch")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_H = 16384
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (plain Python: triton.next_power_of_2 and triton.cdiv
+    go through the JIT's call path, microseconds per launch)."""
+    return 1 << (n - 1).bit_length()
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, R, H, inner,
+                     sx_o, sx_i, sr_o, sr_i, eps,
+                     HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """grid (cdiv(R, BLOCK_R),): rows [pid * BLOCK_R, +BLOCK_R); row r lives at
+    (r // inner) * s_o + (r % inner) * s_i; out / res_out are contiguous [R, H]."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    mask = (rows < R)[:, None] & col_mask[None, :]
+    outer = rows // inner
+    in_row = rows % inner
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + (outer * sx_o + in_row * sx_i)[:, None] + cols[None, :], mask=mask, other=0.0)
+    dst = rows[:, None] * H + cols[None, :]
+    if HAS_RES:
+        r = tl.load(r_ptr + (outer * sr_o + in_row * sr_i)[:, None] + cols[None, :], mask=mask, other=0.0)
+        # one rounding of the exact-in-fp32-or-nearly sum: what torch's x + r does in x.dtype
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + dst, h, mask=mask)
+        v = h.to(tl.float32)
+    else:
+        v = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)
+    normed = (v * rstd[:, None]).to(dtype)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+    # a product of two 16-bit floats is exact in fp32: one rounding, as torch's bf16 multiply
+    tl.store(out_ptr + dst, (normed.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype), mask=mask)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None):
+    """HF LlamaRMSNorm (after the decoder layer's residual add when residual is given):
+    out [..., H] in x.dtype, or (out, x + residual) with residual."""
+    h = x if residual is None else x + residual
+    v = h.float()
+    v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * v.to(x.dtype)
+    return out if residual is None else (out, h)
+
+
+def _rows(t: torch.Tensor, name: str):
+    """t [..., H] as (t with <= 3 dims, rows per outer index, outer stride, inner stride)."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must have unit stride, got strides {tuple(t.stride())}")
+    if t.dim() > 3:
+        t = t.reshape(-1, t.shape[-2], t.shape[-1])  # a view whenever the leading dims merge
+    if t.dim() == 3:
+        return t, t.shape[1], t.stride(0), t.stride(1)
+    if t.dim() == 2:
+        return t, 1, t.stride(0), 0
+    return t, 1, 0, 0
+
+
+def _launch(x, weight, eps, residual):
+    H = x.shape[-1]
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    res_out = torch.empty_like(out) if residual is not None else out
+    R = x.numel() // H
+    if R == 0:
+        return out, res_out
+    x3, inner, sx_o, sx_i = _rows(x, "x")
+    if residual is not None:
+        residual, _, sr_o, sr_i = _rows(residual, "residual")  # x's shape: the same inner
+    else:
+        sr_o = sr_i = 0
+    block_h = _pow2(H)
+    # small H: several rows per program, while keeping >= ~256 programs when R allows
+    block_r = max(1, min(2048 // block_h, _pow2(-(-R // 256))))
+    num_warps = min(16, max(1, block_r * block_h // 256))
+    _rms_norm_kernel[(-(-R // block_r),)](
+        x3, x3 if residual is None else residual, weight, out, res_out, R, H, inner,
+        sx_o, sx_i, sr_o, sr_i, eps, HAS_RES=residual is not None,
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps)
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None,
+             backend: str = "auto") -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """RMSNorm of each row of x [..., H] (H <= 16384; last dim unit-stride, rows any
+    strides that two levels describe, e.g. [T, heads, head_dim] views of a fused qkv).
+
+    weight [H] in x.dtype; eps added to the mean square. With residual [..., H] (x's shape
+    and dtype): returns (out, new_residual) where new_residual = x + residual in x.dtype and
+    out is the norm of it, both contiguous; else returns out. Numerics as HF LlamaRMSNorm.
+    backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
+    if x.dim() == 0 or x.dtype not in DTYPES or not 0 < x.shape[-1] <= MAX_H:
+        raise ValueError(f"x: must be a bf16/fp16/fp32 tensor [..., H] with 0 < H <= {MAX_H}, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype:
+        raise ValueError(f"weight: must be {x.dtype} of shape ({x.shape[-1]},), got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual: must be {x.dtype} of shape {tuple(x.shape)}, got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+    triton_ok = x.is_cuda or interpreting()
+    if backend == "auto":
+        backend = "triton" if triton_ok else "torch"
+    if backend == "torch":
+        return rms_norm_ref(x, weight, eps, residual)
+    if not triton_ok:
+        raise ValueError(f"backend: 'triton' needs x on CUDA or TRITON_INTERPRET=1, got {x.device}")
+    if weight.stride(0) != 1:
+        weight = weight.contiguous()
+    out, res_out = _launch(x, weight, eps, residual)
+    return out if residual is None else (out, res_out)
