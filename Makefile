@@ -1,6 +1,8 @@
 # One entry point per job; the README's commands call these.
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
+RUFF ?= .venv/bin/ruff
+LINT_IMPORTS ?= .venv/bin/lint-imports
 SMOKE_OUT ?= out/smol-awq
 
 .PHONY: setup demo test
@@ -17,5 +19,8 @@ demo: setup
 	$(PY) -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --num-samples 16 --seq-len 256 --out $(SMOKE_OUT) --overwrite
 	$(PY) -m optllm eval smollm2-135m $(SMOKE_OUT) --ppl --max-windows 8 --out $(SMOKE_OUT)-report
 
+# style (ruff) and the layering contract of DESIGN.md (lint-imports, pyproject.toml) first
 test: setup
+	$(RUFF) check .
+	$(LINT_IMPORTS)
 	$(PY) -m pytest -q -m "not gpu"

@@ -20,7 +20,6 @@ from optllm.benchmarks.common import ROT, SHAPES, parse_shapes, rotated_us
 from optllm.kernels import nvfp4 as nvk
 
 
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
@@ -52,7 +51,8 @@ def main():
             rows.append(r)
             print(f"| {sname} | {m} | {r['cublas_bf16']:.1f} | {r['fused']:.1f} | {r['dequant']:.1f} "
                   f"| {r['dequant_pass']:.1f} |", flush=True)
-        del wf, ws
+        for held in (wf, ws):  # this shape's weights, before the next shape's
+            held.clear()
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_nvfp4.json").write_text(json.dumps(rows, indent=1))

@@ -123,11 +123,17 @@ def main():
             r["err_w4a16"] = rel(ops["ours_w4a16"](0), ref4) if not a.ops or "ours_w4a16" in a.ops else 0.0
             r["err_int8"] = rel(ops["ours_int8"](0), i8k.w8a8_int8_linear_ref(x, i8[0]))
             r["err_fp8"] = rel(ops["ours_fp8"](0), fp8k.fp8_linear_ref(x, f8[0]))
-            r["err_nvfp4"] = 0.0 if a.ops and "ours_nvfp4" not in a.ops else rel(ops["ours_nvfp4"](0), x.float() @ nvfp4k.dequantize_nvfp4(*nv[0].checkpoint_tensors(), torch.float32).t())
+            if a.ops and "ours_nvfp4" not in a.ops:
+                r["err_nvfp4"] = 0.0
+            else:
+                ref_nv = x.float() @ nvfp4k.dequantize_nvfp4(*nv[0].checkpoint_tensors(), torch.float32).t()
+                r["err_nvfp4"] = rel(ops["ours_nvfp4"](0), ref_nv)
             for name, op in ops.items():
                 if a.ops and name not in a.ops.split(","):
                     continue
-                fn = lambda op=op: [op(i) for i in range(ROT)]
+                def fn(op=op):
+                    return [op(i) for i in range(ROT)]
+
                 try:
                     fn()
                     r[name] = bench(fn)
@@ -141,7 +147,8 @@ def main():
             r["floor_8bit"] = floor_us(m, n, k, 1, extra_w=n * 4, act_bytes=2)
             rows.append(r)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
-        del wf, w4, w4p, tg, i8, f8, nv
+        for held in (wf, w4, w4p, tg, i8, f8, nv):  # this shape's weights, before the next shape's
+            held.clear()
         torch.cuda.empty_cache()
 
     a.out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,6 @@ from optllm.kernels.w4a16_configs import W4A16Config
 from optllm.quant.config import QuantizeConfig
 from optllm.quant.pipeline import quantize
 
-
 KERNEL_PATHS = {
     "table": None,
     "gemv": W4A16Config(16, 64, 128, 4, 4, 1, gemv=True),
@@ -79,7 +78,8 @@ def main() -> None:
                          "quant_seconds": time.perf_counter() - t0, "peak_memory_bytes": rep.peak_memory_bytes,
                          "peak_memory_kind": rep.peak_memory_kind,
                          "mean_layer_error": sum(s.rel_error for s in rep.layers) / len(rep.layers)})
-            print(f"{name}: {runs[-1]['quant_seconds']:.1f} s, layer err {runs[-1]['mean_layer_error']:.4f}", flush=True)
+            last = runs[-1]
+            print(f"{name}: {last['quant_seconds']:.1f} s, layer err {last['mean_layer_error']:.4f}", flush=True)
 
     rows = evaluate_ppl([a.model] + [r["dir"] for r in runs], dtype=a.eval_dtype, device=dev, progress=False)
     fp = rows[0].ppl
@@ -104,8 +104,10 @@ def main() -> None:
     for r in runs:
         rtn = next(x for x in runs if x["bits"] == r["bits"] and x["algo"] == "rtn")
         closed = "–" if r["algo"] == "rtn" else f"{100 * (rtn['ppl'] - r['ppl']) / (rtn['ppl'] - fp):.0f}%"
-        lines.append(f"| {r['scheme']} | {a.group_size} | {r['ppl']:.4f} | {r['ppl'] - fp:+.4f} ({100 * (r['ppl'] / fp - 1):+.1f}%) "
-                     f"| {closed} | {r['quant_seconds']:.1f} | {r['peak_memory_bytes'] / 2**20:.0f} MiB ({r['peak_memory_kind']}) |")
+        delta = f"{r['ppl'] - fp:+.4f} ({100 * (r['ppl'] / fp - 1):+.1f}%)"
+        memory = f"{r['peak_memory_bytes'] / 2**20:.0f} MiB ({r['peak_memory_kind']})"
+        lines.append(f"| {r['scheme']} | {a.group_size} | {r['ppl']:.4f} | {delta} "
+                     f"| {closed} | {r['quant_seconds']:.1f} | {memory} |")
     if a.kernels:
         paths = list(KERNEL_PATHS)
         lines += ["", "| scheme | ppl bf16 dequant | " + " | ".join(f"kernels: {p}" for p in paths)

@@ -30,7 +30,6 @@ from optllm.kernels import w8a8_int8 as i8k
 from optllm.kernels.scaled_mm import GemmConfig, m_bucket, scaled_mm_ref, scaled_mm_triton
 
 
-
 def candidates(kind: str, m: int) -> list[GemmConfig]:
     C = GemmConfig
     out = []

@@ -8,7 +8,8 @@ For each (shape, M) every candidate config of kernels/w4a16_configs.W4A16Config 
 as benchmarks/gemm.py times it (CUDA-graph replay, 4 weight copies rotated, sym g128,
 bf16), the best is checked against the float32 reference, and the winners are printed as
 entries for W4A16_CONFIGS. --only FLAG (a W4A16Config flag such as gemv) times just the
-candidates with that flag set, beside the table's current entry. Candidates that fail to compile (shared memory) are skipped.
+candidates with that flag set, beside the table's current entry. Candidates that fail to
+compile (shared memory) are skipped.
 Stops sweeping when the time budget is spent and reports what it has.
 """
 

@@ -34,14 +34,20 @@ def quantize(
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
     group_size: Optional[str] = typer.Option(None, help="32, 64, 128 or 'channel' [default 128]"),
     asym: Optional[bool] = typer.Option(None, "--asym/--sym", help="asymmetric grid with zero points [default sym]"),
-    actorder: Optional[bool] = typer.Option(None, "--actorder/--no-actorder", help="GPTQ act-order with static groups [default: on for gptq]"),
+    actorder: Optional[bool] = typer.Option(
+        None, "--actorder/--no-actorder", help="GPTQ act-order with static groups [default: on for gptq]"
+    ),
     calib: Optional[str] = typer.Option(None, help="builtin | self | FILE.txt/.jsonl/.parquet | hub dataset"),
     num_samples: Optional[int] = typer.Option(None, help="calibration sequences [default 128]"),
     seq_len: Optional[int] = typer.Option(None, help="tokens per calibration sequence [default 512]"),
     seed: Optional[int] = typer.Option(None, help="calibration sampling seed [default 0]"),
-    ignore: Optional[list[str]] = typer.Option(None, help="module names or re:patterns left unquantized [default lm_head]"),
+    ignore: Optional[list[str]] = typer.Option(
+        None, help="module names or re:patterns left unquantized [default lm_head]"
+    ),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda[:N]"),
-    dtype: Optional[str] = typer.Option(None, help="checkpoint dtype of scales/unquantized tensors: bfloat16 | float16"),
+    dtype: Optional[str] = typer.Option(
+        None, help="checkpoint dtype of scales/unquantized tensors: bfloat16 | float16"
+    ),
     recipe: Optional[Path] = typer.Option(None, help="YAML file with any of these fields"),
     overwrite: bool = typer.Option(False, help="replace OUT if it exists"),
 ) -> None:
@@ -97,7 +103,6 @@ def eval_cmd(
     text: Optional[Path] = typer.Option(None, help="a .txt file to measure perplexity on instead"),
     seq_len: int = typer.Option(512, help="tokens per window"),
     max_windows: Optional[int] = typer.Option(None, help="cap on windows (same for every model)"),
-    batch_size: int = typer.Option(4),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N]"),
     dtype: str = typer.Option("float32", help="compute dtype: float32 | bfloat16 | float16"),
     kernels: bool = typer.Option(False, "--kernels/--dequant", help="run quantized linears on the W4A16 kernels"),
@@ -106,7 +111,7 @@ def eval_cmd(
     """Measure checkpoints side by side and write one report."""
     from ..eval.evaluate import evaluate_ppl
     from ..eval.report import markdown_table, write_report
-    from ..quant.pipeline import resolve_device
+    from ..hub.loader import resolve_device
 
     if not ppl:
         _fail("nothing to measure: only --ppl is available so far")
@@ -115,14 +120,107 @@ def eval_cmd(
     try:
         dev = str(resolve_device(device))
         rows = evaluate_ppl(models, text=str(text) if text else None, seq_len=seq_len, max_windows=max_windows,
-                            batch_size=batch_size, dtype=dtype, device=dev,
-                            linear="kernel" if kernels else "dequant")
-    except UserError as e:
+                            dtype=dtype, device=dev, linear="kernel" if kernels else "dequant")
+    except (UserError, ValueError) as e:
         _fail(str(e))
     typer.echo(markdown_table(rows))
     if out is not None:
         write_report(rows, out)
         typer.echo(f"report written to {out}")
+
+
+def _engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager) -> dict:
+    return dict(device=device, dtype=dtype, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+                enforce_eager=enforce_eager)
+
+
+_DEVICE = typer.Option("auto", help="auto | cpu | cuda[:N]")
+_DTYPE = typer.Option("auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
+_MAX_LEN = typer.Option(None, "--max-model-len", help="prompt + output tokens per sequence [default: the model's]")
+_KV = typer.Option("auto", "--kv-cache-dtype", help="auto | fp8")
+_EAGER = typer.Option(False, "--enforce-eager", help="no CUDA graphs")
+
+
+def _sampling(max_tokens, temperature, top_p, top_k, seed):
+    from ..runtime.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+
+def _stream_to_terminal(stream) -> None:
+    shown, last = "", None
+    for out in stream:
+        text = out.outputs[0].text
+        typer.echo(text[len(shown):], nl=False)
+        shown, last = text, out
+    typer.echo("")
+    if last is not None and last.outputs[0].finish_reason == "length":
+        typer.echo("[stopped at --max-tokens]", err=True)
+
+
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="model folder, built-in alias or optllm checkpoint"),
+    prompt: str = typer.Argument(..., help="the prompt (plain text, no chat template)"),
+    max_tokens: int = typer.Option(128, help="output tokens at most"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0, help="0 = off"),
+    seed: Optional[int] = typer.Option(None),
+    device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
+    kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER,
+) -> None:
+    """Complete PROMPT with MODEL on the optllm runtime, streaming to the terminal."""
+    from ..runtime.llm import LLM
+
+    try:
+        params = _sampling(max_tokens, temperature, top_p, top_k, seed)
+        llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager))
+        _stream_to_terminal(llm.stream(prompt, params))
+    except (UserError, ValueError) as e:
+        _fail(str(e))
+
+
+@app.command()
+def chat(
+    model: str = typer.Argument(..., help="model folder, built-in alias or optllm checkpoint"),
+    system: Optional[str] = typer.Option(None, help="a system message"),
+    max_tokens: int = typer.Option(512, help="output tokens per answer at most"),
+    temperature: float = typer.Option(0.7),
+    top_p: float = typer.Option(0.9),
+    top_k: int = typer.Option(0, help="0 = off"),
+    seed: Optional[int] = typer.Option(None),
+    device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
+    kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER,
+) -> None:
+    """Multi-turn chat in the terminal with the model's chat template (empty line or Ctrl-D ends)."""
+    from ..runtime.llm import LLM
+
+    try:
+        params = _sampling(max_tokens, temperature, top_p, top_k, seed)
+        llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager))
+        if not getattr(llm.tokenizer, "chat_template", None):
+            _fail(f"{model} has no chat template; use `optllm generate` for plain completion")
+        history = [{"role": "system", "content": system}] if system else []
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            typer.echo("model> ", nl=False)
+            final = None
+            shown = ""
+            for out in llm.stream(llm.chat_prompt(history), params):
+                text = out.outputs[0].text
+                typer.echo(text[len(shown):], nl=False)
+                shown, final = text, out
+            typer.echo("")
+            history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
+    except (UserError, ValueError) as e:
+        _fail(str(e))
 
 
 @app.command()

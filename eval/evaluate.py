@@ -1,15 +1,19 @@
-"""`optllm eval`: measure checkpoints side by side (perplexity now; speed and tasks later)."""
+"""`optllm eval`: measure checkpoints side by side (perplexity now; speed and tasks later).
+
+Every model runs on the serving runtime (optllm.LLM), so a checkpoint's numbers are those
+of the model that `optllm serve` would serve.
+"""
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ..hub.loader import load_model, resolve_model
-from ..quant.load import is_quantized_folder, load_quantized
+from ..runtime.llm import LLM
+from ..runtime.loader import checkpoint_kind
 from .perplexity import eval_token_stream, perplexity, text_token_stream
 
 
@@ -24,45 +28,32 @@ class EvalRow:
     seconds: float
 
 
-def describe(folder: Path) -> str:
-    import json
-
-    rep = folder / "optllm-report.json"
-    if rep.is_file():
-        return json.loads(rep.read_text()).get("scheme", "quantized")
-    return "quantized" if is_quantized_folder(folder) else "float"
-
-
-def load_any(model: str, dtype: str, device: str, linear: str = "dequant"):
-    """Float or quantized model folder / alias -> (model, tokenizer, label)."""
-    folder = resolve_model(model)
-    if is_quantized_folder(folder):
-        m, tok, _ = load_quantized(folder, dtype=dtype, device=device, linear=linear)
-    else:
-        m, tok, _ = load_model(folder, dtype=dtype, device=device)
-    return m, tok, describe(folder)
-
-
 def evaluate_ppl(
     models: list[str],
     text: str | None = None,
     seq_len: int = 512,
     max_windows: int | None = None,
-    batch_size: int = 4,
     dtype: str = "float32",
     device: str = "cpu",
     linear: str = "dequant",
     progress: bool = True,
 ) -> list[EvalRow]:
-    """Perplexity of each model on the same token stream and windows."""
+    """Perplexity of each model on the same token stream and windows.
+
+    linear: "dequant" runs quantized weights dequantized (the values vLLM / HF give),
+    "kernel" on the W4A16 kernels (their torch reference on CPU)."""
     rows = []
     for name in models:
         t0 = time.perf_counter()
-        m, tok, kind = load_any(name, dtype, device, linear)
+        llm = LLM(name, device=device, dtype=dtype, quantized_linear=linear, max_model_len=seq_len,
+                  max_num_seqs=64, enforce_eager=True)
+        tok = llm.tokenizer
         ids = text_token_stream(tok, text) if text else eval_token_stream(tok)
-        r = perplexity(m, ids, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, progress=progress)
+        r = perplexity(llm, ids, seq_len=seq_len, max_windows=max_windows, progress=progress)
+        kind = checkpoint_kind(llm.engine.source.folder)
         rows.append(EvalRow(name, kind, r.ppl, r.nll_mean, r.num_tokens, r.num_windows, time.perf_counter() - t0))
-        del m
+        del llm
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows

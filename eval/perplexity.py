@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from .corpus import builtin_eval_text
+from ..hub.corpus import builtin_eval_text
 
 _LOSS_CHUNK_ELEMENTS = 1 << 25  # rows * vocab per float32 log-softmax chunk: 128 MiB
 
@@ -49,11 +49,13 @@ def perplexity(
 ) -> PerplexityResult:
     """Perplexity of ``model`` on ``input_ids`` (LongTensor [T], one stream).
 
-    model: any HF-style causal LM, ``model(input_ids=[B, s]).logits`` -> [B, s, V]; it
-    runs on its own device under ``torch.inference_mode``, ``batch_size`` windows at a
-    time. The loss is computed in float32 (accumulated in float64), in row chunks so the
-    float32 copy of the logits stays small. stride: see the module docstring (None = s).
-    max_windows: use only the first windows. progress: show a tqdm bar.
+    model: an ``optllm.LLM`` (the serving runtime: what is measured is what is served;
+    every window is one request whose prompt log-probs -- float32 log-softmax of the
+    runtime's logits -- are scored, the engine batching them), or any HF-style causal LM,
+    ``model(input_ids=[B, s]).logits`` -> [B, s, V], run ``batch_size`` windows at a time
+    under ``torch.inference_mode`` with the loss in float32 in row chunks. Sums are
+    accumulated in float64. stride: see the module docstring (None = s). max_windows: use
+    only the first windows. progress: show a tqdm bar.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
         raise UserError("input_ids must be a 1-D LongTensor (one token stream)")
@@ -71,6 +73,9 @@ def perplexity(
         raise UserError(f"the token stream has {total} tokens, fewer than seq_len={seq_len}")
 
     starts = window_starts(total, seq_len, stride, max_windows)
+    if hasattr(model, "engine"):
+        nll, count = _runtime_nll(model, input_ids, starts, seq_len, stride, progress)
+        return PerplexityResult(math.exp(nll / count), nll / count, count, len(starts), seq_len, stride)
     device = _model_device(model)
     ids = input_ids.to(torch.int64)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)  # one host sync, at the end
@@ -103,6 +108,23 @@ def perplexity(
     )
 
 
+def _runtime_nll(llm, input_ids, starts, seq_len, stride, progress) -> tuple[float, int]:
+    """(sum of -log p over the scored tokens, their count) with the runtime's prompt log-probs."""
+    from ..runtime.sampling_params import SamplingParams
+
+    ids = input_ids.tolist()
+    windows = [ids[s:s + seq_len] for s in starts]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate(windows, params, use_tqdm=progress)
+    nll, count = 0.0, 0
+    for start, window, out in zip(starts, windows, outs):
+        lps = out.prompt_logprobs
+        for p in range(scored_from(start, seq_len, stride), seq_len):
+            nll -= lps[p][window[p]]
+            count += 1
+    return nll, count
+
+
 def window_starts(total: int, seq_len: int, stride: int, max_windows: int | None = None) -> list[int]:
     """Start offsets of the full windows of a stream of ``total`` tokens."""
     starts = list(range(0, total - seq_len + 1, stride))
@@ -115,7 +137,7 @@ def scored_from(start: int, seq_len: int, stride: int) -> int:
 
 
 def eval_token_stream(tokenizer) -> torch.Tensor:
-    """The held-out built-in corpus (eval/corpus.builtin_eval_text) as LongTensor [T].
+    """The held-out built-in corpus (hub/corpus.builtin_eval_text) as LongTensor [T].
 
     Tokenized as one text with no special tokens at all (no BOS, no EOS): documents are
     separated by the blank lines of the text, so the stream is the same whatever the

@@ -15,7 +15,9 @@ def markdown_table(rows: list, baseline: float | None = None) -> str:
     lines = []
     for r in rows:
         delta = f"{100 * (r.ppl / base - 1):+.2f}%" if base else "–"
-        lines.append(f"| {r.model} | {r.kind} | {r.ppl:.4f} | {delta} | {r.num_tokens} | {r.num_windows} | {r.seconds:.1f} |")
+        lines.append(
+            f"| {r.model} | {r.kind} | {r.ppl:.4f} | {delta} | {r.num_tokens} | {r.num_windows} | {r.seconds:.1f} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 

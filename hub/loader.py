@@ -33,6 +33,18 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_device(name: str) -> torch.device:
+    """"auto" (cuda when available), "cpu", "cuda", "cuda:N"; UserError when CUDA is asked for but absent."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={name!r} was asked for but CUDA is not available; use --device cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}; allowed: auto, cpu, cuda, cuda:N") from None
+
+
 def resolve_model(model: str | os.PathLike) -> Path:
     """Return a local HF folder for MODEL: a folder, a built-in alias, or a hub id (if reachable)."""
     path = Path(model).expanduser()
@@ -59,7 +71,9 @@ def _hub_folder(repo_id: str) -> Path:
 
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as e:  # offline, unknown repo, auth: all the same to the user
-        raise UserError(f"model {repo_id!r} is not a local folder and could not be fetched from the hub ({type(e).__name__})") from None
+        raise UserError(
+            f"model {repo_id!r} is not a local folder and could not be fetched from the hub ({type(e).__name__})"
+        ) from None
 
 
 def _builtin_folder(alias: str) -> Path:
@@ -128,7 +142,7 @@ def load_model(
 ):
     """Load MODEL as (transformers causal LM in eval mode, tokenizer, local folder).
 
-    A quantized optllm folder is handled by optllm.quant.checkpoint.load_quantized instead.
+    A quantized optllm folder is served by the runtime instead (optllm.LLM).
     """
     from transformers import AutoModelForCausalLM
 
@@ -136,7 +150,7 @@ def load_model(
     config = load_config(folder)
     check_architecture(config)
     if getattr(config, "quantization_config", None):
-        raise UserError(f"{folder} is already quantized; load it with optllm.quant.load_quantized")
+        raise UserError(f"{folder} is already quantized; serve it with optllm.LLM / `optllm generate`")
     try:
         m = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype))
     except Exception as e:  # corrupt safetensors, missing shards, wrong shapes

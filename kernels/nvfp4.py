@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from optllm.kernels.common import grouped_tile, interpreting
+
 # GROUP, FP4_MAX, FP8_MAX, nvfp4_global_scale, quantize_nvfp4 and nvfp4_w4a4_linear_ref are
 # unused here, re-exported so the format's public API stays importable from this module.
 from optllm.kernels.nvfp4_format import (  # noqa: F401
@@ -41,7 +43,6 @@ from optllm.kernels.nvfp4_format import (  # noqa: F401
     nvfp4_w4a4_linear_ref,
     quantize_nvfp4,
 )
-from optllm.kernels.common import grouped_tile, interpreting
 
 _BACKENDS = ("auto", "triton", "torch")
 

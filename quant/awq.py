@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..formats.args import QuantArgs
 from . import observers
 from .mappings import BlockMapping, SmoothMapping
-from .scheme import QuantArgs
 from .sequential import BlockInputs, _to, capture_inputs, run_block
 
 
@@ -185,7 +185,7 @@ def awq_block(
         todo.append((m, s))
         result.ratios[m.smooth] = alpha
         result.loss_gain[m.smooth] = gain
-    del captured
+    captured.clear()  # the block's activations: free them before the clip search
     for m, s in todo:
         apply_scales(layer, m, s)
     if opts.clip:

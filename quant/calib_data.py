@@ -2,7 +2,7 @@
 
 Sources (``--calib``):
 
-- ``"builtin"`` (default): the calibration part of the built-in corpus (eval/corpus.py);
+- ``"builtin"`` (default): the calibration part of the built-in corpus (hub/corpus.py);
 - a local file: ``.txt`` (the whole file is one document; blank lines stay text),
   ``.jsonl`` (a ``"text"`` field per line) or ``.parquet`` (a ``"text"`` column), the
   last two read through ``datasets``;
@@ -123,10 +123,11 @@ def _documents(source: str):
     if source == "builtin":
         import platform
 
-        from ..eval.corpus import builtin_texts
+        from ..hub.corpus import builtin_texts
 
         docs = builtin_texts("calib")
-        return docs, f"builtin: Python {platform.python_version()} docs (pydoc_data.topics), calib part, {len(docs)} docs"
+        desc = f"builtin: Python {platform.python_version()} docs (pydoc_data.topics), calib part, {len(docs)} docs"
+        return docs, desc
     path = Path(source).expanduser()
     if path.suffix.lower() in FILE_SUFFIXES:
         if not path.is_file():
@@ -281,7 +282,9 @@ def _self_stream(model, tokenizer, needed: int, seq_len: int, seed: int):
     device = next(model.parameters()).device
     parts: list[torch.Tensor] = []
     total, k = 0, 0
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices), torch.inference_mode():
         torch.manual_seed(seed)
         for _ in range(max_rounds):

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.args import QuantArgs
+from ..formats.qweight import QuantizedWeight
 from . import observers
-from .qweight import QuantizedWeight
-from .scheme import QuantArgs
 
 # Each failed Cholesky multiplies the relative dampening by this; after this many tries the
 # Hessian is beyond repair (non-finite entries, or not a Hessian at all).
@@ -102,8 +102,9 @@ def gptq_quantize(
     fraction of its mean (grown with a warning if the Cholesky still fails).
     ``block_size`` columns are updated lazily together (the result does not depend on it
     beyond float rounding: a group's grid is set from its columns' weights as updated so far,
-    including updates still pending inside the current block). Scales are rounded to ``scale_dtype`` (default w.dtype) before
-    any code is chosen, so the codes are optimal for the grid the checkpoint stores.
+    including updates still pending inside the current block). Scales are rounded to
+    ``scale_dtype`` (default w.dtype) before any code is chosen, so the codes are optimal for
+    the grid the checkpoint stores.
 
     Returns the QuantizedWeight (codes, scales, zeros in the natural column order) and the
     GPTQ loss ½ Σ (w - ŵ)² / [H_F⁻¹]_qq over all columns, which equals
@@ -119,7 +120,9 @@ def _check_inputs(w: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, block
     k = w.shape[1]
     args.groups(k)
     if tuple(hessian.shape) != (k, k):
-        raise ValueError(f"hessian shape {tuple(hessian.shape)} does not match the weight's in_features: expected ({k}, {k})")
+        raise ValueError(
+            f"hessian shape {tuple(hessian.shape)} does not match the weight's in_features: expected ({k}, {k})"
+        )
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be a positive number of columns")
     if not dampening >= 0:

@@ -1,9 +1,9 @@
-"""Min-max observer and the integer quantize / dequantize maths every algorithm shares.
+"""Min-max observer: the grid (scale, zero point) a weight's range gives, and fake quantization.
 
 Conventions (compressed-tensors compatible): signed grid [qmin, qmax];
 symmetric scale = absmax / ((qmax - qmin) / 2), zero = 0;
 asymmetric scale = (max - min) / (qmax - qmin), zero = round(qmin - min / scale);
-q = clamp(round(w / scale) + zero, qmin, qmax); w' = (q - zero) * scale.
+q = clamp(round(w / scale) + zero, qmin, qmax); w' = (q - zero) * scale (formats/grid.py).
 Scales are computed in float32; callers cast to the checkpoint dtype.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .scheme import QuantArgs
+from ..formats.args import QuantArgs
+from ..formats.grid import dequantize, quantize
 
 
 def _grouped(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
@@ -54,40 +55,6 @@ def minmax_qparams(
     if clip_ratio is not None:
         wmin, wmax = wmin * clip_ratio, wmax * clip_ratio
     return qparams_from_minmax(wmin, wmax, args)
-
-
-def expand_groups(t: torch.Tensor, in_features: int) -> torch.Tensor:
-    """[N, groups] -> [N, K] by repeating each group's value over its columns."""
-    return t.repeat_interleave(in_features // t.shape[1], dim=1)
-
-
-def quantize(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, args: QuantArgs
-) -> torch.Tensor:
-    """Weight [N, K] -> int8 codes [N, K] in [qmin, qmax]. scale/zero are [N, groups]."""
-    k = w.shape[1]
-    s = expand_groups(scale.float(), k)
-    q = torch.round(w.float() / s)
-    if zero is not None:
-        q = q + expand_groups(zero.float(), k)
-    return torch.clamp(q, args.qmin, args.qmax).to(torch.int8)
-
-
-def dequantize(
-    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """int8 codes [N, K] -> float weight (q - zero) * scale, in dtype (default scale's dtype).
-
-    The product is taken in the scale's own dtype, as compressed-tensors and vLLM do, so a
-    checkpoint dequantizes to the same bits everywhere.
-    """
-    k = q.shape[1]
-    s = expand_groups(scale, k)
-    qf = q.to(s.dtype)
-    if zero is not None:
-        qf = qf - expand_groups(zero, k).to(s.dtype)
-    out = qf * s
-    return out if dtype is None else out.to(dtype)
 
 
 def fake_quantize(

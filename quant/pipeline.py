@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..hub.loader import check_architecture, load_config, load_model, parse_dtype, resolve_model
+from ..formats.compressed_tensors import check_writable, matches, save_quantized
+from ..formats.qweight import QuantizedWeight
+from ..hub.loader import check_architecture, load_config, load_model, parse_dtype, resolve_device, resolve_model
 from . import awq as awq_mod
 from .calib_data import load_calibration
-from .checkpoint import check_writable, matches, save_quantized
 from .config import QuantizeConfig
 from .gptq import HessianAccumulator, gptq_quantize
 from .mappings import block_linears, block_mapping
-from .qweight import QuantizedWeight
 from .rtn import rtn_quantize
 from .sequential import capture_block_inputs, capture_inputs, decoder_layers, on_device, run_block
 
@@ -65,14 +65,6 @@ class QuantizeReport:
             "blocks": [vars(b) for b in self.blocks],
             "out": self.out,
         }
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={name!r} was asked for but CUDA is not available; use --device cpu")
-    return torch.device(name)
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:

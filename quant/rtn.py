@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.args import QuantArgs
+from ..formats.grid import quantize
+from ..formats.qweight import QuantizedWeight
 from . import observers
-from .qweight import QuantizedWeight
-from .scheme import QuantArgs
 
 
 def rtn_quantize(
@@ -22,5 +23,5 @@ def rtn_quantize(
     """
     scale, zero = observers.minmax_qparams(w, args, clip_ratio)
     scale = scale.to(scale_dtype or w.dtype)
-    q = observers.quantize(w, scale, zero, args)
+    q = quantize(w, scale, zero, args)
     return QuantizedWeight(q=q, scale=scale, zero=zero, args=args)

@@ -11,6 +11,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, every Triton kernel of the session runs on the CPU interpreter. Set here,
+# before any test module imports triton (which reads it when a kernel is defined), so what
+# a test runs does not depend on which files were collected first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -20,7 +25,7 @@ def tiny_tokenizer(vocab_size: int = 320, eos: str = "</s>", docs: int | None = 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from optllm.eval.corpus import builtin_texts
+    from optllm.hub.corpus import builtin_texts
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -3,8 +3,6 @@
 import subprocess
 import sys
 
-import pytest
-
 
 def run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "optllm", *args], capture_output=True, text=True, env=env)
@@ -12,7 +10,7 @@ def run(*args, env=None):
 
 def _one_clear_line(r, pattern):
     assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and pattern in lines[0], r.stderr
     assert "Traceback" not in r.stderr
 
@@ -45,7 +43,7 @@ def test_corrupt_checkpoint_in_eval(tiny_llama, tmp_path):
 
     shutil.copytree(tiny_llama, tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").write_bytes(b"garbage")
-    _one_clear_line(run("eval", str(tmp_path / "m"), "--ppl"), "cannot load the weights")
+    _one_clear_line(run("eval", str(tmp_path / "m"), "--ppl"), "is not a valid safetensors file")
 
 
 def test_quantize_then_eval(tiny_llama, tmp_path):

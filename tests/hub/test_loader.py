@@ -12,8 +12,6 @@ def test_loads_a_local_folder(tiny_llama):
 
 
 def test_sharded_folder(tiny_llama, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     m, tok, _ = load_model(str(tiny_llama))
     m.save_pretrained(tmp_path, max_shard_size="100KB")
     tok.save_pretrained(tmp_path)

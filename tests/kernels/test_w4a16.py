@@ -13,11 +13,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from optllm.kernels.w4a16 import (  # noqa: E402  (TRITON_INTERPRET must be set first)
-    W4A16_CONFIGS, W4A16Config, default_w4a16_config, dequantize_w4a16, m_bucket,
-    dequantize_w4a16_triton, force_config, prepack_w4a16, w4a16_gemm, w4a16_linear, w4a16_linear_ref)
+from optllm.formats.packing import pack_int32  # noqa: E402  (TRITON_INTERPRET must be set first)
 from optllm.kernels import w4a16 as kernels_w4a16  # noqa: E402
-from optllm.quant.packing import pack_int32  # noqa: E402
+from optllm.kernels.w4a16 import (  # noqa: E402
+    W4A16_CONFIGS,
+    W4A16Config,
+    default_w4a16_config,
+    dequantize_w4a16,
+    dequantize_w4a16_triton,
+    force_config,
+    m_bucket,
+    prepack_w4a16,
+    w4a16_gemm,
+    w4a16_linear,
+    w4a16_linear_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}

@@ -3,20 +3,19 @@ import copy
 import pytest
 import torch
 
+from optllm.formats.args import QuantArgs
 from optllm.quant import observers
 from optllm.quant.awq import AWQOptions, awq_block, search_clip
 from optllm.quant.mappings import LLAMA_LIKE, block_linears
 from optllm.quant.rtn import rtn_quantize
-from optllm.quant.scheme import QuantArgs
 from optllm.quant.sequential import capture_block_inputs, decoder_layers, run_block
 
 ARGS = QuantArgs(num_bits=4, group_size=32, symmetric=True)
 
 
 def _tiny(hidden=128, seed=0):
-    from transformers import AutoModelForCausalLM
-
     from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", 320, hidden=hidden, layers=1), dtype=torch.float32)

@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 
-from optllm.eval.corpus import builtin_texts
 from optllm.quant import calib_data
 from optllm.quant.calib_data import CalibrationData, load_calibration, token_hash
 

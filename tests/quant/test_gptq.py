@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from optllm.formats.args import QuantArgs
 from optllm.quant.gptq import HessianAccumulator, _gptq, gptq_quantize
 from optllm.quant.rtn import rtn_quantize
-from optllm.quant.scheme import QuantArgs
 
 N, K = 128, 256
 
@@ -150,7 +150,8 @@ def _naive_obs(w: torch.Tensor, h: torch.Tensor, args: QuantArgs, damp: float = 
     return q.to(torch.int8), loss
 
 
-@pytest.mark.parametrize("args", [QuantArgs(4, None, True), QuantArgs(3, None, False), QuantArgs(4, 16, False, "static")])
+@pytest.mark.parametrize("args", [QuantArgs(4, None, True), QuantArgs(3, None, False),
+                                  QuantArgs(4, 16, False, "static")])
 def test_matches_literal_obs_updates(args):
     """The Cholesky rows + lazy blocks give the same codes as the paper's explicit updates."""
     g = torch.Generator().manual_seed(5)

@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
+from conftest import ARCHS
+from hf_reference import load_quantized
 
 from optllm.errors import UserError
 from optllm.quant.config import QuantizeConfig
-from optllm.quant.load import load_quantized
 from optllm.quant.pipeline import quantize
-
-from conftest import ARCHS
 
 
 @pytest.mark.parametrize("arch", ARCHS)

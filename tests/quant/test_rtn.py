@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from optllm.quant import observers
+from optllm.formats.args import QuantArgs
+from optllm.formats.grid import expand_groups
 from optllm.quant.rtn import rtn_quantize
-from optllm.quant.scheme import QuantArgs, parse_scheme
+from optllm.quant.scheme import parse_scheme
 
 
 def test_rtn_symmetric_hand_computed():
@@ -38,7 +39,7 @@ def test_rtn_error_bound(bits, group, sym):
     assert qw.q.min() >= args.qmin and qw.q.max() <= args.qmax
     # within a group every weight lies within half a step of the grid, except the one
     # positive extreme that the symmetric grid clips (at most one step away)
-    step = observers.expand_groups(qw.scale, 128)
+    step = expand_groups(qw.scale, 128)
     err = (qw.dequantize() - w).abs()
     assert bool((err <= step * (1.0 if sym else 0.5) + 1e-6).all())
 

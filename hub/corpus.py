@@ -137,13 +137,13 @@ def _split_headings(text: str) -> list[tuple[str, list[str]]]:
 def _clean_block(block: str) -> str | None:
     """One paragraph block -> one line of prose, or None when it is markup or code."""
     lines = textwrap.dedent(block).splitlines()
-    if any(_RUBRIC.match(l.strip()) or _UNDERLINE.match(l.strip()) for l in lines):
+    if any(_RUBRIC.match(line.strip()) or _UNDERLINE.match(line.strip()) for line in lines):
         return None  # footnote rubrics, simple-table rules
-    if any(l.lstrip().startswith(("+-", "+=", "|")) for l in lines):
+    if any(line.lstrip().startswith(("+-", "+=", "|")) for line in lines):
         return None  # grid tables
-    if any(">>>" in l or "::=" in l for l in lines):
+    if any(">>>" in line or "::=" in line for line in lines):
         return None  # interactive sessions, grammar
-    text = _inline(" ".join(l.strip() for l in lines))
+    text = _inline(" ".join(line.strip() for line in lines))
     if not _is_prose(text):
         return None
     return text

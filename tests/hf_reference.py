@@ -1,9 +1,5 @@
-"""Build a runnable transformers model from a quantized optllm / compressed-tensors folder.
-
-`linear="dequant"` puts the dequantized weights into ordinary nn.Linear modules (exactly
-the values vLLM's or HF's dequantization gives); `linear="kernel"` swaps in
-runtime.layers.QuantizedLinear, which keeps the packed weights and runs the W4A16 kernels.
-"""
+"""Test reference: a transformers model holding a checkpoint's dequantized weights (the values
+vLLM's and HF's dequantization give), built from the checkpoint with formats/ alone."""
 
 from __future__ import annotations
 
@@ -11,36 +7,20 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..hub.loader import check_architecture, load_tokenizer, parse_dtype
-from .checkpoint import load_quantized_weights
-
-LINEAR_MODES = ("dequant", "kernel")
-
-
-def is_quantized_folder(folder: str | Path) -> bool:
-    import json
-
-    cfg = Path(folder) / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        return bool(json.loads(cfg.read_text()).get("quantization_config", {}).get("quant_method") == "compressed-tensors")
-    except (json.JSONDecodeError, AttributeError):
-        return False
+from optllm.errors import UserError
+from optllm.formats.compressed_tensors import load_quantized_weights
+from optllm.hub.loader import check_architecture, load_tokenizer, parse_dtype
 
 
 def load_quantized(
     folder: str | Path,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
-    linear: str = "dequant",
 ):
-    """(model in eval mode, tokenizer, quantized weights by module name) of a checkpoint."""
+    """(HF model in eval mode with the dequantized weights, tokenizer, quantized weights by
+    module name) of a checkpoint: the values vLLM's / HF's dequantization gives."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if linear not in LINEAR_MODES:
-        raise UserError(f"linear={linear!r} is not allowed; allowed: {', '.join(LINEAR_MODES)}")
     folder = Path(folder)
     qweights, rest, cfg_dict = load_quantized_weights(folder)
     cfg_dict = {k: v for k, v in cfg_dict.items() if k != "quantization_config"}
@@ -50,21 +30,10 @@ def load_quantized(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dt)
     state = {k: v.to(dt) if v.is_floating_point() else v for k, v in rest.items()}
-    if linear == "dequant":
-        for name, qw in qweights.items():
-            state[f"{name}.weight"] = qw.dequantize().to(dt)
-    else:
-        from ..runtime.layers.quantized_linear import QuantizedLinear
-
-        for name, qw in qweights.items():
-            bias = rest.get(f"{name}.bias")
-            new = QuantizedLinear.from_quantized(qw, bias=bias, dtype=dt, device=device)
-            _set_module(model, name, new)
-            state.pop(f"{name}.bias", None)
+    for name, qw in qweights.items():
+        state[f"{name}.weight"] = qw.dequantize().to(dt)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not _is_tied(model, m)]
-    if linear == "kernel":
-        missing = [m for m in missing if m.rsplit(".", 1)[0] not in qweights]
     if missing or unexpected:
         raise UserError(
             f"{folder}: checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"

@@ -2,12 +2,12 @@ import json
 
 import pytest
 import torch
+from hf_reference import load_quantized
 
 from optllm.errors import UserError
-from optllm.quant import checkpoint
-from optllm.quant.checkpoint import load_quantized_weights
+from optllm.formats import compressed_tensors
+from optllm.formats.compressed_tensors import load_quantized_weights
 from optllm.quant.config import QuantizeConfig
-from optllm.quant.load import load_quantized
 from optllm.quant.pipeline import quantize
 
 
@@ -71,7 +71,7 @@ def test_compressed_tensors_compressor_decompresses_to_our_values(quantized):
     out, _, _ = quantized
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     scheme = QuantizationScheme(targets=["Linear"], weights=qc["config_groups"]["group_0"]["weights"])
-    sd = checkpoint.read_state_dict(out)
+    sd = compressed_tensors.read_state_dict(out)
     qweights, _, _ = load_quantized_weights(out)
     for name, qw in qweights.items():
         local = {k[len(name) + 1:]: v for k, v in sd.items() if k.startswith(name + ".")}
@@ -83,7 +83,7 @@ def test_crash_leaves_no_half_checkpoint(tiny_llama, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "save_file", boom)
+    monkeypatch.setattr(compressed_tensors, "save_file", boom)
     out = tmp_path / "ckpt"
     with pytest.raises(OSError):
         quantize(str(tiny_llama), out, QuantizeConfig(num_samples=2, seq_len=16, group_size=32), progress=False)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import observers
+from .args import QuantArgs
+from .grid import dequantize
 from .packing import pack_int32, unpack_int32
-from .scheme import QuantArgs
 
 
 @dataclass
@@ -26,7 +26,7 @@ class QuantizedWeight:
         return tuple(self.q.shape)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return observers.dequantize(self.q, self.scale, self.zero, dtype)
+        return dequantize(self.q, self.scale, self.zero, dtype)
 
     def to_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """compressed-tensors `pack-quantized` tensors of one linear (prefix = module name)."""

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import UserError
+from .args import QuantArgs
 from .qweight import QuantizedWeight
-from .scheme import QuantArgs
 
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -156,6 +156,18 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{f} is not a valid safetensors file ({str(e).splitlines()[0]})") from None
     return sd
+
+
+def is_quantized_folder(folder: str | Path) -> bool:
+    """True when FOLDER's config.json names a compressed-tensors quantization_config."""
+    cfg = Path(folder) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        qc = json.loads(cfg.read_text()).get("quantization_config", {})
+        return bool(qc.get("quant_method") == "compressed-tensors")
+    except (json.JSONDecodeError, AttributeError):
+        return False
 
 
 def read_quant_args(config: dict) -> tuple[QuantArgs, list[str], list[str]]:

@@ -3,10 +3,12 @@ import itertools
 import pytest
 import torch
 
-from optllm.quant.packing import pack_int32, unpack_int32
+from optllm.formats.packing import pack_int32, unpack_int32
+
+SHAPES = [(5, 64), (7, 96), (3, 40), (4, 33)]
 
 
-@pytest.mark.parametrize("bits,shape,dim", list(itertools.product((2, 3, 4, 8), [(5, 64), (7, 96), (3, 40), (4, 33)], (0, 1))))
+@pytest.mark.parametrize("bits,shape,dim", list(itertools.product((2, 3, 4, 8), SHAPES, (0, 1))))
 def test_pack_unpack_round_trip(bits, shape, dim):
     g = torch.Generator().manual_seed(bits * 100 + shape[1] + dim)
     q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), shape, dtype=torch.int8, generator=g)

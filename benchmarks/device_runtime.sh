@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call for the runtime issue: GPU tests of the runtime and its kernels, then
+# benchmarks/decode.py case by case (each under its own time limit, so one slow case cannot
+# take the others' results with it). Everything lands in $OUT; the tables print last.
+# Usage (on the H200): bash benchmarks/device_runtime.sh [decode.py args...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# the repo root is the package: expose it as `optllm`
+ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
+export PYTHONPATH=$(dirname "$PWD")${PYTHONPATH:+:$PYTHONPATH}
+export OPTLLM_COMMIT=${OPTLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/kernels/test_paged_attention.py tests/kernels/test_rmsnorm.py tests/kernels/test_rotary.py \
+  tests/kernels/test_activation.py tests/runtime 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+for case in ${CASES:-smol 8b-bf16 8b-w4a16 serve256}; do
+  timeout "${CASE_TIMEOUT:-120}" python3 benchmarks/decode.py --cases "$case" --tag "decode-$case" --out "$OUT" "$@" \
+    >> "$OUT/decode.log" 2>&1 || echo "case $case exited $?" | tee -a "$OUT/decode.log"
+done
+# one table (the per-case .json files keep every number)
+{ head -8 "$OUT"/decode-*.md 2>/dev/null | grep "^- " | sort -u; echo; cat "$OUT"/decode-*.md 2>/dev/null | grep "^|" | awk '!seen[$0]++'; } > "$OUT/decode.md"
+rm -f "$OUT"/decode-*.md
+cat "$OUT/decode.md"

@@ -1,0 +1,1 @@
+"""Checkpoint formats: the compressed-tensors codecs that quant/ writes and runtime/ reads."""

@@ -1,0 +1,134 @@
+"""AsyncLLMEngine: the engine on a background thread, for asyncio servers.
+
+The engine itself is single-threaded: one thread owns it and runs step() while there is
+work; add and abort are commands queued to that thread. Each request's outputs reach the
+caller's event loop through an asyncio.Queue (call_soon_threadsafe). Leaving the async
+iterator early (a client that disconnected) aborts the request, which frees its KV blocks
+on the engine's next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from .config import EngineConfig
+from .engine import EngineStats, LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="optllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any event loop)
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes. Errors from add_request
+        (a prompt too long, a duplicate id) are raised here."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        done = threading.Event()
+        error: list[BaseException] = []
+        self._submit(("add", prompt, params, request_id, done, error))
+        await loop.run_in_executor(None, done.wait)
+        if error:
+            self._streams.pop(request_id, None)
+            raise error[0]
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """Counts as of the engine's last turn (read without locking the engine)."""
+        return self._stats
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Finish what is in flight (abort it if `timeout` seconds pass), then stop the thread."""
+        self._submit(("drain", timeout))
+        self._thread.join()
+
+    # ---- engine thread
+    def _submit(self, cmd) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        import time
+
+        deadline = None
+        while True:
+            while not self._commands.empty():
+                cmd = self._commands.get()
+                if cmd[0] == "add":
+                    _, prompt, params, rid, done, error = cmd
+                    try:
+                        self.engine.add_request(prompt, params, request_id=rid)
+                    except Exception as e:  # reported to the caller, the engine keeps serving
+                        error.append(e)
+                    done.set()
+                elif cmd[0] == "abort":
+                    out = self.engine.abort_request(cmd[1])
+                    if out is not None:
+                        self._deliver([out])
+                elif cmd[0] == "drain":
+                    self._stopping = True
+                    deadline = None if cmd[1] is None else time.monotonic() + cmd[1]
+            if self._stopping and deadline is not None and time.monotonic() > deadline:
+                for rid in list(self.engine.requests):
+                    out = self.engine.abort_request(rid)
+                    if out is not None:
+                        self._deliver([out])
+            if self.engine.has_unfinished_requests():
+                try:
+                    self._deliver(self.engine.step())
+                except Exception as e:  # a failed step fails its requests, not the server
+                    self._fail_all(e)
+                self._stats = self.engine.stats()
+                continue
+            self._stats = self.engine.stats()
+            if self._stopping:
+                return
+            self._wake.wait(0.05)
+            self._wake.clear()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                loop, q = target
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            target = self._streams.get(rid)
+            if target is not None:
+                target[0].call_soon_threadsafe(target[1].put_nowait, RuntimeError(f"engine step failed: {error}"))

@@ -1,0 +1,105 @@
+"""Engine and scheduler configuration, validated on construction (ValueError naming the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+QUANTIZED_LINEAR = ("kernel", "dequant")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNELS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """max_num_seqs: sequences running at once. max_num_batched_tokens: tokens one step
+    computes (prompt chunks + decodes). max_model_len: prompt + output tokens of one
+    sequence. block_size: tokens per KV block. enable_prefix_caching: reuse full KV blocks
+    of identical prefixes."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 4096
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size={self.block_size!r} is not allowed; allowed: 8, 16, 32, 64")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine loads and runs a model.
+
+    model: HF folder, built-in alias, or an optllm checkpoint. device: "auto" (cuda if
+    available), "cpu", "cuda[:N]". dtype: compute dtype; "auto" = bfloat16 on CUDA,
+    float32 on CPU. max_model_len: None = the model's max_position_embeddings.
+    gpu_memory_utilization: share of the GPU's memory the engine may hold in all (weights,
+    activations, KV cache); the KV cache gets what is left. num_kv_blocks: a fixed number
+    of KV blocks instead (tests, benchmarks). kv_cache_dtype: "auto" (= dtype) or "fp8"
+    (E4M3 with a scale per token and head). enforce_eager: no CUDA graphs.
+    cuda_graph_max_batch: largest decode batch captured in a graph (bigger ones run eager).
+    quantized_linear: "kernel" runs W4A16 checkpoints on the int4 kernels (their torch
+    reference on CPU); "dequant" dequantizes every quantized weight at load.
+    cpu_kv_cache_gib: KV cache size on CPU when num_kv_blocks is not given.
+    kernels: "auto" (Triton on CUDA, the torch references on CPU), "triton" (also on CPU,
+    under TRITON_INTERPRET=1: slow, for tests), "torch".
+    """
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
+    quantized_linear: str = "kernel"
+    cpu_kv_cache_gib: float = 1.0
+    kernels: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not allowed; allowed: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.quantized_linear not in QUANTIZED_LINEAR:
+            raise ValueError(f"quantized_linear={self.quantized_linear!r} is not allowed; allowed: "
+                             f"{', '.join(QUANTIZED_LINEAR)}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels={self.kernels!r} is not allowed; allowed: {', '.join(KERNELS)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is not allowed; "
+                             "allowed: a number in (0, 1]")
+        for name in ("max_model_len", "num_kv_blocks"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1 or None")
+        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch!r} is not allowed; "
+                             "allowed: an integer >= 0")
+        if not self.device or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+        # the scheduler's own checks, early
+        self.scheduler_config(self.max_model_len or 1)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )

@@ -1,0 +1,92 @@
+"""Decode under CUDA graphs: one graph per batch-size bucket, captured once at start.
+
+A decode step (one new token per sequence) of batch size b replays the graph of the
+smallest bucket >= b. The graphs read static buffers (ids, positions, slots, key counts,
+block tables) that each step fills by copy; the rows past b are padding (slot -1: nothing
+is stored; key count 1 over block 0: finite, unused output). Logits are computed inside the
+graph. Every graph shares one memory pool (captured largest first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layers.attention import AttentionMetadata
+from .step_inputs import HostBatch
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch itself)."""
+    out = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    out += list(range(16, max_batch + 1, 16))
+    if max_batch not in out:
+        out.append(max_batch)
+    return sorted(set(out))
+
+
+class DecodeGraphs:
+    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
+                 num_splits_for) -> None:
+        self.model = model
+        self.buckets = graph_buckets(max_batch)
+        self.max_batch, self.width = self.buckets[-1], max_blocks_per_seq
+        n = self.max_batch
+        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.num_splits_for = num_splits_for
+        self._capture(device)
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slots[:b], block_tables=self.tables[:b], seq_lens=self.seq_lens[:b],
+                                 decode=True, num_splits=self.num_splits_for(b))
+
+    def _run(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.ids[:b], self.positions[:b], self._meta(b))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self, device) -> None:
+        pool = None
+        for b in reversed(self.buckets):
+            self._run(b)  # warm-up: Triton compiles and autotunes outside the capture
+            torch.cuda.synchronize(device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.logits[b] = self._run(b)
+            pool = g.pool()
+            self.graphs[b] = g
+        torch.cuda.synchronize(device)
+
+    def bucket(self, b: int) -> int | None:
+        for size in self.buckets:
+            if size >= b:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def replay(self, hb: HostBatch) -> torch.Tensor:
+        """Logits [b, vocab] of a decode batch (b <= max_batch)."""
+        b = len(hb.ids)
+        size = self.bucket(b)
+        pad = size - b
+        width = max(len(t) for t in hb.tables)
+        i64 = torch.tensor(hb.ids + [0] * pad + hb.positions + [0] * pad + hb.slots + [-1] * pad, dtype=torch.int64)
+        flat = []
+        for t in hb.tables:
+            flat += t
+            flat += [0] * (width - len(t))
+        i32 = torch.tensor(hb.seq_lens + [1] * pad + flat + [0] * (pad * width), dtype=torch.int32)
+        i64 = i64.to(self.ids.device, non_blocking=True)
+        i32 = i32.to(self.ids.device, non_blocking=True)
+        self.ids[:size].copy_(i64[:size])
+        self.positions[:size].copy_(i64[size:2 * size])
+        self.slots[:size].copy_(i64[2 * size:])
+        self.seq_lens[:size].copy_(i32[:size])
+        self.tables[:size, :width].copy_(i32[size:].view(size, width))
+        self.graphs[size].replay()
+        return self.logits[size][:b]

@@ -1,0 +1,76 @@
+"""Attention over the paged KV cache, and the per-step metadata every layer reads.
+
+The new tokens' K/V are written to their cache slots first; attention then reads every key
+(cached prefix and new tokens alike) from the paged cache: the split-K decode kernel when
+each sequence brings one token, the extend kernel otherwise (prefill, chunked prefill,
+prefix-cache hits, token trees under a mask). The metadata travels as an argument through
+the model's forward: no module-global context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...kernels.extend_attention import paged_extend_attention
+from ...kernels.paged_attention import paged_decode_attention, store_kv_cache
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch as the attention kernels see it (all tensors on the model's device).
+
+    slot_mapping: int64 [T], the cache slot of each new token (-1: not stored).
+    block_tables: int32 [B, max_blocks], each sequence's KV blocks. seq_lens: int32 [B],
+    keys per sequence including this step's tokens. decode: one new token per sequence
+    (T == B). cu_seqlens_q: int32 [B + 1], sequence b's new tokens are rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] (None when decode). max_seqlen_q: host int.
+    num_splits: decode's split count along the sequence (None: the kernel chooses).
+    mask / mask_offsets: optional token-tree mask over each sequence's new tokens.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    decode: bool
+    cu_seqlens_q: torch.Tensor | None = None
+    max_seqlen_q: int = 1
+    num_splits: int | None = None
+    mask: torch.Tensor | None = None
+    mask_offsets: torch.Tensor | None = None
+
+
+class Attention(nn.Module):
+    """q [T, Hq*D], k/v [T, Hkv*D] (views of the fused QKV output) -> [T, Hq*D]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0,
+                 backend: str = "torch") -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.sliding_window, self.backend = scale, sliding_window or 0, backend
+        self.k_cache = self.v_cache = self.k_scale = self.v_scale = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
+        """This layer's cache: [num_blocks, Hkv, block_size, D] (+ fp8 scales [num_blocks, Hkv, block_size])."""
+        self.k_cache, self.v_cache, self.k_scale, self.v_scale = k_cache, v_cache, k_scale, v_scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale,
+                       v_scale=self.v_scale, backend=self.backend)
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
+                      backend=self.backend)
+        if meta.decode:
+            out = paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                         num_splits=meta.num_splits, **scales)
+        else:
+            out = paged_extend_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                         meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, mask=meta.mask,
+                                         mask_offsets=meta.mask_offsets, **scales)
+        return out.view(t, self.num_heads * self.head_dim)

@@ -1,0 +1,145 @@
+"""How a linear layer stores and applies its weight, by checkpoint scheme.
+
+* DenseMethod: a float weight [N, K] (HF folders, unquantized modules of a checkpoint).
+* W4A16Method: compressed-tensors int4 (4-bit, group size a multiple of 32 or per
+  channel): loads the codes, scales and zero points of each shard, then repacks them once
+  into the W4A16 kernels' layout (kernels/w4a16.py) and runs the Triton kernels; with the
+  torch backend (CPU) it multiplies by the dequantized weight, the kernels' reference.
+* DequantMethod: any other integer checkpoint (3 or 8 bits, other group sizes), or every
+  quantized weight when the engine is asked to (quantized_linear="dequant"): dequantized
+  once at load, exactly as compressed-tensors / vLLM dequantize ((q - zero) * scale in the
+  scale's dtype), then dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...formats.args import QuantArgs
+from ...formats.compressed_tensors import matches
+from ...formats.grid import dequantize
+from ...kernels.w4a16 import W4A16Weight, dequantize_w4a16, prepack_w4a16, w4a16_linear
+
+
+class DenseMethod:
+    def create_weights(self, layer, device) -> None:
+        w = torch.empty(layer.out_features, layer.in_features, dtype=layer.dtype, device=device)
+        layer.register_param("weight", w, out_dim=0, in_dim=1)
+
+    def process_after_loading(self, layer) -> None:
+        pass
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def describe(self, layer) -> str:
+        return "dense"
+
+
+class _QuantizedMethod:
+    """Shared loading of integer codes q [N, K] int8, scales [N, K/G], zeros [N, K/G] int8."""
+
+    def __init__(self, args: QuantArgs, scale_dtype: torch.dtype) -> None:
+        self.args, self.scale_dtype = args, scale_dtype
+
+    def group_size(self, layer) -> int:
+        return self.args.group_size or layer.in_features
+
+    def create_weights(self, layer, device) -> None:
+        n, k = layer.out_features, layer.in_features
+        g = self.group_size(layer)
+        if k % g:
+            raise ValueError(f"group size {g} does not divide this rank's in_features {k}")
+        layer.register_param("qweight", torch.empty(n, k, dtype=torch.int8, device=device), out_dim=0, in_dim=1)
+        layer.register_param("scales", torch.empty(n, k // g, dtype=self.scale_dtype, device=device), 0, 1)
+        if not self.args.symmetric:
+            layer.register_param("zeros", torch.empty(n, k // g, dtype=torch.int8, device=device), 0, 1)
+
+    def _take_codes(self, layer):
+        q, s = layer.qweight.data, layer.scales.data
+        z = None if self.args.symmetric else layer.zeros.data
+        for name in ("qweight", "scales", "zeros"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        return q, s, z
+
+
+class DequantMethod(_QuantizedMethod):
+    def process_after_loading(self, layer) -> None:
+        q, s, z = self._take_codes(layer)
+        w = dequantize(q, s, z, layer.dtype)
+        layer.register_param("weight", w, out_dim=0, in_dim=1)
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
+
+    def describe(self, layer) -> str:
+        return f"int{self.args.num_bits} dequantized at load"
+
+
+class W4A16Method(_QuantizedMethod):
+    """backend "triton": the int4 kernels; "torch": x @ dequantize_w4a16(packed)^T (CPU)."""
+
+    def __init__(self, args: QuantArgs, scale_dtype: torch.dtype, backend: str) -> None:
+        super().__init__(args, scale_dtype)
+        self.backend = backend
+
+    def process_after_loading(self, layer) -> None:
+        q, s, z = self._take_codes(layer)
+        w = prepack_w4a16(q, s, z, self.group_size(layer), dtype=layer.dtype)
+        layer.register_buffer("packed", w.packed)
+        layer.register_buffer("packed_scales", w.scales)
+        layer.register_buffer("packed_zeros", w.zeros)
+        layer.register_buffer("locks", w.locks, persistent=False)  # split-K counters, zero between calls
+        if self.backend == "torch":  # the kernels' reference: the same dequantized bits, then a matmul
+            layer.register_buffer("dense", dequantize_w4a16(w, layer.dtype), persistent=False)
+
+    def weight_view(self, layer) -> W4A16Weight:
+        return W4A16Weight(layer.packed, layer.packed_scales, layer.packed_zeros, layer.locks,
+                           layer.out_features, layer.in_features, self.group_size(layer))
+
+    def apply(self, layer, x, bias):
+        if self.backend == "torch":
+            return F.linear(x, layer.dense, bias)
+        return w4a16_linear(x, self.weight_view(layer), bias, backend="triton")
+
+    def describe(self, layer) -> str:
+        return f"w4a16 g{self.group_size(layer)} ({self.backend})"
+
+
+def kernel_takes(args: QuantArgs, in_features: int) -> bool:
+    """Whether the W4A16 kernels run this weight (else it is dequantized at load)."""
+    g = args.group_size or in_features
+    return args.num_bits == 4 and in_features % 8 == 0 and in_features % g == 0 and (g % 32 == 0 or g == in_features)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What a compressed-tensors checkpoint says about its linears: the weight args, the
+    modules left unquantized (compressed-tensors ``ignore``), the dtype scales are stored
+    in, and whether to run int4 on the kernels or dequantize everything at load."""
+
+    args: QuantArgs
+    ignore: tuple[str, ...]
+    scale_dtype: torch.dtype
+    mode: str = "kernel"
+
+    def is_quantized(self, hf_name: str) -> bool:
+        return not matches(hf_name, self.ignore)
+
+
+def linear_method(quant: QuantSpec | None, hf_names: list[str], in_features: int, backend: str):
+    """The method of one (possibly fused) linear made of the HF modules ``hf_names``."""
+    if quant is None:
+        return DenseMethod()
+    flags = {quant.is_quantized(n) for n in hf_names}
+    if len(flags) != 1:
+        raise ValueError(f"{', '.join(hf_names)} are fused into one linear but only some are quantized")
+    if not flags.pop():
+        return DenseMethod()
+    if quant.mode == "kernel" and kernel_takes(quant.args, in_features):
+        return W4A16Method(quant.args, quant.scale_dtype, backend)
+    return DequantMethod(quant.args, quant.scale_dtype)

@@ -1,0 +1,199 @@
+"""Build the runtime's model for a folder and fill it from the checkpoint.
+
+MODEL is an HF folder (safetensors), a built-in alias (hub/), or a compressed-tensors
+checkpoint ``optllm quantize`` wrote (read through formats/). Tensors are read one
+safetensors file at a time; each goes to the layer that owns it, whose weight loader cuts
+its tensor-parallel shard and places it (fused QKV / gate-up shards included), so this file
+only maps names. Quantized linears arrive as integer codes, scales and zero points (the
+codec unpacks ``weight_packed``); each linear's method then repacks or dequantizes them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import UserError
+from ..formats.compressed_tensors import REPORT_NAME, is_quantized_folder, read_quant_args
+from ..formats.qweight import QuantizedWeight
+from ..hub.loader import check_architecture, resolve_model
+from .layers.linear_methods import QuantSpec
+from .models.llama import BuildOptions
+from .models.registry import model_class
+
+_QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+_SKIPPED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model folder: its HF config (quantization_config removed), the raw
+    config.json dict, and the quantization it carries (None: dense)."""
+
+    folder: Path
+    config: object
+    raw: dict
+    quant: QuantSpec | None
+
+
+def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSource:
+    from transformers import AutoConfig
+
+    folder = resolve_model(model)
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {folder / 'config.json'}: {e}") from None
+    quant = None
+    if raw.get("quantization_config"):
+        args, _targets, ignore = read_quant_args(raw)
+        scale_dtype = _dtype_of(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
+        quant = QuantSpec(args, tuple(ignore), scale_dtype, quantized_linear)
+    clean = {k: v for k, v in raw.items() if k != "quantization_config"}
+    if "model_type" not in clean:
+        raise UserError(f"{folder / 'config.json'} has no model_type")
+    try:
+        config = AutoConfig.for_model(**clean)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"cannot read the model config in {folder}: {e}") from None
+    check_architecture(config)
+    return ModelSource(folder, config, raw, quant)
+
+
+def checkpoint_kind(folder: Path) -> str:
+    """A label for reports: "float", or a quantized checkpoint's scheme ("quantized" without a report)."""
+    rep = Path(folder) / REPORT_NAME
+    if rep.is_file():
+        try:
+            return json.loads(rep.read_text()).get("scheme", "quantized")
+        except json.JSONDecodeError:
+            return "quantized"
+    return "quantized" if is_quantized_folder(folder) else "float"
+
+
+def build_model(source: ModelSource, opt: BuildOptions):
+    cls = model_class(source.config)
+    with torch.device(opt.device):  # buffers the layers create without a device land there too
+        model = cls(source.config, opt)
+    model.quant = source.quant
+    return model
+
+
+def load_weights(model, folder: Path) -> None:
+    """Fill every parameter of ``model`` from the safetensors files in ``folder``, then let
+    each layer process its weights (repack / dequantize). UserError on a missing, extra or
+    mis-shaped tensor."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} holds no .safetensors files")
+    modules = dict(model.named_modules())
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized modules whose parts straddle files
+    quant = _quant_of(model)
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    if name.endswith(_SKIPPED):
+                        continue
+                    module, _, leaf = name.rpartition(".")
+                    if leaf in _QUANT_SUFFIXES:
+                        parts = pending.setdefault(module, {})
+                        parts[leaf] = sf.get_tensor(name)
+                        if _complete(parts, quant):
+                            _load_quantized(modules, model, module, pending.pop(module), quant)
+                        continue
+                    _load_one(modules, model, module, leaf, sf.get_tensor(name))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{f} is not a valid safetensors file ({str(e).splitlines()[0]})") from None
+    if pending:
+        raise UserError(f"{folder}: incomplete quantized weights for {sorted(pending)[:3]}")
+    finish_loading(model, folder)
+
+
+def finish_loading(model, what) -> None:
+    missing = []
+    for name, mod in model.named_modules():
+        if hasattr(mod, "expected_loads"):
+            missing += [f"{name}.{p}" + ("" if s is None else f"[{s}]") for p, s in mod.expected_loads() - mod.loaded]
+    if missing:
+        raise UserError(f"{what}: checkpoint lacks {len(missing)} tensors, e.g. {', '.join(sorted(missing)[:3])}")
+    for mod in model.modules():
+        if hasattr(mod, "process_weights_after_loading"):
+            mod.process_weights_after_loading()
+
+
+def init_random_weights(model, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for benchmarks (no checkpoint): floats ~ N(0, std), norms ~ 1, int4
+    codes uniform in [-8, 7] with scales that give the weights the same spread."""
+    gens: dict = {}
+    for mod in model.modules():
+        if not hasattr(mod, "expected_loads"):
+            continue
+        for pname in sorted({p for p, _ in mod.expected_loads() - mod.loaded}):
+            p = getattr(mod, pname)
+            g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            if p.dtype == torch.int8:
+                p.data.copy_(torch.randint(-8, 8, p.shape, generator=g, device=p.device, dtype=torch.int8))
+            elif pname == "scales":
+                p.data.fill_(std / 4.6)  # the std of uniform codes in [-8, 7] is 4.6
+            else:
+                vals = torch.randn(p.shape, generator=g, device=p.device)
+                p.data.copy_(1.0 + 0.1 * vals if type(mod).__name__ == "RMSNorm" else std * vals)
+            mod.loaded.update((pname, s) for s in getattr(mod, "shard_ids", [None]))
+    finish_loading(model, "random weights")
+
+
+def _quant_of(model) -> QuantSpec | None:
+    return getattr(model, "quant", None)
+
+
+def _complete(parts: dict, quant: QuantSpec | None) -> bool:
+    need = {"weight_packed", "weight_scale", "weight_shape"}
+    if quant is not None and not quant.args.symmetric:
+        need.add("weight_zero_point")
+    return need <= parts.keys()
+
+
+def _target(modules: dict, model, module: str):
+    """(our module, shard id) of an HF module name; None for the tied LM head."""
+    parent, _, last = module.rpartition(".")
+    if last in model.packed_modules:
+        ours, shard = model.packed_modules[last]
+        module, last = f"{parent}.{ours}", None
+        return modules.get(module), shard
+    return modules.get(module), None
+
+
+def _load_one(modules, model, module: str, leaf: str, tensor: torch.Tensor) -> None:
+    if module == "lm_head" and getattr(model.config, "tie_word_embeddings", False):
+        return  # tied: the embedding's weight serves
+    target, shard = _target(modules, model, module)
+    if target is None or not hasattr(target, "weight_loader"):
+        raise UserError(f"checkpoint tensor {module}.{leaf} has no place in the model")
+    try:
+        target.weight_loader(leaf, tensor, shard)
+    except ValueError as e:
+        raise UserError(f"{module}.{leaf}: {e}") from None
+
+
+def _load_quantized(modules, model, module: str, parts: dict, quant: QuantSpec | None) -> None:
+    if quant is None:
+        raise UserError(f"{module} is quantized but config.json has no quantization_config")
+    sd = {f"{module}.{k}": v for k, v in parts.items()}
+    try:
+        qw = QuantizedWeight.from_state_dict(sd, module, quant.args)
+    except ValueError as e:
+        raise UserError(f"{module}: {e}") from None
+    _load_one(modules, model, module, "qweight", qw.q)
+    _load_one(modules, model, module, "scales", qw.scale)
+    if qw.zero is not None:
+        _load_one(modules, model, module, "zeros", qw.zero)
+
+
+def _dtype_of(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    return table.get(str(name).replace("torch.", ""), torch.bfloat16)

@@ -1,0 +1,188 @@
+"""The device side of the engine: the model, its KV cache, CUDA graphs, and one step's run.
+
+``execute(batch)`` prepares the step's inputs on the host, runs the model (a captured CUDA
+graph for decode batches, eager otherwise), computes logits only for the rows that need
+them, samples on the device, and returns the sampled ids: one host sync per step, at the
+end (the ids the scheduler needs). On CPU every kernel is its torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from ..hub.loader import parse_dtype, resolve_device
+from ..kernels.paged_attention import default_num_splits
+from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
+from .kv_cache import KVCache, KVCacheSpec
+from .loader import ModelSource, build_model, init_random_weights, load_weights
+from .models.llama import BuildOptions, head_dim_of
+from .sampler import Sampler, token_logprobs
+from .step_inputs import host_batch, to_device
+
+_LOGPROB_ROWS = 1024  # prompt-logprob rows whose logits are formed at once
+_SAMPLER_RESERVE = 4  # float32 [max_num_seqs, vocab] copies the sampler may hold at once
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return parse_dtype(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, eos_token_ids: frozenset,
+                 random_weights: bool = False) -> None:
+        self.config, self.max_model_len = config, max_model_len
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+        self.backend = config.kernels if config.kernels != "auto" else ("triton" if on_cuda else "torch")
+        opt = BuildOptions(self.dtype, self.device, self.backend, quant=source.quant, max_position=max_model_len)
+        with torch.inference_mode():
+            self.model = build_model(source, opt)
+            if random_weights:
+                init_random_weights(self.model, config.seed)
+            else:
+                load_weights(self.model, source.folder)
+        hf = source.config
+        self.vocab_size = hf.vocab_size
+        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_spec = KVCacheSpec(hf.num_hidden_layers, self.num_kv_heads, head_dim_of(hf), config.block_size,
+                                   kv_dtype)
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        self.sampler = Sampler(self.vocab_size, eos_token_ids, seed=config.seed)
+        num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        if num_blocks < self.max_blocks_per_seq:
+            raise UserError(f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
+                            f"max_model_len={max_model_len}; lower --max-model-len or raise the memory given")
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        self.kv_cache.bind(self.model.attention_layers())
+        self.graphs = None
+        if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0:
+            self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, config.cuda_graph_max_batch),
+                                       self.max_blocks_per_seq, self.vocab_size, self.device, self.decode_splits)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    # ---- sizing
+    def decode_splits(self, batch: int) -> int:
+        """The decode kernel's split count along the sequence, from the batch size and the
+        longest sequence the engine admits (so a CUDA graph and an eager step agree)."""
+        return default_num_splits(batch, self.num_kv_heads, self.max_blocks_per_seq, self.block_size,
+                                  self.kv_spec.head_dim, self.device)
+
+    def _blocks_that_fit(self) -> int:
+        per_block = self.kv_spec.bytes_per_block()
+        if self.device.type != "cuda":
+            return max(1, int(self.config.cpu_kv_cache_gib * 2**30) // per_block)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        activations = self._profile_activations()
+        reserve = _SAMPLER_RESERVE * self.config.max_num_seqs * self.vocab_size * 4 + 256 * 2**20
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activations - reserve
+        if budget < per_block * self.max_blocks_per_seq:
+            raise UserError(f"after the weights ({(total - free) / 2**30:.1f} GiB used) and activations "
+                            f"({activations / 2**30:.1f} GiB) no room is left for a KV cache of max_model_len="
+                            f"{self.max_model_len}; raise --gpu-memory-utilization or lower --max-model-len")
+        return int(budget // per_block)
+
+    @torch.inference_mode()
+    def _profile_activations(self) -> int:
+        """Peak bytes one step of max_num_batched_tokens prompt tokens adds (temporary cache)."""
+        from .sampling_params import SamplingParams
+        from .sequence import Sequence
+
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        per_seq = min(tokens, self.max_model_len)
+        seqs, counts, block = [], [], 0
+        while sum(counts) < tokens:
+            n = min(per_seq, tokens - sum(counts))
+            s = Sequence("profile", [1] * n, SamplingParams(max_tokens=1))
+            nb = -(-n // self.block_size)
+            s.block_table = list(range(block, block + nb))
+            block += nb
+            seqs.append(s)
+            counts.append(n)
+        tmp = KVCache(self.kv_spec, block, self.device)
+        tmp.bind(self.model.attention_layers())
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        inputs = to_device(host_batch(seqs, counts, self.block_size), self.device, False, None)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        self.model.compute_logits(hidden[inputs.logits_rows])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        for layer in self.model.attention_layers():  # let the temporary cache go
+            layer.bind_kv_cache(None, None)
+        del tmp, hidden, inputs
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- one step
+    @torch.inference_mode()
+    def execute(self, batch) -> list[int | None]:
+        """Run one scheduled step; returns each sequence's sampled token id (None where the
+        step does not complete the sequence). Fills seq.output_logprobs / prompt_logprobs
+        for the sequences that asked for them."""
+        seqs = batch.seqs
+        hb = host_batch(seqs, batch.num_new_tokens, self.block_size)
+        decode = batch.decode_only
+        if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            logits = self.graphs.replay(hb)
+        else:
+            inputs = to_device(hb, self.device, decode, self.decode_splits(len(seqs)) if decode else None)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if hb.prompt_lp:
+                self._prompt_logprobs(seqs, hidden, inputs)
+            rows = inputs.logits_rows[[r for _, r in hb.sample]] if hb.prompt_lp else inputs.logits_rows
+            logits = self.model.compute_logits(hidden[rows]) if hb.sample else None
+        if not hb.sample:
+            return [None] * len(seqs)
+        sampling = [seqs[i] for i, _ in hb.sample]
+        out = self.sampler(logits, sampling)
+        ids = out.token_ids.tolist()  # the step's one host sync
+        if out.logprobs is not None:
+            self._record_logprobs(sampling, ids, out)
+        result: list[int | None] = [None] * len(seqs)
+        for (i, _), tok in zip(hb.sample, ids):
+            result[i] = tok
+        return result
+
+    def _record_logprobs(self, seqs, ids, out) -> None:
+        lp, top_ids, top_lp = out.logprobs.tolist(), out.topk_ids.tolist(), out.topk_logprobs.tolist()
+        for j, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                continue
+            entry = {ids[j]: lp[j]}
+            for t, v in zip(top_ids[j][:k], top_lp[j][:k]):
+                entry.setdefault(t, v)
+            seq.output_logprobs.append(entry)
+
+    def _prompt_logprobs(self, seqs, hidden, inputs) -> None:
+        for i, row0, n, first in inputs.prompt_lp:
+            seq = seqs[i]
+            k = seq.params.prompt_logprobs
+            if first == 0:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no context
+            for c in range(0, n, _LOGPROB_ROWS):
+                m = min(_LOGPROB_ROWS, n - c)
+                rows = inputs.logits_rows[row0 + c: row0 + c + m]
+                targets = seq.token_ids[first + c + 1: first + c + 1 + m]
+                lp, _rank, tids, tlp = token_logprobs(self.model.compute_logits(hidden[rows]),
+                                                      torch.tensor(targets, device=hidden.device), k)
+                lp, tids, tlp = lp.tolist(), tids.tolist(), tlp.tolist()
+                for j in range(m):
+                    entry = {targets[j]: lp[j]}
+                    for t, v in zip(tids[j], tlp[j]):
+                        entry.setdefault(t, v)
+                    seq.prompt_logprobs.append(entry)

@@ -1,0 +1,258 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute (vLLM v1 style).
+
+Each step has a budget of max_num_batched_tokens tokens. Running sequences come first, in
+arrival order: a decode gets 1 token, an unfinished prefill its next chunk. When blocks run
+out, the most recently arrived running sequence is preempted (its blocks freed, its KV to be
+recomputed later) until the allocation fits. Then, if nothing was preempted in this pass,
+waiting sequences are admitted strictly first come first served, each with a prefix-cache
+lookup and its first chunk. Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import SchedulerConfig
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: seqs[i] computes the KV of its tokens [num_computed_tokens,
+    num_computed_tokens + num_new_tokens[i]) and, when sampling[i], samples one token.
+
+    sampling is fixed when the batch is made (it stays right after `update` moved the
+    sequences on). preempted: sequences preempted while this batch was made.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    sampling: list[bool] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed in this step, all sequences together."""
+        return sum(self.num_new_tokens)
+
+    @property
+    def decode_only(self) -> bool:
+        """True when every sequence computes exactly one token and samples (a pure decode step)."""
+        return bool(self.seqs) and all(k == 1 for k in self.num_new_tokens) and all(self.sampling)
+
+    def samples(self, i: int) -> bool:
+        """Whether seqs[i] samples a token in this step (its KV reaches its last token)."""
+        return self.sampling[i]
+
+    @property
+    def sample_indices(self) -> list[int]:
+        """Indices of the sequences that sample, in batch order."""
+        return [i for i, s in enumerate(self.sampling) if s]
+
+
+class Scheduler:
+    """Decides which sequences compute which tokens each step; owns the BlockManager.
+
+    num_blocks: KV blocks of config.block_size tokens. eos_token_ids: tokens that end a
+    sequence (unless params.ignore_eos). A sequence ends with LENGTH at max_model_len tokens,
+    or at the whole KV cache's num_blocks * block_size tokens when that is smaller.
+    """
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_seq_len = min(config.max_model_len, num_blocks * config.block_size)
+        self.waiting: deque[Sequence] = deque()  # in arrival order, preempted ones at the front
+        self.running: list[Sequence] = []  # in arrival order
+        self.num_preemptions = 0  # over the scheduler's life
+        self._arrival: dict[int, int] = {}  # seq_id -> arrival rank, for every unfinished sequence
+        self._next_arrival = 0
+
+    # ---- metrics
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks held by sequences, in [0, 1]."""
+        return self.block_manager.usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prefix-cache hit tokens / queried tokens over all admissions so far."""
+        return self.block_manager.hit_rate
+
+    # ---- queue
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; ValueError when its prompt can never be served."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"seq={seq!r} is not allowed; allowed: a new waiting sequence without KV")
+        if seq.seq_id in self._arrival:
+            raise ValueError(f"seq={seq!r} is already scheduled")
+        # the first output token is sampled from the last prompt position: a prompt may fill
+        # max_model_len (the sequence then ends with LENGTH after that one token)
+        n = seq.num_tokens
+        if n > self.config.max_model_len:
+            raise ValueError(f"prompt of {n} tokens exceeds max_model_len={self.config.max_model_len}")
+        bm = self.block_manager
+        if bm.blocks_needed(n) > bm.num_blocks:
+            raise ValueError(f"prompt of {n} tokens needs {bm.blocks_needed(n)} KV blocks of {bm.block_size} "
+                             f"tokens; the cache holds {bm.num_blocks}")
+        self._arrival[seq.seq_id] = self._next_arrival
+        self._next_arrival += 1
+        self.waiting.append(seq)
+
+    # ---- one step
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's sequences and token counts, allocating their blocks."""
+        batch = ScheduledBatch()
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0:  # nothing to compute until update() gives it a token
+                i += 1
+                continue
+            while not bm.allocate(seq, n):
+                victim = self.running.pop()  # the most recently arrived
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+            i += 1
+        # admitting right after a preemption would only thrash
+        while (not batch.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            hit = bm.lookup(seq)
+            n = min(seq.num_tokens - hit.num_tokens, budget)
+            if not bm.allocate(seq, n, hit):
+                break  # strictly FCFS: nothing behind it goes first
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self._rank)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Apply a step's results: advance KV progress, append sampled tokens, check stops.
+
+        sampled[i]: the token seqs[i] sampled, None for those that did not sample. Sequences
+        finished meanwhile (abort) are skipped. Returns the sequences that finished here;
+        their blocks are already freed.
+        """
+        if len(sampled) != len(batch.seqs):
+            raise ValueError(f"sampled has {len(sampled)} entries; allowed: one per scheduled "
+                             f"sequence ({len(batch.seqs)})")
+        for i, tok in enumerate(sampled):
+            if (tok is None) == batch.sampling[i] and not batch.seqs[i].is_finished:
+                raise ValueError(f"sampled[{i}]={tok!r} is not allowed; allowed: "
+                                 f"{'a token id' if batch.sampling[i] else 'None'} "
+                                 f"(seqs[{i}] {'samples' if batch.sampling[i] else 'does not sample'})")
+        finished: list[Sequence] = []
+        for seq, k, tok in zip(batch.seqs, batch.num_new_tokens, sampled):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += k
+            self.block_manager.commit(seq)
+            if tok is None:
+                continue
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            stop = self._stop(seq, tok)
+            if stop is not None:
+                seq.finish(*stop)
+                self._release(seq)
+                finished.append(seq)
+        if finished:
+            done = {s.seq_id for s in finished}
+            self.running = [s for s in self.running if s.seq_id not in done]
+        return finished
+
+    # ---- finishing from outside
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End a sequence from outside (e.g. a stop string): frees its blocks at once.
+        A sequence that already finished is left as it is."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish(reason, stop_reason)
+        self._release(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every waiting or running sequence of the request with ABORT; returns them."""
+        seqs = [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, FinishReason.ABORT)
+        return seqs
+
+    # ---- internals
+    def _rank(self, seq: Sequence) -> int:
+        return self._arrival[seq.seq_id]
+
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        batch.sampling.append(seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop the sequence's KV and queue it again, before every later arrival."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        rank = self._rank(seq)
+        pos = 0
+        while pos < len(self.waiting) and self._rank(self.waiting[pos]) < rank:
+            pos += 1
+        self.waiting.insert(pos, seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self._arrival.pop(seq.seq_id, None)
+
+    def _stop(self, seq: Sequence, tok: int) -> tuple[FinishReason, int | None] | None:
+        """Why the sequence ends after sampling `tok`, or None.
+
+        EOS and stop_token_ids count only once min_tokens outputs came before this one.
+        """
+        p = seq.params
+        if seq.num_output_tokens > p.min_tokens:
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                return FinishReason.STOP, None
+            if tok in p.stop_token_ids:
+                return FinishReason.STOP, tok
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return FinishReason.LENGTH, None
+        if seq.num_tokens >= self.max_seq_len:
+            return FinishReason.LENGTH, None
+        return None

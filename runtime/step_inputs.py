@@ -1,0 +1,98 @@
+"""One step's model inputs, built on the host from the scheduled batch.
+
+For sequence i computing tokens [start, end) (start = num_computed_tokens): its ids and
+positions, the cache slot of each (block_table[p // block_size] * block_size + p %
+block_size), its key count end, and the hidden rows that need logits: the last row when the
+step completes the sequence (it samples), and, for prompt_logprobs requests, every row whose
+next token is a prompt token. Two host tensors (int64 and int32) carry everything to the
+device in two copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layers.attention import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """input_ids / positions int64 [T]; meta: the attention metadata; logits_rows int64
+    [R]: hidden rows to compute logits for; sample: (seq index, logits row) of the sequences
+    that sample; prompt_lp: (seq index, first logits row, count, first position) of
+    prompt-logprob spans (row j scores token first_position + j + 1)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+    sample: list[tuple[int, int]]
+    prompt_lp: list[tuple[int, int, int, int]]
+
+
+@dataclass
+class HostBatch:
+    """The same on the host, as Python lists (the CUDA-graph path copies them into its
+    static buffers)."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    cu_seqlens: list[int]
+    tables: list[list[int]]
+    logits_rows: list[int]
+    sample: list[tuple[int, int]]
+    prompt_lp: list[tuple[int, int, int, int]]
+
+
+def host_batch(seqs, num_new_tokens, block_size: int) -> HostBatch:
+    ids, pos, slots, seq_lens, cu, tables = [], [], [], [], [0], []
+    rows, sample, prompt_lp = [], [], []
+    for i, (seq, k) in enumerate(zip(seqs, num_new_tokens)):
+        start = seq.num_computed_tokens
+        end = start + k
+        bt = seq.block_table
+        ids += seq.token_ids[start:end]
+        pos += range(start, end)
+        slots += [bt[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        row0 = cu[-1]
+        cu.append(row0 + k)
+        seq_lens.append(end)
+        tables.append(bt)
+        if seq.params.prompt_logprobs is not None:
+            n = min(end, seq.num_prompt_tokens - 1) - start
+            if n > 0:
+                prompt_lp.append((i, len(rows), n, start))
+                rows += range(row0, row0 + n)
+        if end == seq.num_tokens:
+            sample.append((i, len(rows)))
+            rows.append(row0 + k - 1)
+    return HostBatch(ids, pos, slots, seq_lens, cu, tables, rows, sample, prompt_lp)
+
+
+def pad_tables(tables: list[list[int]], width: int | None = None) -> list[int]:
+    """Block tables as one row-major list [B, width] (unused entries 0: a valid block id,
+    never read)."""
+    width = width or max(1, max(len(t) for t in tables))
+    flat = []
+    for t in tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    return flat
+
+
+def to_device(hb: HostBatch, device: torch.device, decode: bool, num_splits: int | None) -> StepInputs:
+    t, b = len(hb.ids), len(hb.seq_lens)
+    width = max(1, max(len(tb) for tb in hb.tables))
+    i64 = torch.tensor(hb.ids + hb.positions + hb.slots + hb.logits_rows, dtype=torch.int64)
+    i32 = torch.tensor(hb.seq_lens + hb.cu_seqlens + pad_tables(hb.tables, width), dtype=torch.int32)
+    i64, i32 = i64.to(device, non_blocking=True), i32.to(device, non_blocking=True)
+    ids, positions, slots, rows = i64[:t], i64[t:2 * t], i64[2 * t:3 * t], i64[3 * t:]
+    seq_lens, cu, tables = i32[:b], i32[b:2 * b + 1], i32[2 * b + 1:].view(b, width)
+    max_q = max(hb.cu_seqlens[j + 1] - hb.cu_seqlens[j] for j in range(b))
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, decode=decode,
+                             cu_seqlens_q=None if decode else cu, max_seqlen_q=max_q, num_splits=num_splits)
+    return StepInputs(ids, positions, meta, rows, hb.sample, hb.prompt_lp)

@@ -1,0 +1,91 @@
+"""Linear layers: fused shards land in the right rows, tensor-parallel ranks take the right
+slices, and every linear method computes x W^T + b of the weights it was given.
+Bounds: float32 products against float64 references within 1e-5 relative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optllm.formats.args import QuantArgs
+from optllm.quant.rtn import rtn_quantize
+from optllm.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from optllm.runtime.layers.linear_methods import DenseMethod, DequantMethod, W4A16Method, kernel_takes
+from optllm.runtime.layers.parallel import ParallelContext
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_qkv_shards_are_concatenated_in_order():
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(32, 8, num_heads=4, num_kv_heads=2, bias=True, method=DenseMethod())
+    ws = {s: torch.randn(n, 32) for s, n in (("q", 32), ("k", 16), ("v", 16))}
+    bs = {s: torch.randn(w.shape[0]) for s, w in ws.items()}
+    for s in "qkv":
+        layer.weight_loader("weight", ws[s], s)
+        layer.weight_loader("bias", bs[s], s)
+    assert layer.loaded == layer.expected_loads()
+    x = torch.randn(5, 32)
+    ref = torch.cat([x @ ws[s].T + bs[s] for s in "qkv"], dim=1)
+    assert rel(layer(x), ref) < 1e-6
+
+
+def test_tensor_parallel_ranks_take_their_slices():
+    """Rank 1 of 2: column layers keep the second half of each shard's rows, row layers the
+    second half of the columns (and of the group scales), the bias whole."""
+    torch.manual_seed(1)
+    ctx = ParallelContext(rank=1, world_size=2)
+    gate, up = torch.randn(24, 16), torch.randn(24, 16)
+    col = MergedColumnParallelLinear(16, [24, 24], False, DenseMethod(), ctx=ctx)
+    col.weight_loader("weight", gate, 0)
+    col.weight_loader("weight", up, 1)
+    assert torch.equal(col.weight, torch.cat([gate[12:], up[12:]]))
+    args = QuantArgs(num_bits=4, group_size=8, symmetric=False)
+    row = RowParallelLinear(32, 6, True, DequantMethod(args, torch.float32), ctx=ctx)
+    q = torch.randint(-8, 8, (6, 32), dtype=torch.int8)
+    s, z = torch.rand(6, 4) + 0.1, torch.randint(-8, 8, (6, 4), dtype=torch.int8)
+    b = torch.randn(6)
+    for name, t in (("qweight", q), ("scales", s), ("zeros", z), ("bias", b)):
+        row.weight_loader(name, t)
+    row.process_weights_after_loading()
+    expect = (q[:, 16:].float() - z[:, 2:].float().repeat_interleave(8, 1)) * s[:, 2:].repeat_interleave(8, 1)
+    assert torch.equal(row.weight, expect) and torch.equal(row.bias, b)
+
+
+def test_shape_mismatch_is_a_clear_error():
+    layer = RowParallelLinear(16, 8, False, DenseMethod())
+    with pytest.raises(ValueError, match="does not match"):
+        layer.weight_loader("weight", torch.zeros(8, 12))
+
+
+@pytest.mark.parametrize("sym", (True, False))
+@pytest.mark.parametrize("group", (32, 64))
+def test_w4a16_method_equals_dequantized_weights(sym, group):
+    """The W4A16 method (repacked to the kernels' layout; torch backend on CPU) computes
+    x @ ((q - zero) * scale)^T + b."""
+    torch.manual_seed(group + sym)
+    args = QuantArgs(num_bits=4, group_size=group, symmetric=sym)
+    w = torch.randn(48, 128)
+    qw = rtn_quantize(w, args, scale_dtype=torch.float32)
+    layer = MergedColumnParallelLinear(128, [16, 32], True, W4A16Method(args, torch.float32, "torch"))
+    bias = torch.randn(48)
+    for i, sl in enumerate((slice(0, 16), slice(16, 48))):
+        layer.weight_loader("qweight", qw.q[sl], i)
+        layer.weight_loader("scales", qw.scale[sl], i)
+        if not sym:
+            layer.weight_loader("zeros", qw.zero[sl], i)
+        layer.weight_loader("bias", bias[sl], i)
+    layer.process_weights_after_loading()
+    assert not hasattr(layer, "qweight")  # the codes are gone once repacked
+    x = torch.randn(7, 128)
+    ref = x.double() @ qw.dequantize(torch.float64).T + bias.double()
+    assert rel(layer(x), ref) < 1e-5
+
+
+def test_kernel_takes_only_what_the_w4a16_kernels_run():
+    assert kernel_takes(QuantArgs(4, 64), 576) and kernel_takes(QuantArgs(4, None), 100 * 8)
+    assert not kernel_takes(QuantArgs(3, 64), 576)
+    assert not kernel_takes(QuantArgs(4, 8), 64)  # groups must be multiples of 32 (or per channel)
+    assert not kernel_takes(QuantArgs(8, 64), 576)
