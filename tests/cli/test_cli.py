@@ -61,3 +61,35 @@ def test_quantize_then_eval(tiny_llama, tmp_path):
 def test_models_lists_the_builtin_alias():
     r = run("models")
     assert r.returncode == 0 and "smollm2-135m" in r.stdout
+
+
+def test_generate_streams_the_greedy_completion(tiny_llama):
+    from optllm import LLM, SamplingParams
+
+    r = run("generate", str(tiny_llama), "def main", "--max-tokens", "12", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    want = LLM(tiny_llama, device="cpu").generate("def main", SamplingParams(temperature=0, max_tokens=12))
+    assert r.stdout.rstrip("\n") == want[0].outputs[0].text
+    assert "stopped at --max-tokens" in r.stderr or want[0].outputs[0].finish_reason == "stop"
+
+
+def test_generate_bad_input_is_one_line(tiny_llama):
+    _one_clear_line(run("generate", str(tiny_llama), "hi", "--temperature", "-1", "--device", "cpu"), "temperature")
+    _one_clear_line(run("generate", str(tiny_llama), "hi " * 600, "--device", "cpu"), "max_model_len")
+
+
+def test_chat_uses_the_template_over_turns(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    _one_clear_line(run("chat", str(tiny_llama), "--device", "cpu"), "no chat template")
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "-m", "optllm", "chat", str(folder), "--device", "cpu", "--max-tokens", "8",
+                        "--temperature", "0"], input="hello\nand again\n\n", capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("model> ") == 2 and r.stdout.count("you> ") == 3

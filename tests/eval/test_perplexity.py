@@ -170,3 +170,20 @@ def test_text_token_stream(tokenizer, tmp_path):
         text_token_stream(tokenizer, tmp_path / "doc.md")
     with pytest.raises(ValueError, match="does not exist"):
         text_token_stream(tokenizer, tmp_path / "missing.txt")
+
+
+@pytest.mark.parametrize("stride", (None, 24))
+def test_runtime_perplexity_equals_the_hf_model(tiny_models, stride):
+    """eval --ppl runs on the serving runtime (prompt log-probs); on the same windows it gives
+    the HF model's perplexity (float32 on both sides: within 1e-5 relative)."""
+    from transformers import AutoModelForCausalLM
+
+    from optllm import LLM
+
+    folder = tiny_models["qwen2"]
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(3))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = perplexity(hf, ids, seq_len=64, stride=stride)
+    ours = perplexity(LLM(folder, device="cpu", max_model_len=64), ids, seq_len=64, stride=stride)
+    assert (ours.num_tokens, ours.num_windows) == (ref.num_tokens, ref.num_windows)
+    assert abs(ours.ppl / ref.ppl - 1) < 1e-5

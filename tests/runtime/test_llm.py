@@ -115,3 +115,23 @@ def test_triton_kernels_under_the_interpreter_give_the_same_tokens(tiny_models, 
     llm = LLM(tiny_models["mistral"], device="cpu", kernels="triton", max_num_batched_tokens=16)
     outs = llm.generate(PROMPTS[:2], greedy(6))
     assert [o.outputs[0].token_ids for o in outs] == [r[:6] for r in hf_reference["mistral"][:2]]
+
+
+@pytest.mark.model
+def test_smollm2_greedy_equals_hf_generate():
+    """The built-in model (real weights): a batch of chat and plain prompts of different
+    lengths, with a small token budget so prefill is chunked and mixed with decodes."""
+    pytest.importorskip("gguf")
+    from optllm.hub.loader import resolve_model
+
+    try:
+        folder = resolve_model("smollm2-135m")
+    except Exception as e:  # the package is not installed here
+        pytest.skip(str(e))
+    llm = LLM(folder, device="cpu", max_num_batched_tokens=48, max_model_len=512)
+    tok = llm.tokenizer
+    prompts = [tok("The capital of France is")["input_ids"],
+               llm.chat_prompt([{"role": "user", "content": "Write a haiku about the sea."}]),
+               tok("def fibonacci(n):\n    ")["input_ids"]]
+    outs = llm.generate(prompts, greedy(24))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts)
