@@ -18,6 +18,7 @@ setup:
 demo: setup
 	$(PY) -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --num-samples 16 --seq-len 256 --out $(SMOKE_OUT) --overwrite
 	$(PY) -m optllm eval smollm2-135m $(SMOKE_OUT) --ppl --max-windows 8 --out $(SMOKE_OUT)-report
+	$(PY) -m optllm generate $(SMOKE_OUT) "The Python interpreter is" --max-tokens 32
 
 # style (ruff) and the layering contract of DESIGN.md (lint-imports, pyproject.toml) first
 test: setup
