@@ -1,10 +1,20 @@
 """What the GPU benchmark and tuning scripts share: the Llama-3-8B projection shapes and the
 timing method (median GPU time of a CUDA-graph replay, weight copies rotated inside the graph
-so that int4 weights do not sit in the 60 MB L2)."""
+so that int4 weights do not sit in the 60 MB L2); for the end-to-end scripts, the model
+shapes (configs of random-weight folders) and the provenance every result records."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import triton
+
+BW = 4.27e12  # measured device copy bandwidth of the H200, bytes/s
 
 # name -> (K, N) of y = x W^T, W [N, K]
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -29,3 +39,54 @@ def rotated_us(op, rep: int = 20) -> float:
     fn = lambda: [op(i) for i in range(ROT)]  # noqa: E731
     fn()
     return graph_us(fn, rep) / ROT
+
+
+# ---- end-to-end: model shapes for random-weight runs (load_format="dummy")
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_theta=500000.0,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+                 model_type="llama", torch_dtype="bfloat16", hidden_act="silu")
+SMOLLM2 = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
+               rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, rope_theta=100000.0)
+
+
+def shape_folder(root: Path, name: str, cfg: dict, w4a16: bool = False) -> Path:
+    """A config-only folder with a stub tokenizer (only token ids are used: detokenize=False)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(cfg)
+    if w4a16:
+        from optllm.formats.args import QuantArgs
+        from optllm.formats.compressed_tensors import quantization_config
+
+        cfg["quantization_config"] = quantization_config(QuantArgs(4, 128, True), ["Linear"], ["lm_head"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+def provenance() -> dict:
+    """date, GPU, versions, commit (with "+dirty" when the tree has uncommitted changes;
+    $OPTLLM_COMMIT where the tree is not a git checkout), and the command."""
+    import torch
+    import transformers
+
+    def git(*args) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, commit=commit or os.environ.get("OPTLLM_COMMIT", "?"),
+                command=" ".join(sys.argv))

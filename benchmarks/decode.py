@@ -26,23 +26,13 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-BW = 4.27e12
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_theta=500000.0,
-                 rms_norm_eps=1e-5, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
-                 model_type="llama", torch_dtype="bfloat16", hidden_act="silu")
-SMOLLM2 = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
-               rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, rope_theta=100000.0)
+from optllm.benchmarks.common import BW, LLAMA3_8B, SMOLLM2, provenance, shape_folder
 
 
 def log(*a):
@@ -50,25 +40,6 @@ def log(*a):
 
 
 # ----------------------------------------------------------------------------- models
-def shape_folder(root: Path, name: str, cfg: dict, w4a16: bool = False) -> Path:
-    """A config-only folder with a stub tokenizer (only token ids are used: detokenize=False)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(cfg)
-    if w4a16:
-        from optllm.formats.args import QuantArgs
-        from optllm.formats.compressed_tensors import quantization_config
-
-        cfg["quantization_config"] = quantization_config(QuantArgs(4, 128, True), ["Linear"], ["lm_head"])
-    (folder / "config.json").write_text(json.dumps(cfg))
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
-    return folder
-
-
 def hf_model(cfg: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -205,7 +176,7 @@ def serve_case(root, rows, quick, peers):
     prompts = [[rng.randrange(100, 30000) for _ in range(p)] for p, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=o, min_tokens=o, ignore_eos=True, detokenize=False)
               for _, o in reqs]
-    llm = LLM(shape_folder(root, "llama3-8b-bf16", LLAMA3_8B), random_weights=True, max_num_seqs=256,
+    llm = LLM(shape_folder(root, "llama3-8b-bf16", LLAMA3_8B), load_format="dummy", max_num_seqs=256,
               max_num_batched_tokens=8192, max_model_len=2048)
     runner = llm.engine.runner
     wbytes, kv_tok = step_bytes(llm), runner.kv_spec.bytes_per_token()
@@ -276,19 +247,6 @@ def table(rows) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def provenance() -> dict:
-    import transformers
-    import triton
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    return dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, transformers=transformers.__version__,
-                commit=commit or os.environ.get("OPTLLM_COMMIT", "?"), command=" ".join(sys.argv))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="smol,8b-bf16,8b-w4a16,serve256")
@@ -310,17 +268,17 @@ def main():
         try:
             if case == "smol":
                 folder = shape_folder(a.root, "smollm2-135m-shape", SMOLLM2)
-                decode_case("smollm2-135m", dict(model=str(folder), random_weights=True, max_num_seqs=64,
+                decode_case("smollm2-135m", dict(model=str(folder), load_format="dummy", max_num_seqs=64,
                                                  max_model_len=2048),
                             lambda: hf_model(SMOLLM2), [(1, new), (64, new)], a.quick, rows, a.peers)
             elif case == "8b-bf16":
                 folder = shape_folder(a.root, "llama3-8b-bf16", LLAMA3_8B)
-                decode_case("llama3-8b-bf16", dict(model=str(folder), random_weights=True, max_num_seqs=64,
+                decode_case("llama3-8b-bf16", dict(model=str(folder), load_format="dummy", max_num_seqs=64,
                                                    max_model_len=2048),
                             lambda: hf_model(LLAMA3_8B), [(1, new), (64, new)], a.quick, rows, a.peers)
             elif case == "8b-w4a16":
                 folder = shape_folder(a.root, "llama3-8b-w4a16", LLAMA3_8B, w4a16=True)
-                decode_case("llama3-8b-w4a16", dict(model=str(folder), random_weights=True, max_num_seqs=64,
+                decode_case("llama3-8b-w4a16", dict(model=str(folder), load_format="dummy", max_num_seqs=64,
                                                     max_model_len=2048),
                             None, [(1, new), (64, new)], a.quick, rows, "none")
             else:

@@ -17,6 +17,12 @@ for case in ${CASES:-smol 8b-bf16 8b-w4a16 serve256}; do
   timeout "${CASE_TIMEOUT:-120}" python3 benchmarks/decode.py --cases "$case" --tag "decode-$case" --out "$OUT" "$@" \
     >> "$OUT/decode.log" 2>&1 || echo "case $case exited $?" | tee -a "$OUT/decode.log"
 done
+# the server's overhead on the serve256 requests (64 concurrent streaming clients)
+if [ -n "${SERVE:-1}" ] && [ "${SERVE:-1}" != 0 ]; then
+  timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/serve.py --out "$OUT" >> "$OUT/decode.log" 2>&1 \
+    || echo "serve benchmark exited $?" | tee -a "$OUT/decode.log"
+  cat "$OUT/serve.md" 2>/dev/null
+fi
 # one table (the per-case .json files keep every number)
 { head -8 "$OUT"/decode-*.md 2>/dev/null | grep "^- " | sort -u; echo; cat "$OUT"/decode-*.md 2>/dev/null | grep "^|" | awk '!seen[$0]++'; } > "$OUT/decode.md"
 rm -f "$OUT"/decode-*.md

@@ -139,6 +139,7 @@ _DTYPE = typer.Option("auto", help="auto (bfloat16 on CUDA, float32 on CPU) | fl
 _MAX_LEN = typer.Option(None, "--max-model-len", help="prompt + output tokens per sequence [default: the model's]")
 _KV = typer.Option("auto", "--kv-cache-dtype", help="auto | fp8")
 _EAGER = typer.Option(False, "--enforce-eager", help="no CUDA graphs")
+_LOAD = typer.Option("auto", "--load-format", help="auto | dummy (random weights in the model's shape: benchmarks)")
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed):
@@ -219,6 +220,38 @@ def chat(
                 shown, final = text, out
             typer.echo("")
             history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
+    except (UserError, ValueError) as e:
+        _fail(str(e))
+
+
+@app.command()
+def serve(
+    model: str = typer.Argument(..., help="model folder, built-in alias or optllm checkpoint"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000),
+    api_key: Optional[str] = typer.Option(None, envvar="OPTLLM_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on /v1 (or $OPTLLM_API_KEY)"),
+    served_model_name: Optional[str] = typer.Option(None, help="the model id clients send [default: MODEL]"),
+    max_num_seqs: int = typer.Option(256, help="sequences running at once"),
+    max_num_batched_tokens: int = typer.Option(4096, help="tokens one step computes"),
+    log_prompts: bool = typer.Option(False, "--log-prompts", help="put prompts in the request log"),
+    max_body_mb: float = typer.Option(8.0, help="larger request bodies get 413"),
+    shutdown_timeout: float = typer.Option(30.0, help="seconds in-flight requests get after SIGTERM"),
+    device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
+    kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, load_format: str = _LOAD,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from ..runtime.config import EngineConfig
+    from ..runtime.server.app import ServerConfig
+    from ..runtime.server.serve import serve as run
+
+    try:
+        engine = EngineConfig(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              load_format=load_format,
+                              **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager))
+        server = ServerConfig(served_model_name or model, api_key or None, int(max_body_mb * 2**20), log_prompts,
+                              shutdown_timeout)
+        run(engine, server, host, port, shutdown_timeout)
     except (UserError, ValueError) as e:
         _fail(str(e))
 

@@ -32,10 +32,9 @@ class AsyncLLMEngine:
         self._thread.start()
 
     # ---- caller side (any event loop)
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs until it finishes. Errors from add_request
-        (a prompt too long, a duplicate id) are raised here."""
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> "RequestStream":
+        """Queue a request; returns the stream of its cumulative outputs. Errors from
+        add_request (a prompt too long, a duplicate id) are raised here, before any output."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
@@ -46,18 +45,17 @@ class AsyncLLMEngine:
         if error:
             self._streams.pop(request_id, None)
             raise error[0]
-        finished = False
+        return RequestStream(self, request_id, q)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes; leaving early aborts it."""
+        stream = await self.add_request(prompt, params, request_id)
         try:
-            while not finished:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
+            async for out in stream:
                 yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -126,9 +124,51 @@ class AsyncLLMEngine:
                 loop, q = target
                 loop.call_soon_threadsafe(q.put_nowait, out)
 
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
             target = self._streams.get(rid)
             if target is not None:
                 target[0].call_soon_threadsafe(target[1].put_nowait, RuntimeError(f"engine step failed: {error}"))
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs (the last has finished=True).
+    close() -- also called when the iterator is dropped unfinished -- aborts the request."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine, self.request_id, self._queue = engine, request_id, queue
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if isinstance(out, BaseException):
+            self.close()
+            raise out
+        self.finished = out.finished
+        if self.finished:
+            self.engine._forget(self.request_id)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.engine._forget(self.request_id)
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to abort
+            pass

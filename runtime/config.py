@@ -8,6 +8,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 QUANTIZED_LINEAR = ("kernel", "dequant")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "triton", "torch")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class EngineConfig:
     cpu_kv_cache_gib: KV cache size on CPU when num_kv_blocks is not given.
     kernels: "auto" (Triton on CUDA, the torch references on CPU), "triton" (also on CPU,
     under TRITON_INTERPRET=1: slow, for tests), "torch".
+    load_format: "auto" reads the checkpoint's weights; "dummy" fills the model's shape with
+    random weights (benchmarks: speed does not depend on the values; vLLM's name for it).
     """
 
     model: str
@@ -67,6 +70,7 @@ class EngineConfig:
     quantized_linear: str = "kernel"
     cpu_kv_cache_gib: float = 1.0
     kernels: str = "auto"
+    load_format: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -78,6 +82,8 @@ class EngineConfig:
         if self.quantized_linear not in QUANTIZED_LINEAR:
             raise ValueError(f"quantized_linear={self.quantized_linear!r} is not allowed; allowed: "
                              f"{', '.join(QUANTIZED_LINEAR)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} is not allowed; allowed: {', '.join(LOAD_FORMATS)}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels={self.kernels!r} is not allowed; allowed: {', '.join(KERNELS)}")
         if not 0 < self.gpu_memory_utilization <= 1:

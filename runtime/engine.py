@@ -47,7 +47,7 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, random_weights: bool = False) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.source: ModelSource = read_source(config.model, config.quantized_linear)
         self.tokenizer = load_tokenizer(self.source.folder)
@@ -58,7 +58,7 @@ class LLMEngine:
             raise UserError(f"--max-model-len {config.max_model_len} exceeds the model's "
                             f"max_position_embeddings={limit}")
         self.max_model_len = config.max_model_len or limit
-        self.runner = ModelRunner(config, self.source, self.max_model_len, self.eos_token_ids, random_weights)
+        self.runner = ModelRunner(config, self.source, self.max_model_len, self.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.runner.num_blocks,
                                    self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)

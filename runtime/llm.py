@@ -22,8 +22,8 @@ class LLM:
     """model: HF folder, built-in alias or optllm checkpoint; keyword arguments are
     EngineConfig's (device, dtype, max_model_len, max_num_seqs, kv_cache_dtype, ...)."""
 
-    def __init__(self, model: str, *, random_weights: bool = False, **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), random_weights=random_weights)
+    def __init__(self, model: str, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
 
     @property
     def tokenizer(self):
@@ -80,11 +80,19 @@ class LLM:
         return self.generate([self.chat_prompt(c) for c in convs], sampling_params, use_tqdm)
 
     def chat_prompt(self, conversation: list[dict]) -> list[int]:
-        tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return render_chat(self.tokenizer, conversation)
+
+
+def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template; ValueError when the
+    model has no template or the template refuses the conversation."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template")
+    try:
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as e:  # jinja's TemplateError (e.g. roles out of order) and the like
+        raise ValueError(f"the chat template refused the conversation: {e}") from None
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _bar(total: int):

@@ -32,8 +32,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, eos_token_ids: frozenset,
-                 random_weights: bool = False) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, eos_token_ids: frozenset) -> None:
         self.config, self.max_model_len = config, max_model_len
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -44,7 +43,7 @@ class ModelRunner:
         opt = BuildOptions(self.dtype, self.device, self.backend, quant=source.quant, max_position=max_model_len)
         with torch.inference_mode():
             self.model = build_model(source, opt)
-            if random_weights:
+            if config.load_format == "dummy":
                 init_random_weights(self.model, config.seed)
             else:
                 load_weights(self.model, source.folder)

@@ -1,0 +1,179 @@
+"""The server's own overhead: the same requests offline (LLM.generate) and through `optllm serve`.
+
+    python benchmarks/serve.py [--requests 256] [--clients 64] [--model 8b|smol] [--out DIR]
+
+The requests are benchmarks/decode.py's serve256 set: prompt and output lengths uniform in
+[100, 1024] (seed 0), random token ids, greedy, EOS ignored, exact output lengths. First
+every request through LLM.generate in this process (offline throughput); then the same
+requests through a server process (`optllm serve --load-format dummy`, random weights in
+the model's shape), sent as token-id prompts to /v1/completions with stream=true by
+`--clients` concurrent clients (threads, http.client: the standard library only, so the
+GPU machine needs nothing installed). Reports output tok/s both ways and their ratio, TTFT
+and inter-token latency p50 / p99 seen by the clients, in a table, JSON and Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import queue
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from optllm.benchmarks.common import LLAMA3_8B, SMOLLM2, provenance, shape_folder
+
+
+def requests_set(n: int, vocab: int):
+    rng = random.Random(0)
+    lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(n)]
+    prompts = [[rng.randrange(100, min(vocab, 30000)) for _ in range(p)] for p, _ in lens]
+    return prompts, [o for _, o in lens]
+
+
+def offline(folder, prompts, outs, engine_args) -> dict:
+    import torch
+
+    from optllm import LLM, SamplingParams
+
+    llm = LLM(str(folder), load_format="dummy", **engine_args)
+    params = [SamplingParams(temperature=0, max_tokens=o, min_tokens=o, ignore_eos=True, detokenize=False)
+              for o in outs]
+    llm.generate(prompts[:8], params[:8])  # warm-up
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(r.outputs[0].token_ids) for r in res)
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return dict(s=dt, tokens=tokens, tok_s=tokens / dt)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_request(port: int, prompt: list[int], out_len: int) -> dict:
+    """Stream one completion; (first-token time, per-token gaps, tokens) as the client sees them."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = json.dumps({"prompt": prompt, "max_tokens": out_len, "min_tokens": out_len, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    first, last, gaps, tokens = None, None, [], 0
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        now = time.perf_counter()
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        if event.get("choices"):
+            if first is None:
+                first = now - t0
+            elif last is not None:
+                gaps.append(now - last)
+            last = now
+    conn.close()
+    return dict(ttft=first, gaps=gaps, tokens=tokens)
+
+
+def through_server(folder, prompts, outs, clients: int, engine_args: dict) -> dict:
+    port = free_port()
+    cmd = [sys.executable, "-m", "optllm", "serve", str(folder), "--port", str(port), "--load-format", "dummy"]
+    for k, v in engine_args.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.devnull, "w"))
+    try:
+        for _ in range(3000):
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise RuntimeError("the server did not come up")
+        for i in range(min(8, len(prompts))):  # warm-up (CUDA graphs are captured at start already)
+            one_request(port, prompts[i], 16)
+        work: queue.Queue = queue.Queue()
+        for i in range(len(prompts)):
+            work.put(i)
+        results: list = [None] * len(prompts)
+
+        def client():
+            while True:
+                try:
+                    i = work.get_nowait()
+                except queue.Empty:
+                    return
+                results[i] = one_request(port, prompts[i], outs[i])
+
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        dt = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    tokens = sum(r["tokens"] for r in results)
+    ttft = sorted(r["ttft"] for r in results)
+    gaps = sorted(g for r in results for g in r["gaps"])
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None  # noqa: E731
+    return dict(s=dt, tokens=tokens, tok_s=tokens / dt, ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99),
+                itl_p50=pct(gaps, 0.5), itl_p99=pct(gaps, 0.99), itl_mean=statistics.fmean(gaps) if gaps else None)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--model", choices=("8b", "smol"), default="8b")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--root", type=Path, default=Path("/tmp/optllm-bench"))
+    ap.add_argument("--device", default="auto")
+    a = ap.parse_args()
+    cfg = LLAMA3_8B if a.model == "8b" else SMOLLM2
+    folder = shape_folder(a.root, f"{a.model}-shape", cfg)
+    prompts, outs = requests_set(a.requests, cfg["vocab_size"])
+    engine_args = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048, device=a.device)
+    info = provenance()
+    print(json.dumps(info), flush=True)
+    off = offline(folder, prompts, outs, engine_args)
+    print(json.dumps(dict(offline=off)), flush=True)
+    srv = through_server(folder, prompts, outs, a.clients, engine_args)
+    print(json.dumps(dict(server=srv)), flush=True)
+    ms = lambda v: "–" if v is None else f"{1000 * v:.1f}"  # noqa: E731
+    table = ("| path | requests | output tokens | s | tok/s | vs offline | TTFT p50 / p99 ms | ITL p50 / p99 ms |\n"
+             "|---|---|---|---|---|---|---|---|\n"
+             f"| LLM.generate | {a.requests} | {off['tokens']} | {off['s']:.2f} | {off['tok_s']:.1f} | 1.00 | – | – |\n"
+             f"| optllm serve, {a.clients} clients | {a.requests} | {srv['tokens']} | {srv['s']:.2f} | "
+             f"{srv['tok_s']:.1f} | {srv['tok_s'] / off['tok_s']:.2f} | "
+             f"{ms(srv['ttft_p50'])} / {ms(srv['ttft_p99'])} | {ms(srv['itl_p50'])} / {ms(srv['itl_p99'])} |\n")
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "serve.json").write_text(json.dumps(dict(info=info, offline=off, server=srv), indent=1))
+    md = "\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n\n" + table
+    (a.out / "serve.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
