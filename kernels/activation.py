@@ -12,16 +12,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import interpreting
+from .common import pow2, use_triton
 
-BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (plain Python: triton.next_power_of_2 and triton.cdiv
-    go through the JIT's call path, microseconds per launch)."""
-    return 1 << (n - 1).bit_length()
 
 
 @triton.jit
@@ -51,17 +44,10 @@ def silu_and_mul(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 
     backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     if x.dim() == 0 or x.dtype not in DTYPES or x.shape[-1] % 2:
         raise ValueError(f"x: must be a bf16/fp16/fp32 tensor [..., 2I], got {x.dtype} {tuple(x.shape)}")
-    triton_ok = x.is_cuda or interpreting()
-    if backend == "auto":
-        backend = "triton" if triton_ok else "torch"
-    if backend == "torch":
+    if not use_triton(backend, x):
         return silu_and_mul_ref(x)
-    if not triton_ok:
-        raise ValueError(f"backend: 'triton' needs x on CUDA or TRITON_INTERPRET=1, got {x.device}")
     if x.stride(-1) != 1:
         raise ValueError(f"x: the last dim must have unit stride, got strides {tuple(x.stride())}")
     i = x.shape[-1] // 2
@@ -71,7 +57,7 @@ def silu_and_mul(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if rows == 0 or i == 0:
         return out
     # few rows (decode): smaller blocks, so more programs share the work
-    block = min(_pow2(i), 1024 if rows >= 64 else 256)
+    block = min(pow2(i), 1024 if rows >= 64 else 256)
     _silu_and_mul_kernel[(rows, -(-i // block))](
         x2, out, i, x2.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 2)
     return out

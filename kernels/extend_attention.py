@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import use_triton
 from .paged_attention import (
     LOG2E,
     _int,
@@ -42,7 +43,6 @@ from .paged_attention import (
     gather_kv,
     kv_tile,
 )
-from .scaled_mm import use_triton
 
 
 @triton.jit

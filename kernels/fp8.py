@@ -21,17 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
+from optllm.kernels.common import interpreting, use_triton
 from optllm.kernels.scaled_mm import (
     SCALE_EPS,
     GemmConfig,
     check_activation,
     check_gemm_shapes,
     div_rn,
-    interpreting,
     register_gemm_op,
     row_kernel_launch_params,
     scaled_mm_ref,
-    use_triton,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting
+from .common import interpreting, use_triton
 from .fp8 import _to_e4m3
-from .scaled_mm import SCALE_EPS, div_rn, use_triton
+from .scaled_mm import SCALE_EPS, div_rn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -18,17 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting
+from .common import pow2, use_triton
 
-BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_H = 16384
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (plain Python: triton.next_power_of_2 and triton.cdiv
-    go through the JIT's call path, microseconds per launch)."""
-    return 1 << (n - 1).bit_length()
 
 
 @triton.jit
@@ -97,9 +90,9 @@ def _launch(x, weight, eps, residual):
         residual, _, sr_o, sr_i = _rows(residual, "residual")  # x's shape: the same inner
     else:
         sr_o = sr_i = 0
-    block_h = _pow2(H)
+    block_h = pow2(H)
     # small H: several rows per program, while keeping >= ~256 programs when R allows
-    block_r = max(1, min(2048 // block_h, _pow2(-(-R // 256))))
+    block_r = max(1, min(2048 // block_h, pow2(-(-R // 256))))
     num_warps = min(16, max(1, block_r * block_h // 256))
     _rms_norm_kernel[(-(-R // block_r),)](
         x3, x3 if residual is None else residual, weight, out, res_out, R, H, inner,
@@ -119,8 +112,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out is the norm of it, both contiguous; else returns out. Numerics as HF LlamaRMSNorm.
     backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     if x.dim() == 0 or x.dtype not in DTYPES or not 0 < x.shape[-1] <= MAX_H:
         raise ValueError(f"x: must be a bf16/fp16/fp32 tensor [..., H] with 0 < H <= {MAX_H}, "
                          f"got {x.dtype} {tuple(x.shape)}")
@@ -130,13 +121,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual: must be {x.dtype} of shape {tuple(x.shape)}, got "
                          f"{residual.dtype} {tuple(residual.shape)}")
-    triton_ok = x.is_cuda or interpreting()
-    if backend == "auto":
-        backend = "triton" if triton_ok else "torch"
-    if backend == "torch":
+    if not use_triton(backend, x):
         return rms_norm_ref(x, weight, eps, residual)
-    if not triton_ok:
-        raise ValueError(f"backend: 'triton' needs x on CUDA or TRITON_INTERPRET=1, got {x.device}")
     if weight.stride(0) != 1:
         weight = weight.contiguous()
     out, res_out = _launch(x, weight, eps, residual)

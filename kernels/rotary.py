@@ -18,16 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting
+from .common import pow2, use_triton
 
-BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (plain Python: triton.next_power_of_2 and triton.cdiv
-    go through the JIT's call path, microseconds per launch)."""
-    return 1 << (n - 1).bit_length()
 
 
 @triton.jit
@@ -115,19 +108,12 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     _check(positions, q, k, cos_sin_cache, head_dim)
-    triton_ok = q.is_cuda or interpreting()
-    if backend == "auto":
-        backend = "triton" if triton_ok else "torch"
-    if backend == "torch":
+    if not use_triton(backend, q):
         q_new, k_new = apply_rotary_ref(positions, q, k, cos_sin_cache, head_dim)
         q.copy_(q_new)
         k.copy_(k_new)
         return q, k
-    if not triton_ok:
-        raise ValueError(f"backend: 'triton' needs q on CUDA or TRITON_INTERPRET=1, got {q.device}")
     if q.stride(1) != 1 or k.stride(1) != 1 or cos_sin_cache.stride(1) != 1:
         raise ValueError("q, k, cos_sin_cache: the last dim must have unit stride")
     T = q.shape[0]
@@ -136,8 +122,8 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if T == 0 or heads == 0:
         return q, k
     half = cos_sin_cache.shape[1] // 2
-    block_d = _pow2(half)
-    block_h = min(_pow2(heads), max(1, 1024 // block_d))
+    block_d = pow2(half)
+    block_h = min(pow2(heads), max(1, 1024 // block_d))
     _rotary_kernel[(T, -(-heads // block_h))](
         positions, q, k, cos_sin_cache, q.stride(0), k.stride(0), cos_sin_cache.stride(0), nq, nk,
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,

@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, interpreting
+from .common import grouped_tile
 
-BACKENDS = ("auto", "triton", "torch")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_EPS = 1e-10  # floor of a per-token scale, so an all-zero row quantizes to 0, not NaN
@@ -216,20 +215,6 @@ def register_gemm_op(name: str, configs: dict, default_config):
 
 
 # --------------------------------------------------------------------------- argument checks
-def use_triton(backend: str, t: torch.Tensor) -> bool:
-    """Resolve ``backend`` ("auto" | "triton" | "torch") for tensor ``t``: "auto" takes Triton
-    on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1, else the torch reference."""
-    if backend == "auto":
-        return t.is_cuda or interpreting()
-    if backend == "triton":
-        if not (t.is_cuda or interpreting()):
-            raise ValueError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors")
-        return True
-    if backend == "torch":
-        return False
-    raise ValueError(f"backend={backend!r} is not supported; allowed: {BACKENDS}")
-
-
 def check_activation(x: torch.Tensor, k: int | None = None) -> None:
     """ValueError unless x is a floating [.., K] tensor of an allowed dtype (K == k if given)."""
     if x.dtype not in IN_DTYPES:

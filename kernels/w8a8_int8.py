@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-# BACKENDS, IN_DTYPES, OUT_DTYPES, M_BUCKETS, m_bucket and scaled_mm_triton are unused here,
+# IN_DTYPES, OUT_DTYPES, M_BUCKETS, m_bucket and scaled_mm_triton are unused here,
 # re-exported because they were defined in this module before the shared kernel moved to
 # scaled_mm.py.
+from optllm.kernels.common import BACKENDS, interpreting, use_triton  # noqa: F401
 from optllm.kernels.scaled_mm import (  # noqa: F401
-    BACKENDS,
     IN_DTYPES,
     M_BUCKETS,
     OUT_DTYPES,
@@ -30,13 +30,11 @@ from optllm.kernels.scaled_mm import (  # noqa: F401
     check_activation,
     check_gemm_shapes,
     div_rn,
-    interpreting,
     m_bucket,
     register_gemm_op,
     row_kernel_launch_params,
     scaled_mm_ref,
     scaled_mm_triton,
-    use_triton,
 )
 
 

@@ -9,16 +9,12 @@ fast_accum configs used from M = 256 at K = 14336). bf16/fp16 out:
 mantissa bits, ~3.6% rms rounding of each activation).
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from optllm.kernels import fp8 as F  # noqa: E402
-from optllm.kernels.w8a8_int8 import GemmConfig, m_bucket, scaled_mm_triton  # noqa: E402
+from optllm.kernels import fp8 as F
+from optllm.kernels.w8a8_int8 import GemmConfig, m_bucket, scaled_mm_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GEMM_TOL = 5e-3 if DEV == "cuda" else 1e-5

@@ -1,18 +1,13 @@
 """NVFP4 format (bit-exact vs compressed-tensors), weight-only Triton GEMM, W4A4 reference."""
 
 import dataclasses
-import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402  (after TRITON_INTERPRET is set)
-import triton.language as tl  # noqa: E402
-
-from optllm.kernels import nvfp4 as F  # noqa: E402
+from optllm.kernels import nvfp4 as F
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

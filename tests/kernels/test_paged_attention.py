@@ -17,16 +17,12 @@ Error bounds (max |out - expected| / max |expected|):
     store_kv_cache: bit-exact against ``store_kv_cache_ref`` (fp8 values and scales included).
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from optllm.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref  # noqa: E402  (TRITON_INTERPRET must be set first)
-from optllm.kernels.paged_attention import (  # noqa: E402
+from optllm.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
+from optllm.kernels.paged_attention import (
     FP8_DTYPE,
     paged_decode_attention,
     paged_decode_attention_ref,

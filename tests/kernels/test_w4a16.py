@@ -5,17 +5,13 @@ Error bounds (relative, ||y - ref|| / ||ref|| and max|y - ref| / max|ref|): bf16
 doubles it), fp16 2e-3, fp32 1e-5. The reference uses the same bf16/fp16 x and scales.
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from optllm.formats.packing import pack_int32  # noqa: E402  (TRITON_INTERPRET must be set first)
-from optllm.kernels import w4a16 as kernels_w4a16  # noqa: E402
-from optllm.kernels.w4a16 import (  # noqa: E402
+from optllm.formats.packing import pack_int32
+from optllm.kernels import w4a16 as kernels_w4a16
+from optllm.kernels.w4a16 import (
     W4A16_CONFIGS,
     W4A16Config,
     default_w4a16_config,

@@ -7,15 +7,11 @@ one output ulp (the interpreter casts fp32 -> bf16 by truncation). The whole pip
 unquantized float model: 3e-2 (per-token int8 rounding of the activations).
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from optllm.kernels import w8a8_int8 as W  # noqa: E402
+from optllm.kernels import w8a8_int8 as W
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MS = (1, 3, 16, 33, 128)
