@@ -129,9 +129,9 @@ def eval_cmd(
         typer.echo(f"report written to {out}")
 
 
-def _engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager) -> dict:
+def _engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager, gpu_memory_utilization=0.9) -> dict:
     return dict(device=device, dtype=dtype, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-                enforce_eager=enforce_eager)
+                enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
 
 
 _DEVICE = typer.Option("auto", help="auto | cpu | cuda[:N]")
@@ -139,6 +139,8 @@ _DTYPE = typer.Option("auto", help="auto (bfloat16 on CUDA, float32 on CPU) | fl
 _MAX_LEN = typer.Option(None, "--max-model-len", help="prompt + output tokens per sequence [default: the model's]")
 _KV = typer.Option("auto", "--kv-cache-dtype", help="auto | fp8")
 _EAGER = typer.Option(False, "--enforce-eager", help="no CUDA graphs")
+_GPU_MEM = typer.Option(0.9, "--gpu-memory-utilization",
+                        help="share of the GPU's memory for weights, activations and the KV cache")
 _LOAD = typer.Option("auto", "--load-format", help="auto | dummy (random weights in the model's shape: benchmarks)")
 
 
@@ -169,14 +171,15 @@ def generate(
     top_k: int = typer.Option(0, help="0 = off"),
     seed: Optional[int] = typer.Option(None),
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
-    kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER,
+    kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, gpu_memory_utilization: float = _GPU_MEM,
 ) -> None:
     """Complete PROMPT with MODEL on the optllm runtime, streaming to the terminal."""
     from ..runtime.llm import LLM
 
     try:
         params = _sampling(max_tokens, temperature, top_p, top_k, seed)
-        llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager))
+        llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager,
+                                        gpu_memory_utilization))
         _stream_to_terminal(llm.stream(prompt, params))
     except (UserError, ValueError) as e:
         _fail(str(e))
@@ -192,14 +195,15 @@ def chat(
     top_k: int = typer.Option(0, help="0 = off"),
     seed: Optional[int] = typer.Option(None),
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
-    kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER,
+    kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, gpu_memory_utilization: float = _GPU_MEM,
 ) -> None:
     """Multi-turn chat in the terminal with the model's chat template (empty line or Ctrl-D ends)."""
     from ..runtime.llm import LLM
 
     try:
         params = _sampling(max_tokens, temperature, top_p, top_k, seed)
-        llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager))
+        llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager,
+                                        gpu_memory_utilization))
         if not getattr(llm.tokenizer, "chat_template", None):
             _fail(f"{model} has no chat template; use `optllm generate` for plain completion")
         history = [{"role": "system", "content": system}] if system else []
@@ -239,6 +243,7 @@ def serve(
     shutdown_timeout: float = typer.Option(30.0, help="seconds in-flight requests get after SIGTERM"),
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
     kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, load_format: str = _LOAD,
+    gpu_memory_utilization: float = _GPU_MEM,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from ..runtime.config import EngineConfig
@@ -247,8 +252,8 @@ def serve(
 
     try:
         engine = EngineConfig(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              load_format=load_format,
-                              **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager))
+                              load_format=load_format, **_engine_args(device, dtype, max_model_len, kv_cache_dtype,
+                                                                      enforce_eager, gpu_memory_utilization))
         server = ServerConfig(served_model_name or model, api_key or None, int(max_body_mb * 2**20), log_prompts,
                               shutdown_timeout)
         run(engine, server, host, port, shutdown_timeout)

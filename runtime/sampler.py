@@ -177,8 +177,9 @@ class Sampler:
             st.log_min_p.append(math.log(p.min_p) if p.min_p > 0 else -math.inf)
             st.top_p.append(p.top_p)
             st.top_k.append(p.top_k if p.top_k < V else 0)
-            if p.seed is not None:
-                st.seeded.append((i, _mix(p.seed, s.num_output_tokens)))
+            if p.seed is not None:  # completion j > 0 of a request draws its own stream from the seed
+                seed = p.seed if s.index == 0 else _mix(p.seed, -1 - s.index)
+                st.seeded.append((i, _mix(seed, s.num_output_tokens)))
         return st
 
     def _adjust(self, x: torch.Tensor, seqs: Seq[Sequence], st: _Step, P: dict) -> None:

@@ -23,7 +23,8 @@ class SamplingParams:
     it when positive, multiplied when negative (1.0: off). presence_penalty /
     frequency_penalty (OpenAI): subtracted once per seen output token / per occurrence.
     seed: per-request seed; the same seed gives the same tokens whatever the batch, and
-    after a preemption (the noise of output token i depends on (seed, i) only).
+    after a preemption (the noise of output token i depends on (seed, i) only; each of the
+    n completions has its own stream, the first that of n = 1).
     max_tokens: output tokens at most (None: up to the model's context). min_tokens: EOS
     and stop token ids are suppressed until this many are out.
     stop: strings that end the output (not included unless include_stop_str_in_output);

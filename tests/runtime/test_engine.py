@@ -81,9 +81,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     assert other != alone
 
 
-def test_n_completions_share_the_prompt(llm):
-    out = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True))[0]
+def test_n_completions_are_distinct_samples(llm):
+    sp = dict(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    out = llm.generate([PROMPTS[2]], SamplingParams(n=3, **sp))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 12 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    single = llm.generate([PROMPTS[2]], SamplingParams(n=1, **sp))[0].outputs[0].token_ids
+    assert out.outputs[0].token_ids == single
 
 
 def test_stream_grows_and_ends_with_what_generate_returns(llm):
