@@ -192,6 +192,7 @@ class BlockManager:
         for b in reversed(seq.block_table):
             self._release(b)
         seq.block_table.clear()
+        seq.block_table_epoch += 1
         self._seqs.pop(seq.seq_id, None)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -212,6 +213,8 @@ class BlockManager:
             raise ValueError(f"num_tokens={num_tokens} cuts into block {seq.block_table[partial]}, "
                              f"which {self._ref[seq.block_table[partial]]} sequences share; allowed: a "
                              "length that leaves shared blocks whole")
+        if len(seq.block_table) > keep:
+            seq.block_table_epoch += 1
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
         if partial is not None and partial < len(seq.block_table):

@@ -9,10 +9,11 @@ graph. Every graph shares one memory pool (captured largest first).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .layers.attention import AttentionMetadata
-from .step_inputs import HostBatch
+from .step_inputs import HostBatch, host_tensor
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -74,13 +75,12 @@ class DecodeGraphs:
         b = len(hb.ids)
         size = self.bucket(b)
         pad = size - b
-        width = max(len(t) for t in hb.tables)
-        i64 = torch.tensor(hb.ids + [0] * pad + hb.positions + [0] * pad + hb.slots + [-1] * pad, dtype=torch.int64)
-        flat = []
-        for t in hb.tables:
-            flat += t
-            flat += [0] * (width - len(t))
-        i32 = torch.tensor(hb.seq_lens + [1] * pad + flat + [0] * (pad * width), dtype=torch.int32)
+        width = hb.table.shape[1]
+        i64 = host_tensor("q", hb.ids, [0] * pad, hb.positions, [0] * pad, hb.slots, [-1] * pad)
+        table = np.zeros((size, width), dtype=np.int32)
+        table[:b] = hb.table
+        i32 = torch.from_numpy(np.concatenate([np.asarray(hb.seq_lens + [1] * pad, dtype=np.int32),
+                                               table.reshape(-1)]))
         i64 = i64.to(self.ids.device, non_blocking=True)
         i32 = i32.to(self.ids.device, non_blocking=True)
         self.ids[:size].copy_(i64[:size])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import UserError
 from ..hub.loader import load_tokenizer
@@ -33,8 +33,7 @@ class _Request:
     seqs: list[Sequence]
     states: list[DetokenizerState]
     metrics: RequestMetrics
-    touched: bool = False
-    done: set = field(default_factory=set)
+    stream: bool = True  # an output after every step that moves it (else only the final one)
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,7 @@ class LLMEngine:
                                    self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, _Request] = {}
+        self._touched: dict[str, None] = {}  # requests to report after this step, in order
         self._ids = itertools.count()
 
     # ---- requests
@@ -70,9 +70,11 @@ class LLMEngine:
         return self.tokenizer(prompt)["input_ids"]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None, stream: bool = True) -> str:
         """Queue a prompt (text, or token ids); returns its request id. ValueError when the
-        prompt is empty, too long for max_model_len, or the id is taken."""
+        prompt is empty, too long for max_model_len, or the id is taken. stream: step() reports
+        the request after every step that moves it (cumulative); False: only when it finishes
+        (cheaper for batch generation)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -92,7 +94,7 @@ class LLMEngine:
             self.scheduler.add(s)
         self.requests[request_id] = _Request(request_id, text, ids, params, seqs,
                                              [self.detokenizer.start(len(ids)) for _ in seqs],
-                                             RequestMetrics(now, num_prompt_tokens=len(ids)))
+                                             RequestMetrics(now, num_prompt_tokens=len(ids)), stream)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -119,11 +121,14 @@ class LLMEngine:
         sampled = self.runner.execute(batch)
         self.scheduler.update(batch, sampled)
         now = time.monotonic()
-        moved = [(s, tok) for s, tok in zip(batch.seqs, sampled) if tok is not None]
         items = []
-        for seq, _tok in moved:
+        touched = self._touched
+        for seq, tok in zip(batch.seqs, sampled):
+            if tok is None:
+                continue
             req = self.requests[seq.request_id]
-            req.touched = True
+            if req.stream or seq.is_finished:
+                touched[req.request_id] = None
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
@@ -132,20 +137,20 @@ class LLMEngine:
         for (seq, _st), stop in zip(items, self.detokenizer.update(items) if items else []):
             if stop is not None and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.STOP, stop)
-        for seq in batch.seqs:  # prompt-logprob chunks and preemptions touch requests too
-            if seq.is_finished:
-                self.requests[seq.request_id].touched = True
+                touched[seq.request_id] = None
         return self._collect()
 
     def _collect(self) -> list[RequestOutput]:
         out = []
-        for rid in [r for r, req in self.requests.items() if req.touched]:
-            req = self.requests[rid]
-            req.touched = False
+        for rid in self._touched:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
             if all(s.is_finished for s in req.seqs):
                 out.append(self._finish_output(req))
-            else:
+            elif req.stream:
                 out.append(self._output(req, finished=False))
+        self._touched.clear()
         return out
 
     def _finish_output(self, req: _Request) -> RequestOutput:

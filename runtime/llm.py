@@ -39,7 +39,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp or SamplingParams(), stream=False) for p, sp in zip(prompts, params)]
         done: dict[str, RequestOutput] = {}
         bar = _bar(len(ids)) if use_tqdm else None
         try:

@@ -65,14 +65,29 @@ def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSou
 
 
 def checkpoint_kind(folder: Path) -> str:
-    """A label for reports: "float", or a quantized checkpoint's scheme ("quantized" without a report)."""
-    rep = Path(folder) / REPORT_NAME
+    """A label for reports: a quantized checkpoint's scheme ("quantized" without a report),
+    "float", or, for a model converted from a GGUF (the built-in alias), what its weights
+    really are: a dequantized GGUF quantization, e.g. "float (dequantized Q4_1 GGUF)"."""
+    folder = Path(folder)
+    rep = folder / REPORT_NAME
     if rep.is_file():
         try:
             return json.loads(rep.read_text()).get("scheme", "quantized")
         except json.JSONDecodeError:
             return "quantized"
-    return "quantized" if is_quantized_folder(folder) else "float"
+    if is_quantized_folder(folder):
+        return "quantized"
+    src = folder / "optllm-source.json"
+    if src.is_file():
+        try:
+            gguf = str(json.loads(src.read_text()).get("gguf", ""))
+        except json.JSONDecodeError:
+            gguf = ""
+        if gguf:
+            kind = next((q for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+                         if q.lower() in Path(gguf).name.lower()), "")
+            return f"float (dequantized {kind + ' ' if kind else ''}GGUF)"
+    return "float"
 
 
 def build_model(source: ModelSource, opt: BuildOptions):

@@ -13,6 +13,7 @@ import torch
 from ..errors import UserError
 from ..hub.loader import parse_dtype, resolve_device
 from ..kernels.paged_attention import default_num_splits
+from .block_table import BlockTables
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache, KVCacheSpec
@@ -56,6 +57,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.sampler = Sampler(self.vocab_size, eos_token_ids, seed=config.seed)
+        self.block_tables = BlockTables(2 * config.max_num_seqs, self.max_blocks_per_seq)
         num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         if num_blocks < self.max_blocks_per_seq:
             raise UserError(f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
@@ -115,7 +117,8 @@ class ModelRunner:
         tmp.bind(self.model.attention_layers())
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        inputs = to_device(host_batch(seqs, counts, self.block_size), self.device, False, None)
+        tables = BlockTables(len(seqs), max(len(s.block_table) for s in seqs))
+        inputs = to_device(host_batch(seqs, counts, self.block_size, tables), self.device, False, None)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         self.model.compute_logits(hidden[inputs.logits_rows])
         torch.cuda.synchronize(self.device)
@@ -133,7 +136,7 @@ class ModelRunner:
         step does not complete the sequence). Fills seq.output_logprobs / prompt_logprobs
         for the sequences that asked for them."""
         seqs = batch.seqs
-        hb = host_batch(seqs, batch.num_new_tokens, self.block_size)
+        hb = host_batch(seqs, batch.num_new_tokens, self.block_size, self.block_tables)
         decode = batch.decode_only
         if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.replay(hb)

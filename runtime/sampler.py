@@ -89,6 +89,13 @@ def _mix(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def _row_seed(s: Sequence) -> int:
+    """The generator seed of a seeded row: (request seed, completion index, token index) mixed;
+    completion 0 keeps the plain request seed, so n = 1 and the first of n draw alike."""
+    seed = s.params.seed if s.index == 0 else _mix(s.params.seed, -1 - s.index)
+    return _mix(seed, s.num_output_tokens)
+
+
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One host-to-device copy that does not wait for the device (pinned staging on CUDA)."""
     if device.type == "cuda":
@@ -150,36 +157,73 @@ class Sampler:
         return logits[:, :V] if logits.shape[1] > V else logits
 
     def _scan(self, seqs: Seq[Sequence]) -> _Step:
+        p = seqs[0].params if seqs else None
+        if p is not None and all(s.params is p for s in seqs):
+            return self._scan_shared(seqs, p)
+        return self._scan_rows(seqs)
+
+    def _scan_shared(self, seqs: Seq[Sequence], p) -> _Step:
+        """_scan_rows when every row shares one SamplingParams (LLM.generate's usual case):
+        the per-row lists are one value repeated; only min_tokens and seeds look at rows."""
+        V, B, st = self.vocab_size, len(seqs), _Step()
+        st.k_max = -1 if p.logprobs is None else p.logprobs
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            st.pen_rows = list(range(B))
+        if p.min_tokens:
+            ids = set(p.stop_token_ids) if p.ignore_eos else self.eos_token_ids.union(p.stop_token_ids)
+            ids = sorted(t for t in ids if t < V)
+            for i, s in enumerate(seqs):
+                if s.num_output_tokens < p.min_tokens:
+                    st.ban_rows += [i] * len(ids)
+                    st.ban_ids += ids
+        st.rep, st.pres, st.freq = [p.repetition_penalty] * B, [p.presence_penalty] * B, [p.frequency_penalty] * B
+        g = p.temperature < GREEDY_EPS
+        st.greedy = [g] * B
+        if g:
+            st.temp, st.log_min_p, st.top_p, st.top_k = [1.0] * B, [-math.inf] * B, [1.0] * B, [0] * B
+            return st
+        st.temp = [p.temperature] * B
+        st.log_min_p = [math.log(p.min_p) if p.min_p > 0 else -math.inf] * B
+        st.top_p = [p.top_p] * B
+        st.top_k = [p.top_k if p.top_k < V else 0] * B
+        if p.seed is not None:
+            st.seeded = [(i, _row_seed(s)) for i, s in enumerate(seqs)]
+        return st
+
+    def _scan_rows(self, seqs: Seq[Sequence]) -> _Step:
+        """Per-row parameter lists; each distinct SamplingParams is read once."""
         V, st = self.vocab_size, _Step()
+        if not seqs:
+            return st
+        derived: dict[int, tuple] = {}
+        vals = []
+        for s in seqs:
+            p = s.params
+            v = derived.get(id(p))
+            if v is None:
+                g = p.temperature < GREEDY_EPS
+                pen = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                # greedy rows carry neutral values: they ride through the sampling stages unchanged
+                v = derived[id(p)] = (
+                    p.repetition_penalty, p.presence_penalty, p.frequency_penalty, g,
+                    1.0 if g else p.temperature,
+                    -math.inf if g or p.min_p <= 0 else math.log(p.min_p),
+                    1.0 if g else p.top_p, 0 if g or p.top_k >= V else p.top_k, pen)
+            vals.append(v)
+        st.rep, st.pres, st.freq, st.greedy, st.temp, st.log_min_p, st.top_p, st.top_k, pens = (
+            list(col) for col in zip(*vals))
+        st.pen_rows = [i for i, pen in enumerate(pens) if pen]
         for i, s in enumerate(seqs):
             p = s.params
             if p.logprobs is not None and p.logprobs > st.k_max:
                 st.k_max = p.logprobs
-            if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                st.pen_rows.append(i)
             if p.min_tokens and s.num_output_tokens < p.min_tokens:
                 ids = set(p.stop_token_ids) if p.ignore_eos else self.eos_token_ids.union(p.stop_token_ids)
                 ids = sorted(t for t in ids if t < V)
                 st.ban_rows += [i] * len(ids)
                 st.ban_ids += ids
-            st.rep.append(p.repetition_penalty)
-            st.pres.append(p.presence_penalty)
-            st.freq.append(p.frequency_penalty)
-            g = p.temperature < GREEDY_EPS
-            st.greedy.append(g)
-            if g:  # neutral values: greedy rows ride through the sampling stages unchanged
-                st.temp.append(1.0)
-                st.log_min_p.append(-math.inf)
-                st.top_p.append(1.0)
-                st.top_k.append(0)
-                continue
-            st.temp.append(p.temperature)
-            st.log_min_p.append(math.log(p.min_p) if p.min_p > 0 else -math.inf)
-            st.top_p.append(p.top_p)
-            st.top_k.append(p.top_k if p.top_k < V else 0)
-            if p.seed is not None:  # completion j > 0 of a request draws its own stream from the seed
-                seed = p.seed if s.index == 0 else _mix(p.seed, -1 - s.index)
-                st.seeded.append((i, _mix(seed, s.num_output_tokens)))
+            if p.seed is not None and not st.greedy[i]:
+                st.seeded.append((i, _row_seed(s)))
         return st
 
     def _adjust(self, x: torch.Tensor, seqs: Seq[Sequence], st: _Step, P: dict) -> None:

@@ -47,6 +47,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the first admission
         self.block_table: list[int] = []
+        # bumped whenever blocks leave the table (free, truncate): lets the model runner keep
+        # an incrementally updated copy of the table, valid while only appends happen
+        self.block_table_epoch = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it

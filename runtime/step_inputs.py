@@ -10,10 +10,13 @@ device in two copies.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .block_table import BlockTables
 from .layers.attention import AttentionMetadata
 
 
@@ -34,23 +37,24 @@ class StepInputs:
 
 @dataclass
 class HostBatch:
-    """The same on the host, as Python lists (the CUDA-graph path copies them into its
-    static buffers)."""
+    """The same on the host, as Python lists and the block-table array [B, width] (the
+    CUDA-graph path copies them into its static buffers)."""
 
     ids: list[int]
     positions: list[int]
     slots: list[int]
     seq_lens: list[int]
     cu_seqlens: list[int]
-    tables: list[list[int]]
+    table: np.ndarray
     logits_rows: list[int]
     sample: list[tuple[int, int]]
     prompt_lp: list[tuple[int, int, int, int]]
 
 
-def host_batch(seqs, num_new_tokens, block_size: int) -> HostBatch:
-    ids, pos, slots, seq_lens, cu, tables = [], [], [], [], [0], []
+def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables) -> HostBatch:
+    ids, pos, slots, seq_lens, cu = [], [], [], [], [0]
     rows, sample, prompt_lp = [], [], []
+    width = 1
     for i, (seq, k) in enumerate(zip(seqs, num_new_tokens)):
         start = seq.num_computed_tokens
         end = start + k
@@ -61,7 +65,7 @@ def host_batch(seqs, num_new_tokens, block_size: int) -> HostBatch:
         row0 = cu[-1]
         cu.append(row0 + k)
         seq_lens.append(end)
-        tables.append(bt)
+        width = max(width, len(bt))
         if seq.params.prompt_logprobs is not None:
             n = min(end, seq.num_prompt_tokens - 1) - start
             if n > 0:
@@ -70,25 +74,26 @@ def host_batch(seqs, num_new_tokens, block_size: int) -> HostBatch:
         if end == seq.num_tokens:
             sample.append((i, len(rows)))
             rows.append(row0 + k - 1)
-    return HostBatch(ids, pos, slots, seq_lens, cu, tables, rows, sample, prompt_lp)
+    return HostBatch(ids, pos, slots, seq_lens, cu, tables.gather(seqs, width), rows, sample, prompt_lp)
 
 
-def pad_tables(tables: list[list[int]], width: int | None = None) -> list[int]:
-    """Block tables as one row-major list [B, width] (unused entries 0: a valid block id,
-    never read)."""
-    width = width or max(1, max(len(t) for t in tables))
-    flat = []
-    for t in tables:
-        flat += t
-        flat += [0] * (width - len(t))
-    return flat
+def host_tensor(code: str, *parts: list[int]) -> torch.Tensor:
+    """The lists concatenated as one CPU tensor (code "q": int64, "i": int32), through
+    array.array: several times faster than torch.tensor on a Python list."""
+    buf = array.array(code)
+    for p in parts:
+        buf.extend(p)
+    if not buf:
+        return torch.empty(0, dtype=torch.int64 if code == "q" else torch.int32)
+    return torch.frombuffer(buf, dtype=torch.int64 if code == "q" else torch.int32)
 
 
 def to_device(hb: HostBatch, device: torch.device, decode: bool, num_splits: int | None) -> StepInputs:
     t, b = len(hb.ids), len(hb.seq_lens)
-    width = max(1, max(len(tb) for tb in hb.tables))
-    i64 = torch.tensor(hb.ids + hb.positions + hb.slots + hb.logits_rows, dtype=torch.int64)
-    i32 = torch.tensor(hb.seq_lens + hb.cu_seqlens + pad_tables(hb.tables, width), dtype=torch.int32)
+    width = hb.table.shape[1]
+    i64 = host_tensor("q", hb.ids, hb.positions, hb.slots, hb.logits_rows)
+    i32 = torch.from_numpy(np.concatenate([np.asarray(hb.seq_lens + hb.cu_seqlens, dtype=np.int32),
+                                           hb.table.reshape(-1)]))
     i64, i32 = i64.to(device, non_blocking=True), i32.to(device, non_blocking=True)
     ids, positions, slots, rows = i64[:t], i64[t:2 * t], i64[2 * t:3 * t], i64[3 * t:]
     seq_lens, cu, tables = i32[:b], i32[b:2 * b + 1], i32[2 * b + 1:].view(b, width)
