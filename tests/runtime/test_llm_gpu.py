@@ -41,13 +41,29 @@ def test_greedy_equals_hf_on_cuda_float32(arch, tiny_models):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_models[arch], PROMPTS, 24)
 
 
-def test_cuda_graphs_equal_eager(tiny_llama):
-    a = LLM(tiny_llama, device="cuda", max_num_seqs=8)
-    b = LLM(tiny_llama, device="cuda", max_num_seqs=8, enforce_eager=True)
+@pytest.fixture(scope="module")
+def w4a16_checkpoint(tiny_models, tmp_path_factory):
+    from optllm.quant.config import QuantizeConfig
+    from optllm.quant.pipeline import quantize
+
+    out = tmp_path_factory.mktemp("w4") / "q"
+    quantize(str(tiny_models["llama"]), out, QuantizeConfig(group_size=32, num_samples=4, seq_len=32, device="cpu"),
+             progress=False)
+    return out
+
+
+@pytest.mark.parametrize("which", ("dense", "w4a16"))
+def test_cuda_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint):
+    """Graph replay (W4A16 included: its split-K counters must reset inside the graph) gives
+    the eager tokens."""
+    folder = tiny_llama if which == "dense" else w4a16_checkpoint
+    a = LLM(folder, device="cuda", max_num_seqs=8)
+    b = LLM(folder, device="cuda", max_num_seqs=8, enforce_eager=True)
     assert a.engine.runner.graphs is not None and b.engine.runner.graphs is None
-    ta = [o.outputs[0].token_ids for o in a.generate(PROMPTS, greedy(32))]
-    tb = [o.outputs[0].token_ids for o in b.generate(PROMPTS, greedy(32))]
-    assert ta == tb
+    for _ in range(2):  # replayed many times over
+        ta = [o.outputs[0].token_ids for o in a.generate(PROMPTS, greedy(32))]
+        tb = [o.outputs[0].token_ids for o in b.generate(PROMPTS, greedy(32))]
+        assert ta == tb
 
 
 @pytest.mark.model
@@ -61,17 +77,12 @@ def test_smollm2_greedy_equals_hf_on_cuda():
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts, 32)
 
 
-def test_w4a16_kernels_and_fp8_kv_stay_close(tiny_llama, tmp_path):
-    from optllm.quant.config import QuantizeConfig
-    from optllm.quant.pipeline import quantize
-
-    quantize(str(tiny_llama), tmp_path / "q", QuantizeConfig(group_size=32, num_samples=4, seq_len=32, device="cpu"),
-             progress=False)
+def test_w4a16_kernels_and_fp8_kv_stay_close(w4a16_checkpoint):
     ids = PROMPTS[2]
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
 
     def lps(**kw):
-        llm = LLM(tmp_path / "q", device="cuda", max_num_seqs=4, **kw)
+        llm = LLM(w4a16_checkpoint, device="cuda", max_num_seqs=4, **kw)
         out = llm.generate([ids], sp)[0]
         return torch.tensor([out.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))])
 
