@@ -11,6 +11,7 @@ vLLM and transformers (with the compressed-tensors package) read this layout.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,7 +25,9 @@ from torch import nn
 
 from ..errors import UserError
 from .args import QuantArgs
+from .folder_swap import recover, replacing
 from .qweight import QuantizedWeight
+from .vllm_compat import vllm_incompatibility
 
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -32,6 +35,7 @@ SIDE_FILES = (
 )
 SHARD_BYTES = 4 * 1024**3
 REPORT_NAME = "optllm-report.json"
+log = logging.getLogger("optllm.formats")
 
 
 def quantization_config(args: QuantArgs, targets: list[str], ignore: list[str]) -> dict:
@@ -58,10 +62,49 @@ def quantization_config(args: QuantArgs, targets: list[str], ignore: list[str]) 
     }
 
 
-def check_writable(out: Path, overwrite: bool) -> None:
-    """Fail early (before hours of calibration) if OUT cannot be written."""
-    if out.exists() and not overwrite:
-        raise UserError(f"{out} already exists; pass --overwrite to replace it")
+def is_checkpoint_folder(folder: str | Path) -> bool:
+    """True for a folder --overwrite may replace: one of ours (optllm-report.json, or a
+    compressed-tensors quantization_config) or an HF model folder (config.json with
+    *.safetensors or *.bin weights)."""
+    folder = Path(folder)
+    if (folder / REPORT_NAME).is_file() or is_quantized_folder(folder):
+        return True
+    if not (folder / "config.json").is_file():
+        return False
+    return any(p.is_file() for pattern in ("*.safetensors", "*.bin") for p in folder.glob(pattern))
+
+
+def check_writable(out: Path, overwrite: bool, source: Path | None = None) -> str | None:
+    """Fail early (before hours of calibration) if OUT cannot be written.
+
+    OUT may be missing or an empty folder; with `overwrite`, also a checkpoint folder
+    (is_checkpoint_folder). Anything else (a file, a link, a mount point, a folder with other
+    files, the model being quantized) is refused with a UserError of one line. First repairs
+    what an interrupted write of OUT left beside it (folder_swap.recover) and returns that
+    one-line note (also logged as a warning), or None.
+    """
+    out = Path(out)
+    note = recover(out)
+    if note:
+        log.warning(note)
+    allowed = "--out must be a new or empty folder, or a checkpoint folder with --overwrite"
+    if os.path.lexists(out):
+        if out.is_symlink():
+            raise UserError(f"{out} is a symbolic link; {allowed} (pass the folder it points to)")
+        if not out.is_dir():
+            raise UserError(f"{out} is a file, not a folder; {allowed}")
+        if os.path.ismount(out):
+            raise UserError(f"{out} is a mount point, which cannot be replaced; write to a folder inside it")
+        if any(out.iterdir()):
+            if not is_checkpoint_folder(out):
+                raise UserError(
+                    f"{out} holds files and is not a checkpoint (no {REPORT_NAME}, no config.json with "
+                    f"*.safetensors or *.bin weights); {allowed}"
+                )
+            if not overwrite:
+                raise UserError(f"{out} already exists; pass --overwrite to replace it")
+            if source is not None and Path(source).exists() and os.path.samefile(out, source):
+                raise UserError(f"{out} is the model being quantized; choose another --out")
     parent = out.parent if out.parent != Path("") else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +112,7 @@ def check_writable(out: Path, overwrite: bool) -> None:
         probe.close()
     except OSError as e:
         raise UserError(f"cannot write to {parent}: {e.strerror or e}") from None
+    return note
 
 
 def save_quantized(
@@ -82,11 +126,14 @@ def save_quantized(
     report: dict | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write the checkpoint into a temp folder beside OUT, then rename it into place."""
+    """Write the checkpoint into a temp folder beside OUT, then swap it in (folder_swap).
+
+    Folders and files get the modes the user's umask gives any other file. The report (if
+    given) is written as optllm-report.json with `vllm_loadable` and `vllm_note` added.
+    """
     out = Path(out)
-    check_writable(out, overwrite)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if str(out.parent) else "."))
-    try:
+    check_writable(out, overwrite, source)
+    with replacing(out) as tmp:
         tensors: dict[str, torch.Tensor] = {}
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         for name, t in model.state_dict().items():
@@ -104,19 +151,12 @@ def save_quantized(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         for f in SIDE_FILES:
             if (Path(source) / f).is_file():
-                shutil.copy2(Path(source) / f, tmp / f)
+                # copyfile, not copy2: the copy gets the umask's mode, not the source's
+                shutil.copyfile(Path(source) / f, tmp / f)
         if report is not None:
+            note = vllm_incompatibility(args)
+            report = {**report, "vllm_loadable": note is None, "vllm_note": note}
             (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -1,8 +1,12 @@
 import json
+import os
+import shutil
+import stat
 
 import pytest
 import torch
 from hf_reference import load_quantized
+from safetensors.torch import load_file
 
 from optllm.errors import UserError
 from optllm.formats import compressed_tensors
@@ -91,8 +95,6 @@ def test_crash_leaves_no_half_checkpoint(tiny_llama, tmp_path, monkeypatch):
 
 
 def test_corrupt_safetensors_is_one_clear_error(quantized, tmp_path):
-    import shutil
-
     out, _, _ = quantized
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
@@ -105,3 +107,140 @@ def test_existing_output_needs_overwrite(quantized, tiny_llama):
     out, _, _ = quantized
     with pytest.raises(UserError, match="already exists"):
         quantize(str(tiny_llama), out, QuantizeConfig(num_samples=2, seq_len=16, group_size=32), progress=False)
+
+
+def test_report_says_whether_vllm_loads_it(quantized):
+    out, bits, sym = quantized
+    report = json.loads((out / "optllm-report.json").read_text())
+    loadable = bits == 4  # group 32; w3 has too few bits, w8-asym has zero points vLLM takes only at 4 bits
+    assert report["vllm_loadable"] is loadable
+    assert (report["vllm_note"] is None) == loadable
+
+
+# --- what OUT may be ------------------------------------------------------------------------
+
+SMALL = QuantizeConfig(group_size=32, num_samples=2, seq_len=16)
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_checkpoint(tiny_llama, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    with pytest.raises(UserError, match=r"mine holds files and is not a checkpoint .*--overwrite$"):
+        quantize(str(tiny_llama), out, SMALL, overwrite=True, progress=False)
+    assert [p.name for p in out.iterdir()] == ["thesis.tex"] and len(list(tmp_path.iterdir())) == 1
+
+
+def test_overwrite_refuses_a_file_and_a_link(tiny_llama, tmp_path):
+    f = tmp_path / "f"
+    f.write_text("data")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        quantize(str(tiny_llama), f, SMALL, overwrite=True, progress=False)
+    link = tmp_path / "link"
+    link.symlink_to(tiny_llama)  # even to a checkpoint: replacing would drop the link, not the folder
+    with pytest.raises(UserError, match="is a symbolic link"):
+        quantize(str(tiny_llama), link, SMALL, overwrite=True, progress=False)
+    assert f.read_text() == "data" and link.is_symlink()
+
+
+def test_an_empty_folder_is_written_without_overwrite(tiny_llama, tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    quantize(str(tiny_llama), out, SMALL, progress=False)
+    assert compressed_tensors.is_quantized_folder(out) and [p.name for p in tmp_path.iterdir()] == ["empty"]
+
+
+def test_overwrite_replaces_an_hf_model_folder_but_not_the_model_being_quantized(tiny_models, tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_models["qwen2"], hf)
+    assert compressed_tensors.is_checkpoint_folder(hf) and not compressed_tensors.is_quantized_folder(hf)
+    with pytest.raises(UserError, match="is the model being quantized"):
+        quantize(str(hf), hf, SMALL, overwrite=True, progress=False)
+    assert not compressed_tensors.is_quantized_folder(hf) and [p.name for p in tmp_path.iterdir()] == ["hf"]
+    out = tmp_path / "out"
+    shutil.copytree(tiny_models["qwen2"], out)
+    quantize(str(hf), out, SMALL, overwrite=True, progress=False)
+    assert compressed_tensors.is_quantized_folder(out) and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+
+
+@pytest.mark.parametrize("umask, dir_mode, file_mode", [(0o022, 0o755, 0o644), (0o002, 0o775, 0o664)])
+def test_folders_and_files_get_the_umask_modes(umask, dir_mode, file_mode, tiny_llama, tmp_path):
+    os.chmod(tiny_llama / "tokenizer.json", 0o600)  # a copied side file must not keep its source's mode
+    old = os.umask(umask)
+    try:
+        out = tmp_path / "ckpt"
+        quantize(str(tiny_llama), out, SMALL, progress=False)
+        quantize(str(tiny_llama), out, SMALL, overwrite=True, progress=False)  # the swap path too
+    finally:
+        os.umask(old)
+        os.chmod(tiny_llama / "tokenizer.json", 0o644)
+    assert stat.S_IMODE(out.stat().st_mode) == dir_mode
+    files = list(out.iterdir())
+    assert len(files) >= 4 and {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {
+        p.name: file_mode for p in files}
+
+
+# --- transformers + compressed-tensors read back exactly our weights -------------------------
+
+def hf_dequantized(out):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    try:
+        cfg = CompressedTensorsConfig(dequantize=True)
+    except TypeError:  # older transformers name the same switch run_compressed=False
+        cfg = CompressedTensorsConfig(run_compressed=False)
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, quantization_config=cfg)
+
+
+def assert_same_model(hf, ours, qweights):
+    assert not hf.config.tie_word_embeddings
+    hf_sd, our_sd = hf.state_dict(), ours.state_dict()
+    biases = [k for k in our_sd if k.endswith(".bias")]
+    assert len(biases) == 2 * 3  # q, k, v of both layers
+    for name in list(qweights) + biases + ["lm_head.weight", "model.embed_tokens.weight"]:
+        key = name if name in our_sd else f"{name}.weight"
+        assert torch.equal(hf_sd[key], our_sd[key]), key
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, ours(ids).logits)
+
+
+@pytest.mark.parametrize("scheme, sym, actorder", [
+    ("w4a16-awq", True, None), ("w4a16-awq", False, None),
+    ("w4a16-gptq", True, "static"), ("w4a16-gptq", False, "static"),
+], ids=["awq", "awq-asym", "gptq-actorder", "gptq-actorder-asym"])
+def test_transformers_reads_awq_gptq_and_asymmetric_qwen2_exactly(scheme, sym, actorder, tiny_models, tmp_path):
+    out = tmp_path / "q"
+    cfg = QuantizeConfig(scheme=scheme, group_size=32, symmetric=sym, actorder=actorder or "none",
+                         num_samples=4, seq_len=32)
+    quantize(str(tiny_models["qwen2"]), out, cfg, progress=False)
+    w = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (w["symmetric"], w["actorder"]) == (sym, "weight" if actorder else None)
+    ours, _, qweights = load_quantized(out, dtype="bfloat16")
+    assert len(qweights) == 14 and all((qw.zero is None) == sym for qw in qweights.values())
+    assert_same_model(hf_dequantized(out), ours, qweights)
+
+
+def test_sharded_checkpoint_reads_back_every_tensor(tiny_models, tmp_path, monkeypatch):
+    cfg = QuantizeConfig(group_size=32, num_samples=2, seq_len=16)
+    quantize(str(tiny_models["qwen2"]), tmp_path / "one", cfg, progress=False)
+    monkeypatch.setattr(compressed_tensors, "SHARD_BYTES", 48 * 1024)
+    out = tmp_path / "sharded"
+    quantize(str(tiny_models["qwen2"]), out, cfg, progress=False)
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists()
+    n = len(shards)
+    assert [p.name for p in shards] == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    whole = compressed_tensors.read_state_dict(tmp_path / "one")
+    sharded = compressed_tensors.read_state_dict(out)
+    assert index["weight_map"].keys() == sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
+    for shard in shards:  # every shard holds what the index says, within the limit (or one big tensor)
+        names = load_file(shard).keys()
+        assert {k for k, f in index["weight_map"].items() if f == shard.name} == set(names)
+        assert len(names) == 1 or sum(whole[k].numel() * whole[k].element_size() for k in names) <= 48 * 1024
+    ours, _, qweights = load_quantized(out, dtype="bfloat16")
+    assert_same_model(hf_dequantized(out), ours, qweights)

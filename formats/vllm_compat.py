@@ -1,0 +1,43 @@
+"""Which weight-only integer checkpoints vLLM loads.
+
+What vLLM's source says (read for this file; paths under
+vllm/model_executor/layers/quantization/):
+- compressed_tensors/compressed_tensors.py, `_is_wNa16_group_channel`: a `pack-quantized`
+  weight-only scheme (strategy group or channel, static, no input quantization) goes to
+  CompressedTensorsWNA16. Current releases admit asymmetric weights there; older ones also
+  required `symmetric`.
+- compressed_tensors/schemes/compressed_tensors_wNa16.py: WNA16_SUPPORTED_TYPES_MAP =
+  {4: uint4b8, 8: uint8b128}; with zero points WNA16_ZP_SUPPORTED_TYPES_MAP = {4: uint4,
+  8: uint8}; the kernel is then picked per GPU (choose_mp_linear_kernel).
+- utils/marlin_utils.py (Marlin, the kernel that runs on every supported CUDA GPU):
+  MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64, 128]; query_marlin_supported_quant_types
+  gives uint4b8 and uint8b128 without zero points, only uint4 with them.
+- utils/machete_utils.py (Machete, Hopper only): group sizes -1, 64, 128; zero points for
+  uint4 and uint8.
+So a checkpoint loads on every GPU when it has 4 or 8 bits, group size 32, 64, 128 or
+per-channel, and zero points only at 4 bits (8-bit asymmetric loads only on Hopper, through
+Machete, and fails elsewhere). A recent vLLM main branch lists 2-8 bits in
+WNA16_SUPPORTED_TYPES_MAP for newer kernels; released versions take 4 and 8, and that is the
+rule here. Shape rules (Marlin: a shard's output features % 64, input features % 128) depend
+on the model and the tensor-parallel degree, not on these arguments, so they are not judged.
+"""
+
+from __future__ import annotations
+
+from .args import QuantArgs
+
+VLLM_BITS = (4, 8)
+VLLM_ZERO_POINT_BITS = (4,)
+VLLM_GROUP_SIZES = (32, 64, 128)  # or None: per-channel
+
+
+def vllm_incompatibility(args: QuantArgs) -> str | None:
+    """None when vLLM loads a checkpoint quantized with ARGS, else one sentence saying why not."""
+    if args.num_bits not in VLLM_BITS:
+        return f"vLLM loads 4- and 8-bit integer weights, not {args.num_bits}-bit ones."
+    if args.group_size is not None and args.group_size not in VLLM_GROUP_SIZES:
+        return f"vLLM takes group sizes 32, 64, 128 or per-channel, not {args.group_size}."
+    if not args.symmetric and args.num_bits not in VLLM_ZERO_POINT_BITS:
+        return (f"vLLM takes zero points (--asym) with {args.num_bits}-bit weights only on Hopper GPUs "
+                f"(elsewhere only with 4-bit ones); use symmetric {args.num_bits}-bit.")
+    return None
