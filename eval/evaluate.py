@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UserError
 from ..runtime.llm import LLM
 from ..runtime.loader import checkpoint_kind
 from .perplexity import eval_token_stream, perplexity, text_token_stream
@@ -47,6 +48,11 @@ def evaluate_ppl(
         t0 = time.perf_counter()
         llm = LLM(name, device=device, dtype=dtype, quantized_linear=linear, max_model_len=seq_len,
                   max_num_seqs=64, enforce_eager=True)
+        if linear == "kernel" and any("dequantized" in m for m in llm.engine.runner.linear_methods()):
+            q = llm.engine.source.quant
+            raise UserError(f"{name}: --kernels runs 4-bit weights with a group size that is a multiple of 32 "
+                            f"(or per channel) on the W4A16 kernels; this checkpoint is int{q.args.num_bits} "
+                            f"group {q.args.group_size or 'channel'}: use --dequant")
         tok = llm.tokenizer
         ids = text_token_stream(tok, text) if text else eval_token_stream(tok)
         r = perplexity(llm, ids, seq_len=seq_len, max_windows=max_windows, progress=progress)

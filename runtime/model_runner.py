@@ -73,6 +73,15 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
+    def linear_methods(self) -> dict[str, int]:
+        """How many linear layers run each method ("dense", "w4a16 g64 (triton)", ...)."""
+        counts: dict[str, int] = {}
+        for mod in self.model.modules():
+            if hasattr(mod, "method") and hasattr(mod, "weight_loader"):
+                name = mod.method.describe(mod)
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
     # ---- sizing
     def decode_splits(self, batch: int) -> int:
         """The decode kernel's split count along the sequence, from the batch size and the

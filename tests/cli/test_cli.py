@@ -93,3 +93,11 @@ def test_chat_uses_the_template_over_turns(tiny_llama, tmp_path):
                         "--temperature", "0"], input="hello\nand again\n\n", capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("model> ") == 2 and r.stdout.count("you> ") == 3
+
+
+def test_eval_kernels_on_a_checkpoint_the_kernels_do_not_take(tiny_llama, tmp_path):
+    r = run("quantize", str(tiny_llama), "--scheme", "w3a16-rtn", "--group-size", "32", "--num-samples", "4",
+            "--seq-len", "32", "--out", str(tmp_path / "q"))
+    assert r.returncode == 0, r.stderr
+    _one_clear_line(run("eval", str(tmp_path / "q"), "--ppl", "--kernels", "--device", "cpu", "--seq-len", "64"),
+                    "use --dequant")
