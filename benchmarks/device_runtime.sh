@@ -23,6 +23,12 @@ if [ -n "${SERVE:-1}" ] && [ "${SERVE:-1}" != 0 ]; then
     || echo "serve benchmark exited $?" | tee -a "$OUT/decode.log"
   cat "$OUT/serve.md" 2>/dev/null
 fi
+# the dense decode GEMV against cuBLAS at M = 1 (fills kernels/gemv.py's table): TUNE_GEMV=1
+if [ "${TUNE_GEMV:-0}" = 1 ]; then
+  timeout "${GEMV_TIMEOUT:-300}" python3 benchmarks/tune_gemv.py --out "$OUT" >> "$OUT/decode.log" 2>&1 \
+    || echo "tune_gemv exited $?" | tee -a "$OUT/decode.log"
+  cat "$OUT/tune_gemv.md" 2>/dev/null
+fi
 # one table (the per-case .json files keep every number)
 { head -8 "$OUT"/decode-*.md 2>/dev/null | grep "^- " | sort -u; echo; cat "$OUT"/decode-*.md 2>/dev/null | grep "^|" | awk '!seen[$0]++'; } > "$OUT/decode.md"
 rm -f "$OUT"/decode-*.md

@@ -1,6 +1,7 @@
 """How a linear layer stores and applies its weight, by checkpoint scheme.
 
-* DenseMethod: a float weight [N, K] (HF folders, unquantized modules of a checkpoint).
+* DenseMethod: a float weight [N, K] (HF folders, unquantized modules of a checkpoint);
+  one-row CUDA calls on the shapes kernels/gemv.py was tuned for run its GEMV, the rest cuBLAS.
 * W4A16Method: compressed-tensors int4 (4-bit, group size a multiple of 32 or per
   channel): loads the codes, scales and zero points of each shard, then repacks them once
   into the W4A16 kernels' layout (kernels/w4a16.py) and runs the Triton kernels; with the
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from ...formats.args import QuantArgs
 from ...formats.compressed_tensors import matches
 from ...formats.grid import dequantize
+from ...kernels.gemv import linear as dense_linear
 from ...kernels.w4a16 import W4A16Weight, dequantize_w4a16, prepack_w4a16, w4a16_linear
 
 
@@ -33,7 +35,7 @@ class DenseMethod:
         pass
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)  # the decode GEMV on shapes tuned for it, else cuBLAS
 
     def describe(self, layer) -> str:
         return "dense"
