@@ -129,3 +129,82 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4 if block_h * block_d >= 512 else 2)
     return q, k
+
+
+# --------------------------------------------------------------------------- rotary + KV store
+@triton.jit
+def _rotary_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, stride_q, stride_k,
+                         stride_v, stride_c, stride_cb, stride_ch, stride_ct, NQ, NK, BS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """grid (T, head tiles): rotate token t's q heads in place, and write its rotated k heads
+    and its v heads into their cache slot (skipped for slot < 0); k itself is left as it was."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c = cache_ptr + pos * stride_c + d
+    cos = tl.load(c, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(c + HALF, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    _rotate(q_ptr + t * stride_q, cos, sin, heads, NQ, d, HEAD_DIM, HALF)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        mask = (heads < NK)[:, None] & (d < HALF)[None, :]
+        src = k_ptr + t * stride_k + heads[:, None] * HEAD_DIM + d[None, :]
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        dst = (slot // BS) * stride_cb + heads[:, None] * stride_ch + (slot % BS) * stride_ct + d[None, :]
+        out = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + dst, (x1 * cos - x2 * sin).to(out), mask=mask)
+        tl.store(kc_ptr + dst + HALF, (x2 * cos + x1 * sin).to(out), mask=mask)
+        vsrc = v_ptr + t * stride_v + heads[:, None] * HEAD_DIM + d[None, :]
+        tl.store(vc_ptr + dst, tl.load(vsrc, mask=mask, other=0.0).to(out), mask=mask)
+        tl.store(vc_ptr + dst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(out), mask=mask)
+
+
+def fused_store_ok(head_dim: int, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """apply_rotary_and_store serves full rotary (rotary_dim == head_dim) into a bf16 / fp16 /
+    fp32 cache; partial rotary and FP8 caches take the two separate kernels."""
+    return cos_sin_cache.shape[-1] == head_dim and k_cache.dtype in DTYPES
+
+
+def apply_rotary_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """One kernel instead of rotary + store_kv_cache: q rotated in place (returned); the rotated
+    k and v [T, num_kv_heads * head_dim] written to the paged caches [num_blocks, Hkv,
+    block_size, head_dim] at slot_mapping (int64 [T], negative: skip), as
+    kernels/paged_attention.store_kv_cache lays them out. k is not modified."""
+    from .paged_attention import store_kv_cache_ref
+
+    _check(positions, q, k, cos_sin_cache, head_dim)
+    nk = k.shape[1] // head_dim
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v: must match k {k.dtype} {tuple(k.shape)}, got {v.dtype} {tuple(v.shape)}")
+    if not fused_store_ok(head_dim, cos_sin_cache, k_cache) or k_cache.shape[1] != nk or \
+            k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() \
+            or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache / v_cache: must be [num_blocks, {nk}, block_size, {head_dim}] bf16/fp16/fp32 "
+                         f"with full rotary; got {k_cache.dtype} {tuple(k_cache.shape)}")
+    if slot_mapping.shape != (q.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping: must be int64 of shape ({q.shape[0]},)")
+    if not use_triton(backend, q):
+        q_new, k_new = apply_rotary_ref(positions, q, k, cos_sin_cache, head_dim)
+        q.copy_(q_new)
+        t = q.shape[0]
+        store_kv_cache_ref(k_new.view(t, nk, head_dim), v.reshape(t, nk, head_dim), k_cache, v_cache, slot_mapping)
+        return q
+    if q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1:
+        raise ValueError("q, k, v: the last dim must have unit stride")
+    T, nq = q.shape[0], q.shape[1] // head_dim
+    heads = max(nq, nk)
+    if T == 0:
+        return q
+    half = head_dim // 2
+    block_d = pow2(half)
+    block_h = min(pow2(heads), max(1, 1024 // block_d))
+    _rotary_store_kernel[(T, -(-heads // block_h))](
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q.stride(0), k.stride(0), v.stride(0),
+        cos_sin_cache.stride(0), *k_cache.stride()[:3], nq, nk, BS=k_cache.shape[2], HEAD_DIM=head_dim,
+        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 512 else 2)
+    return q

@@ -57,13 +57,16 @@ class Attention(nn.Module):
         """This layer's cache: [num_blocks, Hkv, block_size, D] (+ fp8 scales [num_blocks, Hkv, block_size])."""
         self.k_cache, self.v_cache, self.k_scale, self.v_scale = k_cache, v_cache, k_scale, v_scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """k, v None: this step's K/V are already in the cache (the fused rotary + store wrote them)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale,
-                       v_scale=self.v_scale, backend=self.backend)
+        if k is not None:
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale,
+                           v_scale=self.v_scale, backend=self.backend)
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
                       backend=self.backend)
         if meta.decode:

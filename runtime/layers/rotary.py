@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ...errors import UserError
-from ...kernels.rotary import apply_rotary, rotary_cos_sin
+from ...kernels.rotary import apply_rotary, apply_rotary_and_store, fused_store_ok, rotary_cos_sin
 
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -61,3 +61,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, backend=self.backend)
+
+    def fuses_store(self, k_cache: torch.Tensor | None) -> bool:
+        """Whether rotate_and_store can write this cache (full rotary, not FP8)."""
+        return k_cache is not None and fused_store_ok(self.head_dim, self.cos_sin_cache, k_cache)
+
+    def rotate_and_store(self, positions, q, k, v, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        """Rotate q in place and write the rotated k and v into the paged cache: one kernel."""
+        return apply_rotary_and_store(positions, q, k, v, self.cos_sin_cache, self.head_dim, k_cache, v_cache,
+                                      slot_mapping, backend=self.backend)

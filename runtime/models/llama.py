@@ -105,8 +105,12 @@ class LlamaAttention(nn.Module):
             t = x.shape[0]
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        attn = self.attn
+        if self.rotary_emb.fuses_store(attn.k_cache):  # rotary + KV store in one kernel
+            q = self.rotary_emb.rotate_and_store(positions, q, k, v, attn.k_cache, attn.v_cache, meta.slot_mapping)
+            return self.o_proj(attn(q, None, None, meta))
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(attn(q, k, v, meta))
 
 
 class LlamaMLP(nn.Module):

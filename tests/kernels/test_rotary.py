@@ -134,3 +134,51 @@ def test_empty_and_bad_inputs():
         rotary_cos_sin(torch.zeros(2, 2), 8)
     with pytest.raises(ValueError, match="max_position"):
         rotary_cos_sin(torch.zeros(4), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nq, nk", [(4, 2), (3, 3)])
+def test_rotary_and_store_equals_the_two_kernels(dtype, nq, nk):
+    """The fused rotary + KV store writes exactly what the rotary kernel then the store kernel
+    write (same float32 math, one rounding): q bit-equal, the touched cache slots bit-equal,
+    every other slot untouched (NaN), skipped tokens (slot -1) not written."""
+    from optllm.kernels.paged_attention import store_kv_cache
+    from optllm.kernels.rotary import apply_rotary_and_store
+
+    g = torch.Generator().manual_seed(nq * 10 + nk)
+    T, D, blocks, bs = 7, 16, 6, 4
+    qkv = torch.randn(T, (nq + 2 * nk) * D, generator=g).to(DEV, dtype)
+    q, k, v = qkv.split([nq * D, nk * D, nk * D], dim=1)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cache = rotary_cos_sin(inv, 64).to(DEV)
+    pos = torch.randint(0, 64, (T,), generator=g).to(DEV)
+    slots = torch.randperm(blocks * bs, generator=g)[:T].to(DEV)
+    slots[2] = -1
+    kc = torch.full((blocks, nk, bs, D), float("nan"), dtype=dtype, device=DEV)
+    vc = kc.clone()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref, k_ref = apply_rotary(pos, q.clone(), k.clone(), cache, D)
+    store_kv_cache(k_ref.view(T, nk, D), v.reshape(T, nk, D), kc_ref, vc_ref, slots)
+    k_before = k.clone()
+    apply_rotary_and_store(pos, q, k, v, cache, D, kc, vc, slots)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_before)
+    assert torch.equal(kc.isnan(), kc_ref.isnan()) and torch.equal(vc.isnan(), vc_ref.isnan())
+    assert torch.equal(kc.nan_to_num(), kc_ref.nan_to_num()) and torch.equal(vc.nan_to_num(), vc_ref.nan_to_num())
+
+
+def test_rotary_and_store_torch_backend_is_the_two_references():
+    from optllm.kernels.paged_attention import store_kv_cache_ref
+    from optllm.kernels.rotary import apply_rotary_and_store
+
+    g = torch.Generator().manual_seed(5)
+    T, D, nq, nk = 5, 8, 2, 1
+    qkv = torch.randn(T, (nq + 2 * nk) * D, generator=g)
+    q, k, v = qkv.split([nq * D, nk * D, nk * D], dim=1)
+    cache = rotary_cos_sin(1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), 32)
+    pos, slots = torch.arange(T) * 3, torch.tensor([0, 5, -1, 2, 7])
+    kc, vc = torch.zeros(2, nk, 4, D), torch.zeros(2, nk, 4, D)
+    kr, vr = kc.clone(), vc.clone()
+    q_ref, k_ref = apply_rotary_ref(pos, q, k, cache, D)
+    store_kv_cache_ref(k_ref.view(T, nk, D), v.reshape(T, nk, D), kr, vr, slots)
+    apply_rotary_and_store(pos, q, k, v, cache, D, kc, vc, slots, backend="torch")
+    assert torch.equal(q, q_ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
