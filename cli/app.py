@@ -93,7 +93,12 @@ def _print_quant_summary(report) -> None:
         f"{report.seconds['total']:.1f}",
         f"{report.peak_memory_bytes / 2**20:.0f} MiB ({report.peak_memory_kind})",
     )
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    if report.vllm_note:
+        console.print(f"vLLM: will not load this checkpoint. {report.vllm_note}", highlight=False)
+    else:
+        console.print("vLLM: loads this checkpoint (compressed-tensors pack-quantized).", highlight=False)
 
 
 @app.command("eval")

@@ -14,6 +14,10 @@ from .awq import AWQOptions
 from .scheme import QuantScheme, parse_scheme
 
 CHECKPOINT_DTYPES = ("bfloat16", "float16")
+OFFLOAD_MODES = ("auto", "always", "never")
+# offload="auto" keeps the calibration activations on the CPU when one copy of them (tokens x
+# hidden size x 4 bytes) reaches this: 128 x 512 tokens of an 8B model (hidden 4096) do
+OFFLOAD_AUTO_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,10 @@ class QuantizeConfig:
     dampening: float = 0.01  # GPTQ, fraction of mean(diag H)
     gptq_block_size: int = 128
     true_sequential: bool = True  # GPTQ: Hessians of later linears see earlier ones quantized
+    # where the calibration activations (block inputs, float outputs, AWQ's captured inputs)
+    # live while one block is on the device: "auto" (the CPU past OFFLOAD_AUTO_BYTES per
+    # copy), "always" (the CPU), "never" (the device); a batch at a time goes to the device
+    offload: str = "auto"
     awq: AWQOptions = field(default_factory=AWQOptions)
 
     def __post_init__(self) -> None:
@@ -51,6 +59,8 @@ class QuantizeConfig:
             raise UserError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(CHECKPOINT_DTYPES)}")
         if not 0.0 < self.dampening < 1.0:
             raise UserError(f"dampening={self.dampening} must be in (0, 1)")
+        if self.offload not in OFFLOAD_MODES:
+            raise UserError(f"offload={self.offload!r} is not allowed; allowed: {', '.join(OFFLOAD_MODES)}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise UserError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ..formats.args import QuantArgs
-from ..formats.grid import dequantize, quantize
 
 
 def _grouped(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
@@ -50,16 +49,35 @@ def minmax_qparams(
 
     clip_ratio (scalar or [N, groups]) shrinks the observed range before the grid is set.
     """
-    wg = _grouped(w.float(), args)
-    wmin, wmax = wg.amin(dim=-1), wg.amax(dim=-1)
+    wmin, wmax = torch.aminmax(_grouped(w.float(), args), dim=-1)
     if clip_ratio is not None:
         wmin, wmax = wmin * clip_ratio, wmax * clip_ratio
     return qparams_from_minmax(wmin, wmax, args)
 
 
 def fake_quantize(
-    w: torch.Tensor, args: QuantArgs, clip_ratio: torch.Tensor | float | None = None
+    w: torch.Tensor,
+    args: QuantArgs,
+    clip_ratio: torch.Tensor | float | None = None,
+    scale_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Quantize-dequantize with min-max qparams, in float32 (for searches and losses)."""
+    """Quantize-dequantize w [N, K] with min-max qparams; float32 [N, K] (for searches and losses).
+
+    scale_dtype is the dtype the checkpoint stores scales in: the scale is rounded to it before
+    the codes are chosen, and (q - zero) * scale is taken in it, so the result equals, bit for
+    bit, what rtn_quantize(w, args, clip_ratio, scale_dtype).dequantize(float32) gives (None:
+    float32 scales). Works on group views (no repeat_interleave), as searches call it often.
+    """
     scale, zero = minmax_qparams(w, args, clip_ratio)
-    return dequantize(quantize(w, scale, zero, args), scale, zero, torch.float32)
+    sdt = scale_dtype or torch.float32
+    scale = scale.to(sdt)
+    s32 = scale.float().unsqueeze(-1)
+    q = torch.div(_grouped(w.float(), args), s32).round_()
+    if zero is not None:
+        z = zero.unsqueeze(-1).float()
+        q.add_(z).clamp_(args.qmin, args.qmax).sub_(z)
+    else:
+        q.clamp_(args.qmin, args.qmax)
+    # codes and zeros are small integers, exact in any float dtype: one rounding, in sdt
+    out = q.mul_(s32) if sdt == torch.float32 else (q.to(sdt) * scale.unsqueeze(-1)).float()
+    return out.reshape(w.shape)

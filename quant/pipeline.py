@@ -15,14 +15,15 @@ from torch import nn
 from ..errors import UserError
 from ..formats.compressed_tensors import check_writable, matches, save_quantized
 from ..formats.qweight import QuantizedWeight
+from ..formats.vllm_compat import vllm_incompatibility
 from ..hub.loader import check_architecture, load_config, load_model, parse_dtype, resolve_device, resolve_model
 from . import awq as awq_mod
 from .calib_data import load_calibration
-from .config import QuantizeConfig
+from .config import OFFLOAD_AUTO_BYTES, QuantizeConfig
 from .gptq import HessianAccumulator, gptq_quantize
 from .mappings import block_linears, block_mapping
 from .rtn import rtn_quantize
-from .sequential import capture_block_inputs, capture_inputs, decoder_layers, on_device, run_block
+from .sequential import advance_block, capture_block_inputs, capture_inputs, decoder_layers, on_device, run_block
 
 
 @dataclass
@@ -51,6 +52,9 @@ class QuantizeReport:
     peak_memory_bytes: int
     peak_memory_kind: str
     out: str
+    # bytes of one copy of the calibration activations, and the device they were kept on
+    activations: dict = field(default_factory=dict)
+    vllm_note: str | None = None  # why vLLM will not load the checkpoint (None: it loads); save_quantized records it
 
     def to_dict(self) -> dict:
         return {
@@ -61,6 +65,7 @@ class QuantizeReport:
             "seconds": self.seconds,
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_memory_kind": self.peak_memory_kind,
+            "activations": self.activations,
             "layers": [vars(s) for s in self.layers],
             "blocks": [vars(b) for b in self.blocks],
             "out": self.out,
@@ -142,19 +147,60 @@ def quantize_block(
     return out, errs
 
 
+def activation_store(config: QuantizeConfig, device: torch.device, activation_bytes: int) -> torch.device:
+    """Where the calibration activations live: the compute device, or the CPU when offloading
+    (config.offload "always", or "auto" with one copy of them past OFFLOAD_AUTO_BYTES)."""
+    if device.type == "cpu" or config.offload == "never":
+        return device
+    if config.offload == "always" or activation_bytes >= OFFLOAD_AUTO_BYTES:
+        return torch.device("cpu")
+    return device
+
+
+class _BlockProgress:
+    """A rich bar on a terminal; elsewhere (CI logs, pipes) one plain line per block, flushed."""
+
+    def __init__(self, enabled: bool, label: str, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self.label, self.total = label, total
+        self.lines = enabled and not Console().is_terminal
+        self.bar = Progress(disable=not enabled or self.lines, transient=False)
+        self.task = self.bar.add_task(f"{label} blocks", total=total)
+
+    def __enter__(self) -> "_BlockProgress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def done(self, stat: BlockStat) -> None:
+        i = stat.index + 1
+        if self.lines:
+            print(f"{self.label} block {i}/{self.total}: {stat.seconds:.1f} s, "
+                  f"block rel. error {stat.rel_error:.4f}", flush=True)
+        self.bar.update(self.task, advance=1, description=f"{self.label} block {i}/{self.total}")
+
+
 def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwrite: bool = False,
              progress: bool = True) -> QuantizeReport:
     """Calibrate and convert MODEL into a compressed-tensors checkpoint at OUT."""
-    from rich.progress import Progress
-
     t0 = time.perf_counter()
     out = Path(out)
-    check_writable(out, overwrite)
+    source = resolve_model(model)
+    repaired = check_writable(out, overwrite, source=source)
+    if repaired and progress:
+        print(repaired, file=sys.stderr, flush=True)
     device = resolve_device(config.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scheme = config.quant_scheme()
-    check_group_size(load_config(resolve_model(model)), scheme.weights)
+    check_group_size(load_config(source), scheme.weights)
+    vllm_note = vllm_incompatibility(scheme.weights)
+    if vllm_note and progress:  # said before the calibration, not only in the report
+        print(f"note: {out} will not load in vLLM: {vllm_note}", file=sys.stderr, flush=True)
     hf_model, tokenizer, folder = load_model(model, dtype="float32", device="cpu")
     arch = check_architecture(hf_model.config)
     mapping = block_mapping(arch)
@@ -164,14 +210,16 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
     calib = load_calibration(tokenizer, config.calib, config.num_samples, config.seq_len, config.seed,
                              model=hf_model if config.calib == "self" else None)
     t_calib = time.perf_counter()
-    inputs = capture_block_inputs(hf_model, calib.input_ids, config.batch_size, device)
+    act_bytes = calib.input_ids.numel() * hf_model.config.hidden_size * 4  # float32 hidden states
+    store = activation_store(config, device, act_bytes)
+    inputs = capture_block_inputs(hf_model, calib.input_ids, config.batch_size, device, store=store)
+    scale_dtype = parse_dtype(config.dtype)
 
     qweights: dict[str, QuantizedWeight] = {}
     layer_stats: list[LayerStat] = []
     block_stats: list[BlockStat] = []
     ignored: list[str] = ["lm_head"]
-    with Progress(disable=not progress, transient=False) as bar:
-        task = bar.add_task(f"{scheme.name} blocks", total=len(layers))
+    with _BlockProgress(progress, scheme.name, len(layers)) as bar:
         for i, layer in enumerate(layers):
             tb = time.perf_counter()
             with on_device(layer, device):
@@ -182,21 +230,19 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
                         ignored.append(prefix + n)
                     else:
                         linears[n] = m
-                ref = run_block(layer, inputs)
+                ref = run_block(layer, inputs)  # the float block's outputs, on the store device
                 awq_result = None
                 if scheme.algorithm == "awq":
-                    awq_result = awq_mod.awq_block(layer, mapping, inputs, scheme.weights, config.awq)
+                    awq_result = awq_mod.awq_block(layer, mapping, inputs, scheme.weights, config.awq,
+                                                   quantized=linears, scale_dtype=scale_dtype)
                 qws, errs = quantize_block(layer, linears, inputs, config, awq_result,
                                            mapping.sequential if scheme.algorithm == "gptq" else ())
                 qweights.update({prefix + n: qw for n, qw in qws.items()})
                 layer_stats += [LayerStat(prefix + n, e) for n, e in errs]
-                outs = run_block(layer, inputs)
-                num = sum((o.float() - r.float()).pow(2).sum() for o, r in zip(outs, ref))
-                den = sum(r.float().pow(2).sum() for r in ref)
-                inputs.hidden = outs
-            block_stats.append(BlockStat(i, float((num / den).sqrt()), time.perf_counter() - tb,
+                block_err = advance_block(layer, inputs, ref)  # inputs become the next block's
+            block_stats.append(BlockStat(i, block_err, time.perf_counter() - tb,
                                          dict(awq_result.ratios) if awq_result else {}))
-            bar.update(task, advance=1, description=f"{scheme.name} block {i + 1}/{len(layers)}")
+            bar.done(block_stats[-1])
     t_quant = time.perf_counter()
     peak, kind = _peak_memory(device)
     report = QuantizeReport(
@@ -206,8 +252,10 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
         layers=layer_stats, blocks=block_stats,
         seconds={"load": t_load - t0, "calibration_data": t_calib - t_load, "quantize": t_quant - t_calib},
         peak_memory_bytes=int(peak), peak_memory_kind=kind, out=str(out),
+        activations={"bytes_per_copy": int(inputs.nbytes()), "device": str(store)},
+        vllm_note=vllm_note,
     )
     report.seconds["total"] = t_quant - t0  # up to the write, which the report travels with
-    save_quantized(hf_model, qweights, scheme.weights, out, folder, parse_dtype(config.dtype),
+    save_quantized(hf_model, qweights, scheme.weights, out, folder, scale_dtype,
                    ignored, report=report.to_dict(), overwrite=overwrite)
     return report

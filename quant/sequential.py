@@ -3,8 +3,13 @@
 The first block's inputs are captured once (embeddings on the device, the rest of the model
 left where it is); each block is then moved to the device, calibrated and quantized, run
 again to produce the inputs of the next block (so later blocks see the quantization error
-of earlier ones, as GPTQ and AWQ intend), and moved back. Peak device memory is about one
-block plus the cached activations of the calibration set.
+of earlier ones, as GPTQ and AWQ intend), and moved back.
+
+The block's inputs and its float outputs (the reference the block error is measured against)
+live on a *store* device: the compute device, or the CPU when offloading (QuantizeConfig.offload),
+in which case one batch at a time travels to the device. The next block's inputs replace this
+block's batch by batch (advance_block), so inputs, reference and new outputs are never all held
+at once: two copies of the calibration activations, on the store device, at most.
 """
 
 from __future__ import annotations
@@ -17,20 +22,24 @@ from torch import nn
 
 
 class _Captured(Exception):
-    """Raised by the capture hook to stop the forward once block 0's inputs are seen."""
+    """Raised by a capture hook to stop the forward once the wanted input is seen."""
 
 
 @dataclass
 class BlockInputs:
-    """Inputs of one decoder block: hidden states per batch (kept on `store`), and the
-    keyword arguments the model passed (position embeddings, masks), shared by all batches
-    of equal shape."""
+    """Inputs of one decoder block: hidden states per batch [B, T, H], kept on the store
+    device (where they were captured), and the keyword arguments the model passed (position
+    embeddings, masks) per batch."""
 
     hidden: list[torch.Tensor]
     kwargs: list[dict]
 
     def num_tokens(self) -> int:
         return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+    def nbytes(self) -> int:
+        """Bytes of one copy of the hidden states (the unit the memory figures count in)."""
+        return sum(h.numel() * h.element_size() for h in self.hidden)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -66,15 +75,19 @@ def on_device(module: nn.Module, device: torch.device):
 
 
 def capture_block_inputs(
-    model: nn.Module, input_ids: torch.Tensor, batch_size: int, device: torch.device
+    model: nn.Module, input_ids: torch.Tensor, batch_size: int, device: torch.device,
+    store: torch.device | None = None,
 ) -> BlockInputs:
-    """Run the embedding stage on `device` and capture what block 0 receives, per batch."""
+    """Run the embedding stage on `device` and capture what block 0 receives, per batch.
+
+    The hidden states are kept on `store` (default: `device`)."""
+    store = device if store is None else store
     layers = decoder_layers(model)
     inner = model.model
     hidden, kwargs = [], []
 
     def hook(_module, args, kw):
-        hidden.append((args[0] if args else kw.pop("hidden_states")).detach())
+        hidden.append((args[0] if args else kw.pop("hidden_states")).detach().to(store))
         kw = {k: v for k, v in kw.items() if k != "hidden_states"}
         for key in ("past_key_values", "past_key_value", "cache"):  # the name moved across versions
             if key in kw:
@@ -106,8 +119,14 @@ def capture_block_inputs(
     return BlockInputs(hidden=hidden, kwargs=kwargs)
 
 
+def _forward(layer: nn.Module, h: torch.Tensor, kw: dict, device: torch.device) -> torch.Tensor:
+    out = layer(h.to(device), **_to(kw, device))
+    return (out[0] if isinstance(out, tuple) else out).detach()
+
+
 def run_block(layer: nn.Module, inputs: BlockInputs, keep: bool = True) -> list[torch.Tensor]:
-    """Run a (device-resident) block over every cached batch; returns its outputs per batch.
+    """Run a (device-resident) block over every cached batch; returns its outputs per batch,
+    each on the device its input is stored on.
 
     keep=False runs it for its hooks' sake only (statistics) and holds no outputs.
     """
@@ -115,10 +134,63 @@ def run_block(layer: nn.Module, inputs: BlockInputs, keep: bool = True) -> list[
     outs = []
     with torch.no_grad():
         for h, kw in zip(inputs.hidden, inputs.kwargs):
-            out = layer(h.to(device), **_to(kw, device))
+            out = _forward(layer, h, kw, device)
             if keep:
-                outs.append((out[0] if isinstance(out, tuple) else out).detach())
+                outs.append(out.to(h.device))
     return outs
+
+
+def advance_block(layer: nn.Module, inputs: BlockInputs, ref: list[torch.Tensor]) -> float:
+    """Replace each batch of `inputs` by the block's output on it (the next block's inputs),
+    consuming `ref` (the float block's outputs) batch by batch on the way; returns the block's
+    relative output error ‖out − ref‖ / ‖ref‖ over all batches.
+
+    One batch at a time is both input and output, so no third copy of the activations exists.
+    """
+    device = next(layer.parameters()).device
+    num = den = 0.0
+    with torch.no_grad():
+        for i, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs)):
+            out = _forward(layer, h, kw, device)
+            r = ref[i].to(device).float()
+            num += float((out.float() - r).pow(2).sum())
+            den += float(r.pow(2).sum())
+            inputs.hidden[i] = out.to(h.device)
+            ref[i] = None  # type: ignore[call-overload]  # freed as soon as it is used
+    return (num / den) ** 0.5 if den > 0 else 0.0
+
+
+def collect_inputs(
+    layer: nn.Module, inputs: BlockInputs, module: nn.Module, batches: list[int] | None = None
+) -> list[torch.Tensor]:
+    """The input of `module` (a submodule of the block) on each cached batch, kept on each
+    batch's store device; the forward stops as soon as `module` is reached.
+
+    batches: which batches (indices into inputs.hidden; default all).
+    """
+    device = next(layer.parameters()).device
+    seen: list[torch.Tensor] = []
+
+    def hook(_m, args, kwargs):
+        seen.append(args[0] if args else next(iter(kwargs.values())))
+        raise _Captured
+
+    out = []
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for i in range(len(inputs.hidden)) if batches is None else batches:
+                h = inputs.hidden[i]
+                try:
+                    layer(h.to(device), **_to(inputs.kwargs[i], device))
+                except _Captured:
+                    pass
+                if len(seen) != 1:
+                    raise RuntimeError(f"{type(module).__name__} did not run once in the block's forward")
+                out.append(seen.pop().detach().to(h.device))
+    finally:
+        handle.remove()
+    return out
 
 
 @contextmanager

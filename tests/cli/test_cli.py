@@ -50,7 +50,7 @@ def test_quantize_then_eval(tiny_llama, tmp_path):
     r = run("quantize", str(tiny_llama), "--scheme", "w4a16-gptq", "--group-size", "32", "--num-samples", "4",
             "--seq-len", "32", "--out", str(tmp_path / "q"))
     assert r.returncode == 0, r.stderr
-    assert "w4a16-gptq" in r.stdout
+    assert "w4a16-gptq" in r.stdout and "vLLM: loads this checkpoint" in r.stdout
     r = run("eval", str(tiny_llama), str(tmp_path / "q"), "--ppl", "--seq-len", "64", "--max-windows", "4",
             "--out", str(tmp_path / "rep"))
     assert r.returncode == 0, r.stderr
@@ -101,3 +101,23 @@ def test_eval_kernels_on_a_checkpoint_the_kernels_do_not_take(tiny_llama, tmp_pa
     assert r.returncode == 0, r.stderr
     _one_clear_line(run("eval", str(tmp_path / "q"), "--ppl", "--kernels", "--device", "cpu", "--seq-len", "64"),
                     "use --dequant")
+
+
+def test_quantize_says_when_vllm_will_not_load_the_checkpoint(tiny_llama, tmp_path):
+    r = run("quantize", str(tiny_llama), "--scheme", "w3a16-rtn", "--group-size", "32", "--num-samples", "2",
+            "--seq-len", "16", "--out", str(tmp_path / "q"))
+    assert r.returncode == 0, r.stderr
+    note = [x for x in r.stderr.splitlines() if "will not load in vLLM" in x]
+    assert len(note) == 1 and "not 3-bit" in note[0], r.stderr  # before the calibration, one line
+    assert "vLLM: will not load this checkpoint. vLLM loads 4- and 8-bit integer weights" in r.stdout
+
+
+def test_quantize_refuses_to_overwrite_the_model_it_reads(tiny_llama, tmp_path):
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama, model)
+    before = sorted(p.name for p in model.iterdir())
+    _one_clear_line(run("quantize", str(model), "--scheme", "w4a16-rtn", "--group-size", "32", "--num-samples", "2",
+                        "--seq-len", "16", "--out", str(model), "--overwrite"), "is the model being quantized")
+    assert sorted(p.name for p in model.iterdir()) == before

@@ -8,8 +8,15 @@ from conftest import ARCHS
 from hf_reference import load_quantized
 
 from optllm.errors import UserError
+from optllm.formats.compressed_tensors import load_quantized_weights
 from optllm.quant.config import QuantizeConfig
 from optllm.quant.pipeline import quantize
+
+# Bounds sit ~20% above the largest errors measured on these tiny models (8 x 32 tokens, g32;
+# commit 13d29f0 + this change): layer errors RTN 0.105, AWQ 0.102, GPTQ 0.076; block errors
+# RTN 0.091, AWQ 0.084, GPTQ 0.061 (all four architectures).
+MAX_LAYER_ERROR = {"w4a16-rtn": 0.13, "w4a16-awq": 0.125, "w4a16-gptq": 0.09}
+MAX_BLOCK_ERROR = {"w4a16-rtn": 0.11, "w4a16-awq": 0.10, "w4a16-gptq": 0.075}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -19,8 +26,8 @@ def test_every_architecture_and_algorithm(arch, scheme, tiny_models, tmp_path):
                          symmetric=(arch != "mistral"))
     report = quantize(str(tiny_models[arch]), tmp_path / "q", cfg, progress=False)
     assert len(report.layers) == 2 * 7
-    assert all(0 < s.rel_error < 0.5 for s in report.layers)
-    assert all(0 < b.rel_error < 0.5 for b in report.blocks)
+    assert all(0 < s.rel_error < MAX_LAYER_ERROR[scheme] for s in report.layers)
+    assert all(0 < b.rel_error < MAX_BLOCK_ERROR[scheme] for b in report.blocks)
     model, tok, qweights = load_quantized(tmp_path / "q")
     ids = tok("The quick brown fox", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -28,33 +35,96 @@ def test_every_architecture_and_algorithm(arch, scheme, tiny_models, tmp_path):
     assert torch.isfinite(logits).all()
     written = json.loads((tmp_path / "q" / "optllm-report.json").read_text())
     assert written["scheme"] == scheme and written["peak_memory_bytes"] > 0
+    hidden = model.config.hidden_size
+    assert written["activations"] == {"bytes_per_copy": 8 * 32 * hidden * 4, "device": "cpu"}
 
 
 def test_gptq_and_awq_beat_rtn_on_the_same_calibration(tiny_llama, tmp_path):
-    errs = {}
+    """Measured (16 x 64 tokens, g32): mean layer error RTN 0.0952, AWQ 0.0860 (0.90x), GPTQ
+    0.0639 (0.67x); block errors RTN 0.0567 / 0.0724, AWQ 0.0506 / 0.0573 (0.89x, 0.79x), GPTQ
+    0.0354 / 0.0388 (0.62x, 0.54x). AWQ optimises the blocks' outputs; its per-layer error is
+    lower too, but that is not what it promises."""
+    layer_err, block_err = {}, {}
     for scheme in ("w4a16-rtn", "w4a16-awq", "w4a16-gptq"):
         cfg = QuantizeConfig(scheme=scheme, group_size=32, num_samples=16, seq_len=64)
         rep = quantize(str(tiny_llama), tmp_path / scheme, cfg, progress=False)
-        errs[scheme] = sum(s.rel_error for s in rep.layers) / len(rep.layers)
-    print(errs)
-    assert errs["w4a16-gptq"] < errs["w4a16-rtn"]
-    assert errs["w4a16-awq"] < errs["w4a16-rtn"] * 1.05  # AWQ optimises block outputs, not each layer
+        layer_err[scheme] = sum(s.rel_error for s in rep.layers) / len(rep.layers)
+        block_err[scheme] = [b.rel_error for b in rep.blocks]
+    print(layer_err, block_err)
+    rtn = block_err["w4a16-rtn"]
+    assert all(a < 0.95 * r for a, r in zip(block_err["w4a16-awq"], rtn))
+    assert all(g < 0.7 * r for g, r in zip(block_err["w4a16-gptq"], rtn))
+    assert layer_err["w4a16-awq"] < 0.95 * layer_err["w4a16-rtn"]
+    assert layer_err["w4a16-gptq"] < 0.75 * layer_err["w4a16-rtn"]
 
 
-def test_actorder_gptq_runs_and_stores_weight_actorder(tiny_llama, tmp_path):
-    cfg = QuantizeConfig(scheme="w4a16-gptq", group_size=32, actorder="static", num_samples=4, seq_len=32)
-    quantize(str(tiny_llama), tmp_path / "q", cfg, progress=False)
-    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+def test_actorder_changes_the_stored_weights(tiny_llama, tmp_path):
+    """Static act-order keeps the original weight's grid (its scales are RTN's, bit for bit)
+    and visits columns by activation size, so its codes differ from plain GPTQ's and RTN's."""
+    ckpt = {}
+    for name, scheme, actorder in (("rtn", "w4a16-rtn", "auto"), ("static", "w4a16-gptq", "static"),
+                                   ("none", "w4a16-gptq", "none")):
+        cfg = QuantizeConfig(scheme=scheme, group_size=32, actorder=actorder, num_samples=8, seq_len=32)
+        quantize(str(tiny_llama), tmp_path / name, cfg, progress=False)
+        ckpt[name] = load_quantized_weights(tmp_path / name)
+    qc = ckpt["static"][2]["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    assert ckpt["none"][2]["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] is None
+    static, plain, rtn = ckpt["static"][0], ckpt["none"][0], ckpt["rtn"][0]
+    assert set(static) == set(plain) == set(rtn) and len(static) == 14
+    for name in static:
+        assert torch.equal(static[name].scale, rtn[name].scale), name  # the original weight's grid
+        assert not torch.equal(static[name].q, rtn[name].q), name
+        assert not torch.equal(static[name].q, plain[name].q), name
+        assert not torch.equal(plain[name].scale, rtn[name].scale), name  # plain GPTQ: grid of updated weights
 
 
-def test_ignore_leaves_layers_in_full_precision(tiny_llama, tmp_path):
-    cfg = QuantizeConfig(scheme="w4a16-rtn", group_size=32, num_samples=4, seq_len=32,
+@pytest.mark.parametrize("scheme", ["w4a16-rtn", "w4a16-awq", "w4a16-gptq"])
+def test_ignored_layers_hold_their_original_weights(scheme, tiny_llama, tmp_path):
+    """Before AWQ honoured --ignore, the AWQ checkpoint's down_proj held weights scaled by the
+    up_proj -> down_proj search (and clip-searched): not the original ones."""
+    from safetensors.torch import load_file
+
+    original = load_file(tiny_llama / "model.safetensors")
+    cfg = QuantizeConfig(scheme=scheme, group_size=32, num_samples=8, seq_len=32,
                          ignore=("lm_head", "re:.*down_proj"))
     rep = quantize(str(tiny_llama), tmp_path / "q", cfg, progress=False)
     assert len(rep.layers) == 2 * 6
-    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert "model.layers.0.mlp.down_proj" in qc["ignore"]
+    qweights, rest, config = load_quantized_weights(tmp_path / "q")
+    ignore = config["quantization_config"]["ignore"]
+    for i in range(2):
+        name = f"model.layers.{i}.mlp.down_proj"
+        assert name in ignore and name not in qweights
+        stored = rest[f"{name}.weight"]
+        assert stored.dtype == torch.bfloat16
+        assert torch.equal(stored, original[f"{name}.weight"].to(torch.bfloat16)), name
+        assert f"model.layers.{i}.mlp.up_proj" in qweights
+
+
+def test_awq_searches_with_the_checkpoint_scale_dtype(tiny_llama, tmp_path, monkeypatch):
+    from optllm.quant import awq
+
+    seen = []
+    for fn in ("search_clip", "search_scales"):
+        orig = getattr(awq, fn)
+
+        def spy(*args, _orig=orig, **kwargs):
+            seen.append(kwargs.get("scale_dtype", args[-1] if isinstance(args[-1], torch.dtype) else None))
+            return _orig(*args, **kwargs)
+
+        monkeypatch.setattr(awq, fn, spy)
+    cfg = QuantizeConfig(scheme="w4a16-awq", group_size=32, num_samples=4, seq_len=32, dtype="float16")
+    quantize(str(tiny_llama), tmp_path / "q", cfg, progress=False)
+    # 2 blocks x (3 scale searches + 5 clip searches: v, o, gate, up, down)
+    assert len(seen) == 16 and set(seen) == {torch.float16}
+
+
+def test_progress_is_a_plain_line_per_block_off_a_terminal(tiny_llama, tmp_path, capsys):
+    cfg = QuantizeConfig(scheme="w4a16-rtn", group_size=32, num_samples=4, seq_len=32)
+    quantize(str(tiny_llama), tmp_path / "q", cfg, progress=True)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "block" in x]
+    assert [x.split(":")[0] for x in lines] == ["w4a16-rtn block 1/2", "w4a16-rtn block 2/2"]
+    assert all("block rel. error" in x for x in lines)
 
 
 def test_group_size_not_dividing_is_a_clear_error(tiny_llama, tmp_path):
@@ -64,6 +134,8 @@ def test_group_size_not_dividing_is_a_clear_error(tiny_llama, tmp_path):
 
 
 def test_config_validation():
+    with pytest.raises(UserError, match="offload='sometimes' is not allowed; allowed: auto, always, never"):
+        QuantizeConfig(offload="sometimes")
     with pytest.raises(UserError, match="unknown scheme"):
         QuantizeConfig(scheme="w4a16-magic")
     with pytest.raises(UserError, match="num_samples=0"):

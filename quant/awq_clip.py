@@ -1,0 +1,103 @@
+"""AWQ's weight clipping search: per quantization group, the range shrink that minimises the
+group's contribution to the linear's output error (the auto_clip step of the AWQ paper's code).
+
+Every candidate ratio of a batch of output rows is scored at once. The error of a weight
+change d on inputs x is a quadratic form in d, so when a group is no wider than the token
+sample the search would use, it is scored through the group's Gram matrix Σ x_g x_gᵀ over all
+calibration tokens (G² numbers per group, accumulated as the block runs, no activations kept):
+cheaper per candidate than the sample and free of sampling noise. Wider groups (per-channel)
+are scored on a strided sample of `clip_tokens` tokens, as the AWQ paper's code does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..formats.args import QuantArgs
+from . import observers
+
+if TYPE_CHECKING:
+    from .awq import AWQOptions
+
+
+class ClipStats:
+    """What the clip search needs of a linear's inputs x [..., K]: per quantization group, the
+    Gram matrix Σ x_g x_gᵀ of all tokens [groups, G, G] when a group is no wider than
+    `clip_tokens`; otherwise (per-channel, wide groups) a strided sample of at most
+    `clip_tokens` rows [T, K], scored directly (gram=True/False forces one or the other).
+    Both score a weight change d by the same mean over tokens of (x_g · d_g)²."""
+
+    def __init__(self, in_features: int, args: QuantArgs, clip_tokens: int, total_tokens: int,
+                 gram: bool | None = None) -> None:
+        self.k = in_features
+        self.groups = args.groups(in_features)
+        self.gsize = in_features // self.groups
+        self.use_gram = self.gsize <= clip_tokens if gram is None else gram
+        self.clip_tokens = clip_tokens
+        self.step = max(1, total_tokens // clip_tokens)
+        self.tokens = 0
+        self.gram: torch.Tensor | None = None
+        self.rows: list[torch.Tensor] = []
+        self._sample: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor) -> None:
+        rows = x.detach().reshape(-1, self.k).float()
+        if self.use_gram:
+            xg = rows.reshape(-1, self.groups, self.gsize).transpose(0, 1)  # [g, T, G]
+            if self.gram is None:
+                self.gram = torch.zeros(self.groups, self.gsize, self.gsize, device=rows.device)
+            self.gram.baddbmm_(xg.transpose(1, 2), xg)
+        else:
+            offset = (-self.tokens) % self.step  # continue the stride across batches
+            self.rows.append(rows[offset :: self.step])
+            self._sample = None
+        self.tokens += rows.shape[0]
+
+    def errors(self, d: torch.Tensor) -> torch.Tensor:
+        """Mean squared output error per group of a weight change d [M, K]: [M, groups]."""
+        if self.use_gram:
+            dg = d.reshape(-1, self.groups, self.gsize).transpose(0, 1)  # [g, M, G]
+            return (torch.bmm(dg, self.gram) * dg).sum(-1).T / max(self.tokens, 1)
+        if self._sample is None:
+            x = torch.cat(self.rows)[: self.clip_tokens]
+            self._sample = x.reshape(-1, self.groups, self.gsize).transpose(0, 1).contiguous()  # [g, T, G]
+        xg = self._sample.to(d.device)
+        dg = d.reshape(-1, self.groups, self.gsize).transpose(0, 1)  # [g, M, G]
+        return torch.bmm(xg, dg.transpose(1, 2)).pow(2).mean(dim=1).T
+
+
+def search_clip(
+    w: torch.Tensor,
+    x: torch.Tensor | ClipStats,
+    args: QuantArgs,
+    opts: AWQOptions,
+    scale_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Per-group range shrink ratio [N, groups] minimising the group-wise output error.
+
+    w [N, K]; x: input rows [T, K] or their ClipStats. Each group's contribution to the output,
+    x_g · w_gᵀ, is compared before and after quantization (scales rounded to scale_dtype, as the
+    checkpoint stores them) with the range scaled by 1 - i/clip_grid, for i up to
+    max_shrink * clip_grid (i = 0: no clipping, so the result is never worse than none).
+    """
+    n, k = w.shape
+    if not isinstance(x, ClipStats):
+        stats = ClipStats(k, args, opts.clip_tokens, x.reshape(-1, k).shape[0])
+        stats.add(x)
+        x = stats
+    g = args.groups(k)
+    ratios = [1.0 - i / opts.clip_grid for i in range(int(opts.max_shrink * opts.clip_grid) + 1)]
+    best_ratio = torch.ones(n, g, device=w.device)
+    rows = opts.clip_rows  # every ratio of this many rows is scored at once
+    for r0 in range(0, n, rows):
+        wr = w[r0 : r0 + rows].float()
+        m = wr.shape[0]
+        stacked = wr.repeat(len(ratios), 1)  # [R·m, K], ratio-major
+        clip = torch.tensor(ratios, device=w.device).repeat_interleave(m).unsqueeze(1)  # [R·m, 1]
+        d = observers.fake_quantize(stacked, args, clip_ratio=clip, scale_dtype=scale_dtype) - stacked
+        err = x.errors(d).reshape(len(ratios), m, g)
+        best = err.argmin(dim=0)  # first minimum: the least clipping among equals
+        best_ratio[r0 : r0 + m] = torch.tensor(ratios, device=w.device)[best]
+    return best_ratio

@@ -1,0 +1,85 @@
+"""AWQ's clip search: never worse than no clipping, scored on the checkpoint's grid, and its two
+scoring paths (per-group Gram matrices, a token sample) agree."""
+
+import pytest
+import torch
+
+from optllm.formats.args import QuantArgs
+from optllm.quant import observers
+from optllm.quant.awq import AWQOptions
+from optllm.quant.awq_clip import ClipStats, search_clip
+from optllm.quant.rtn import rtn_quantize
+
+ARGS = QuantArgs(num_bits=4, group_size=32, symmetric=True)
+
+
+def test_clip_search_never_worse_than_no_clip():
+    torch.manual_seed(3)
+    w = torch.randn(32, 128)
+    w[:, 5] *= 8  # an outlier weight column makes clipping worthwhile
+    x = torch.randn(256, 128)
+    ratio = search_clip(w, x, ARGS, AWQOptions())
+    assert ratio.shape == (32, 4) and float(ratio.min()) >= 0.5 and float(ratio.max()) <= 1.0
+    assert float(ratio.min()) < 1.0
+
+    def err(r):
+        q = observers.fake_quantize(w, ARGS, clip_ratio=r)
+        return float((x @ (q - w).T).pow(2).mean())
+
+    assert err(ratio) <= err(None) + 1e-9
+
+
+def _group_errors(w, x, args, ratio, scale_dtype):
+    """Per-group mean squared output error [N, groups] of the checkpoint's weights (RTN with
+    the clip ratio, scales in scale_dtype, dequantized as stored)."""
+    q = rtn_quantize(w, args, clip_ratio=ratio, scale_dtype=scale_dtype).dequantize(torch.float32)
+    n, k = w.shape
+    g = args.groups(k)
+    d = (q - w).reshape(n, g, k // g)
+    xg = x.reshape(-1, g, k // g)
+    return torch.einsum("tgc,ngc->tng", xg, d).pow(2).mean(0)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_clip_search_scores_with_the_checkpoint_scale_dtype(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 128, generator=g) * 0.02
+    w[:, 7] *= 10
+    x = torch.randn(512, 128, generator=g) * torch.exp(torch.randn(128, generator=g))
+    opts = AWQOptions()
+    grid = [1.0 - i / opts.clip_grid for i in range(int(opts.max_shrink * opts.clip_grid) + 1)]
+    errs = torch.stack([_group_errors(w, x, ARGS, r, dtype) for r in grid])  # [R, N, groups]
+    best = errs.min(dim=0).values
+
+    chosen = search_clip(w, x, ARGS, opts, scale_dtype=dtype)
+    got = _group_errors(w, x, ARGS, chosen, dtype)
+    assert torch.all(got <= best * (1 + 1e-5) + 1e-12)
+    # scoring with float32 scales (the old behaviour) picks a worse ratio for some groups
+    f32 = _group_errors(w, x, ARGS, search_clip(w, x, ARGS, opts, scale_dtype=None), dtype)
+    worse = int((f32 > best * (1 + 1e-5) + 1e-12).sum())
+    print(f"{dtype}: float32 scoring not optimal in {worse} of {best.numel()} groups")
+    assert worse > 0
+
+
+@pytest.mark.parametrize("args", (QuantArgs(4, 32, True), QuantArgs(4, 32, False), QuantArgs(3, None, True)))
+def test_clip_stats_gram_and_token_sample_agree(args):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 40, 128, generator=g)  # three batches, 120 tokens in all
+    d = torch.randn(20, 128, generator=g)
+    stats = {}
+    for gram in (True, False):
+        s = ClipStats(128, args, clip_tokens=1000, total_tokens=120, gram=gram)
+        for batch in x:
+            s.add(batch)
+        stats[gram] = s.errors(d)
+    assert stats[True].shape == (20, args.groups(128))
+    assert torch.allclose(stats[True], stats[False], rtol=1e-4, atol=1e-7)
+
+
+def test_clip_stats_token_sample_is_strided_across_batches():
+    s = ClipStats(4, QuantArgs(4, None, True), clip_tokens=10, total_tokens=30, gram=False)
+    assert s.step == 3
+    tokens = torch.arange(30, dtype=torch.float32)[:, None].repeat(1, 4)
+    for batch in (tokens[:7], tokens[7:19], tokens[19:]):  # uneven batches
+        s.add(batch)
+    assert torch.cat(s.rows)[:, 0].tolist() == [float(t) for t in range(0, 30, 3)]
