@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
+from ..hub.corpus import KINDS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Compress, draft, serve and measure LLMs.")
 
@@ -48,8 +49,19 @@ def quantize(
     dtype: Optional[str] = typer.Option(
         None, help="checkpoint dtype of scales/unquantized tensors: bfloat16 | float16"
     ),
+    dampening: Optional[float] = typer.Option(None, help="GPTQ: added to the Hessian diagonal, "
+                                                "a fraction of its mean [default 0.01]"),
+    holdout: Optional[int] = typer.Option(None, help="calibration windows held out of the fit, to compare each "
+                                          "block with RTN [default max(2, num_samples // 8)]"),
+    fallback_rtn: Optional[bool] = typer.Option(None, "--fallback-rtn/--no-fallback-rtn",
+                                                help="keep RTN for blocks whose held-out error is lower with it"),
     recipe: Optional[Path] = typer.Option(None, help="YAML file with any of these fields"),
     overwrite: bool = typer.Option(False, help="replace OUT if it exists"),
+    compare: bool = typer.Option(True, "--compare/--no-compare",
+                                 help="afterwards, perplexity on every text kind beside the float model and RTN"),
+    compare_symmetry: bool = typer.Option(False, help="also compare the algorithm and RTN with the other symmetry "
+                                          "(calibrates a second time)"),
+    compare_windows: int = typer.Option(4, help="windows of 512 tokens per text kind in the comparison"),
 ) -> None:
     """Calibrate and convert MODEL into a compressed-tensors checkpoint."""
     from ..quant.config import QuantizeConfig
@@ -62,6 +74,7 @@ def quantize(
         "symmetric": None if asym is None else not asym,
         "actorder": None if actorder is None else ("static" if actorder else "none"),
         "ignore": tuple(ignore) if ignore else None,
+        "dampening": dampening, "holdout": holdout, "fallback_rtn": fallback_rtn,
     }
     try:
         if recipe is not None:
@@ -71,10 +84,26 @@ def quantize(
             if group_size is not None and overrides["group_size"] is None:
                 given["group_size"] = None
             cfg = QuantizeConfig.from_dict(given)
+        if compare_windows < 1:
+            raise UserError(f"--compare-windows {compare_windows} must be >= 1")
         report = run(model, out, cfg, overwrite=overwrite)
     except UserError as e:
         _fail(str(e))
     _print_quant_summary(report)
+    if compare:
+        from . import compare as cmp
+
+        comp = cmp.compare_checkpoint(model, out, cfg, other_symmetry=compare_symmetry, max_windows=compare_windows,
+                                      device=cfg.device if cfg.device != "auto" else _auto_device())
+        cmp.record(out, comp)
+        typer.echo(f"\nPerplexity on each text kind's held-out split ({compare_windows} windows of 512 tokens each; "
+                   "none of it in any calibration set):\n" + cmp.markdown(comp))
+
+
+def _auto_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _print_quant_summary(report) -> None:
@@ -95,6 +124,15 @@ def _print_quant_summary(report) -> None:
     )
     console = Console()
     console.print(t)
+    held = report.holdout_summary()
+    if held["blocks_compared"]:
+        worse, kept = held["worse_than_rtn"], held["kept_rtn"]
+        line = (f"held-out calibration windows ({held['windows']}): "
+                f"{len(worse)} of {held['blocks_compared']} blocks worse than RTN")
+        if worse:
+            line += f" (blocks {', '.join(map(str, worse))})"
+            line += "; kept RTN there" if kept else "; --fallback-rtn keeps RTN for them"
+        console.print(line, highlight=False)
     if report.vllm_note:
         console.print(f"vLLM: will not load this checkpoint. {report.vllm_note}", highlight=False)
     else:
@@ -104,27 +142,30 @@ def _print_quant_summary(report) -> None:
 @app.command("eval")
 def eval_cmd(
     models: list[str] = typer.Argument(..., help="model folders / aliases to compare (quantized or not)"),
-    ppl: bool = typer.Option(True, "--ppl/--no-ppl", help="perplexity on the held-out corpus (or --text)"),
-    text: Optional[Path] = typer.Option(None, help="a .txt file to measure perplexity on instead"),
+    ppl: bool = typer.Option(True, "--ppl/--no-ppl", help="perplexity on each text kind's held-out split"),
+    kinds: str = typer.Option(",".join(KINDS), help=f"built-in text kinds, comma-separated: {', '.join(KINDS)}"),
+    text: Optional[list[Path]] = typer.Option(
+        None, help="a UTF-8 text file measured as one more kind, named after the file (repeatable)"
+    ),
     seq_len: int = typer.Option(512, help="tokens per window"),
-    max_windows: Optional[int] = typer.Option(None, help="cap on windows (same for every model)"),
+    max_windows: Optional[int] = typer.Option(None, help="cap on windows per kind (same for every model)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N]"),
     dtype: str = typer.Option("float32", help="compute dtype: float32 | bfloat16 | float16"),
     kernels: bool = typer.Option(False, "--kernels/--dequant", help="run quantized linears on the W4A16 kernels"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / ppl.png"),
 ) -> None:
-    """Measure checkpoints side by side and write one report."""
-    from ..eval.evaluate import evaluate_ppl
+    """Measure checkpoints side by side and write one report (the first model is the baseline)."""
+    from ..eval.evaluate import evaluate_ppl, parse_kinds, read_texts
     from ..eval.report import markdown_table, write_report
     from ..hub.loader import resolve_device
 
     if not ppl:
         _fail("nothing to measure: only --ppl is available so far")
-    if text is not None and not text.is_file():
-        _fail(f"--text {text} does not exist")
     try:
+        kind_list = parse_kinds(kinds)
+        texts = read_texts(text or [], taken=kind_list)
         dev = str(resolve_device(device))
-        rows = evaluate_ppl(models, text=str(text) if text else None, seq_len=seq_len, max_windows=max_windows,
+        rows = evaluate_ppl(models, kinds=kind_list, texts=texts, seq_len=seq_len, max_windows=max_windows,
                             dtype=dtype, device=dev, linear="kernel" if kernels else "dequant")
     except (UserError, ValueError) as e:
         _fail(str(e))

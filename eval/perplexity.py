@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..hub.corpus import builtin_eval_text
+from ..hub.corpus import eval_text
 
 _LOSS_CHUNK_ELEMENTS = 1 << 25  # rows * vocab per float32 log-softmax chunk: 128 MiB
 
@@ -136,30 +136,39 @@ def scored_from(start: int, seq_len: int, stride: int) -> int:
     return 1 if start == 0 else max(1, seq_len - stride)
 
 
-def eval_token_stream(tokenizer) -> torch.Tensor:
-    """The held-out built-in corpus (hub/corpus.builtin_eval_text) as LongTensor [T].
+def eval_token_stream(tokenizer, kind: str = "docs") -> torch.Tensor:
+    """The held-out split of one built-in text kind (hub/corpus.eval_text(kind)) as LongTensor [T].
 
-    Tokenized as one text with no special tokens at all (no BOS, no EOS): documents are
+    Tokenized as one text with no special tokens added (no BOS, no EOS): documents are
     separated by the blank lines of the text, so the stream is the same whatever the
-    tokenizer's special-token settings.
+    tokenizer's special-token settings. (Special-token markers written in the text itself,
+    like the chat kind's template markers, are read as the tokens they are.)
     """
-    return _tokenize(tokenizer, builtin_eval_text())
+    return token_stream(tokenizer, eval_text(kind))
+
+
+def read_text_file(path: str | Path) -> str:
+    """A user's text file (``--text FILE``), read as UTF-8; UserError (one line) when it is
+    missing, not UTF-8 or empty."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"--text file {str(path)!r} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--text file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if not text.strip():
+        raise UserError(f"--text file {str(path)!r} is empty")
+    return text
 
 
 def text_token_stream(tokenizer, path: str | Path) -> torch.Tensor:
-    """A user's UTF-8 .txt file (``--text FILE``) as LongTensor [T], no special tokens."""
-    p = Path(path).expanduser()
-    if p.suffix.lower() != ".txt":
-        raise UserError(f"--text must be a .txt file; got {str(path)!r}")
-    if not p.is_file():
-        raise UserError(f"--text file {str(path)!r} does not exist")
-    text = p.read_text(encoding="utf-8")
-    if not text.strip():
-        raise UserError(f"--text file {str(path)!r} is empty")
-    return _tokenize(tokenizer, text)
+    """A user's UTF-8 text file (``--text FILE``) as LongTensor [T], no special tokens added."""
+    return token_stream(tokenizer, read_text_file(path))
 
 
-def _tokenize(tokenizer, text: str) -> torch.Tensor:
+def token_stream(tokenizer, text: str) -> torch.Tensor:
+    """``text`` as one LongTensor [T] of token ids, no special tokens added."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.int64)
 

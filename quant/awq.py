@@ -55,6 +55,9 @@ class AWQOptions:
     # 4.9 s with 2048 and 3.2 s with 1024, for held-out perplexities 18.43, 18.55 and 18.38
     # (8 windows of 512; RTN 21.95): no loss measurable at that size.
     scale_tokens: int | None = 2048
+    # weight of a token of massive activations in both searches' objectives and in mean|x|, in
+    # typical tokens (observers.token_weights; None: every token counts fully, as the paper)
+    token_cap: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_grid < 1 or self.clip_grid < 1:
@@ -63,6 +66,8 @@ class AWQOptions:
             raise ValueError(f"max_shrink={self.max_shrink} must be in [0, 1)")
         if self.clip_tokens < 1 or self.clip_rows < 1:
             raise ValueError("clip_tokens and clip_rows must be >= 1")
+        if self.token_cap is not None and not self.token_cap > 0:
+            raise ValueError(f"token_cap={self.token_cap} must be > 0 (or None)")
         if self.scale_tokens is not None and self.scale_tokens < 1:
             raise ValueError(f"scale_tokens={self.scale_tokens} must be >= 1 (or None: all tokens)")
 
@@ -146,11 +151,14 @@ def search_scales(
     device = next(iter(balance.values())).weight.device
     k = xs[0].shape[-1]
     x_mean = torch.zeros(k, device=device)
-    count = 0
+    count, weight_sum = 0, 0.0
     for x in xs:
-        x_mean += x.to(device).abs().reshape(-1, k).float().sum(0)
-        count += x.numel() // k
-    x_mean /= count
+        rows = x.to(device).reshape(-1, k).float()
+        wt = observers.token_weights(rows, opts.token_cap)
+        x_mean += rows.abs().sum(0) if wt is None else wt @ rows.abs()
+        count += rows.shape[0]
+        weight_sum += rows.shape[0] if wt is None else float(wt.sum())
+    x_mean /= weight_sum
     w_mean = _group_weight_mean([b.weight for b in balance.values()], args)
     cands = scale_candidates(x_mean, w_mean, opts)
     qlayers = {n: b for n, b in balance.items() if n in quantized}
@@ -159,9 +167,9 @@ def search_scales(
     gram = len(balance) == 1 and list(qlayers) == list(balance) and module is only and count >= k
     with torch.no_grad():
         if gram:
-            losses = _linear_losses(only.weight, xs, cands, args, scale_dtype)
+            losses = _linear_losses(only.weight, xs, cands, args, scale_dtype, opts.token_cap)
         else:
-            losses = _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype)
+            losses = _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype, opts.token_cap)
     best = min(range(len(cands)), key=lambda i: (losses[i], i))  # NaN never wins; ties keep the earlier
     if not losses[best] < float("inf"):
         best = 0  # every candidate gave NaN/inf: leave the layers as they are
@@ -169,23 +177,27 @@ def search_scales(
     return ScaleSearch(s, alpha, losses[best], losses[0])
 
 
-def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype) -> list[float]:
-    """Run the inspected module once per candidate with its quantized balance layers swapped in."""
+def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype, cap=None) -> list[float]:
+    """Run the inspected module once per candidate with its quantized balance layers swapped in;
+    each token's squared error weighted by observers.token_weights of its input (cap)."""
     device = next(iter(qlayers.values())).weight.device
+    k = xs[0].shape[-1]
+    wts = [observers.token_weights(x.to(device).reshape(-1, k), cap) for x in xs]
     originals = {n: b.weight.detach().clone() for n, b in qlayers.items()}
     kws = [_to(kw, device) for kw in kwargs]
     # the float outputs are kept where the inputs are (the CPU, when offloading)
     ref = [_inspect(module, mapping, x.to(device), kw).float().to(x.device) for x, kw in zip(xs, kws)]
-    numel = sum(r.numel() for r in ref)
+    numel = sum(r.numel() if w is None else float(w.sum()) * r.shape[-1] for r, w in zip(ref, wts))
     losses = []
     try:
         for _alpha, s in cands:
             for n, b in qlayers.items():
                 b.weight.copy_(_quantize_scaled(originals[n], s, args, scale_dtype).to(b.weight.dtype))
             loss = 0.0
-            for x, kw, r in zip(xs, kws, ref):
+            for x, kw, r, w in zip(xs, kws, ref, wts):
                 out = _inspect(module, mapping, x.to(device), kw).float()
-                loss += (out - r.to(device)).pow(2).sum().item()
+                sq = (out - r.to(device)).pow(2)
+                loss += (sq.sum() if w is None else w @ sq.reshape(w.shape[0], -1).sum(1)).item()
             losses.append(_finite(loss / numel))
     finally:
         for n, b in qlayers.items():
@@ -193,7 +205,7 @@ def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtyp
     return losses
 
 
-def _linear_losses(weight, xs, cands, args, scale_dtype, chunk: int = 4) -> list[float]:
+def _linear_losses(weight, xs, cands, args, scale_dtype, cap=None, chunk: int = 4) -> list[float]:
     """The inspected module is the balance linear itself: its output error on inputs X is
     ‖X Δᵀ‖² with Δ = Q(W·s)/s − W, i.e. tr(Δ G Δᵀ) for the Gram matrix G = XᵀX, so each
     candidate costs N·K² instead of T·N·K (and no output is held)."""
@@ -201,11 +213,12 @@ def _linear_losses(weight, xs, cands, args, scale_dtype, chunk: int = 4) -> list
     n, k = w.shape
     device = w.device
     gram = torch.zeros(k, k, device=device)
-    tokens = 0
+    tokens = 0.0
     for x in xs:
         rows = x.to(device).reshape(-1, k).float()
-        gram.addmm_(rows.T, rows)
-        tokens += rows.shape[0]
+        wt = observers.token_weights(rows, cap)
+        gram.addmm_(rows.T if wt is None else (rows * wt[:, None]).T, rows)
+        tokens += rows.shape[0] if wt is None else float(wt.sum())
     losses = []
     for c0 in range(0, len(cands), chunk):
         part = cands[c0 : c0 + chunk]
@@ -282,7 +295,8 @@ def awq_block(
         names = [n for n in mapping.linears if n in quantized and n not in mapping.no_clip]
         mods = {n: layer.get_submodule(n) for n in names}
         total = inputs.num_tokens()
-        stats = {n: ClipStats(mod.in_features, args, opts.clip_tokens, total) for n, mod in mods.items()}
+        stats = {n: ClipStats(mod.in_features, args, opts.clip_tokens, total, token_cap=opts.token_cap)
+                 for n, mod in mods.items()}
         with capture_inputs(mods, lambda name, x: stats[name].add(x)):
             run_block(layer, inputs, keep=False)
         for name, mod in mods.items():

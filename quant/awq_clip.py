@@ -30,30 +30,38 @@ class ClipStats:
     Both score a weight change d by the same mean over tokens of (x_g · d_g)²."""
 
     def __init__(self, in_features: int, args: QuantArgs, clip_tokens: int, total_tokens: int,
-                 gram: bool | None = None) -> None:
+                 gram: bool | None = None, token_cap: float | None = None) -> None:
         self.k = in_features
         self.groups = args.groups(in_features)
         self.gsize = in_features // self.groups
         self.use_gram = self.gsize <= clip_tokens if gram is None else gram
         self.clip_tokens = clip_tokens
         self.step = max(1, total_tokens // clip_tokens)
-        self.tokens = 0
+        self.tokens = 0.0  # (weighted) tokens in the Gram matrices
+        self.seen = 0  # tokens passed to add()
+        self.token_cap = token_cap  # observers.token_weights: each token's weight in the errors
         self.gram: torch.Tensor | None = None
         self.rows: list[torch.Tensor] = []
         self._sample: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor) -> None:
         rows = x.detach().reshape(-1, self.k).float()
+        wt = observers.token_weights(rows, self.token_cap)
         if self.use_gram:
             xg = rows.reshape(-1, self.groups, self.gsize).transpose(0, 1)  # [g, T, G]
             if self.gram is None:
                 self.gram = torch.zeros(self.groups, self.gsize, self.gsize, device=rows.device)
-            self.gram.baddbmm_(xg.transpose(1, 2), xg)
+            left = xg if wt is None else xg * wt.view(1, -1, 1)
+            self.gram.baddbmm_(left.transpose(1, 2), xg)
+            self.tokens += rows.shape[0] if wt is None else float(wt.sum())
         else:
-            offset = (-self.tokens) % self.step  # continue the stride across batches
-            self.rows.append(rows[offset :: self.step])
+            offset = (-self.seen) % self.step  # continue the stride across batches
+            keep = rows[offset :: self.step]
+            if wt is not None:  # the sample's rows scaled by sqrt(weight): weighted squared errors
+                keep = keep * wt[offset :: self.step].sqrt().unsqueeze(1)
+            self.rows.append(keep)
             self._sample = None
-        self.tokens += rows.shape[0]
+        self.seen += rows.shape[0]
 
     def errors(self, d: torch.Tensor) -> torch.Tensor:
         """Mean squared output error per group of a weight change d [M, K]: [M, groups]."""

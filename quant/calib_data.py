@@ -2,7 +2,15 @@
 
 Sources (``--calib``):
 
-- ``"builtin"`` (default): the calibration part of the built-in corpus (hub/corpus.py);
+- ``"builtin"`` (default): a mixture of the calibration splits of the built-in corpus's
+  three kinds (hub/corpus.py): prose of the Python docs, Python source, and chat
+  conversations of SmolLM2. The windows are shared out in fixed proportions,
+  ``BUILTIN_SHARES`` (docs 40 %, code 30 %, chat 30 % of ``num_samples``, largest
+  remainder rounding: 128 -> 51 + 39 + 38; every kind gets one when num_samples >= 3),
+  each kind's windows are cut from its own token stream as below, and the windows of all
+  kinds are then put in one seeded random order;
+- ``"docs"``, ``"code"`` or ``"chat"``: one kind of the built-in corpus, its calibration
+  split;
 - a local file: ``.txt`` (the whole file is one document; blank lines stay text),
   ``.jsonl`` (a ``"text"`` field per line) or ``.parquet`` (a ``"text"`` column), the
   last two read through ``datasets``;
@@ -11,10 +19,12 @@ Sources (``--calib``):
   ``wikitext:wikitext-2-raw-v1``), split "train", when the hub is reachable. With
   ``HF_HUB_OFFLINE=1`` datasets already in the local cache are used.
 
-Documents are tokenized without special tokens and concatenated with EOS after each;
-``num_samples`` windows of ``seq_len`` tokens are cut at seeded random positions, so the
-same (tokenizer, source, num_samples, seq_len, seed) always gives the same tensor; its
-``sha256`` goes into reports.
+Documents are tokenized without special tokens and concatenated with EOS after each (in
+a seeded random document order); ``num_samples`` windows of ``seq_len`` tokens are cut at
+seeded random, non-overlapping positions (overlapping, with a warning, only when the
+stream is too short), so the same (tokenizer, source, num_samples, seq_len, seed) always
+gives the same tensor; its ``sha256`` goes into reports. The built-in calibration splits
+share no text with the held-out splits that ``optllm eval`` measures.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from urllib.parse import urlparse
 import torch
 
 from ..errors import UserError
+from ..hub.corpus import KINDS, texts
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +53,9 @@ _SELF_TEMPERATURE = 0.9
 _SELF_TOP_P = 0.95
 _SELF_MAX_BATCH = 32
 _SELF_MAX_NEW_TOKENS = 1024
+# "builtin": share of the windows per kind of the built-in corpus (prose first: the
+# register most users serve; code and chat widen the activations a scale is fitted on).
+BUILTIN_SHARES = (("docs", 0.4), ("code", 0.3), ("chat", 0.3))
 
 # Seed prompts for "self": varied registers, so the activations cover more than one style.
 SELF_PROMPTS = (
@@ -99,6 +113,9 @@ def load_calibration(
         raise UserError(f"seq_len must be an integer >= 8; got {seq_len!r}")
     gen = torch.Generator().manual_seed(seed)
     needed = num_samples * seq_len
+    if source == "builtin":
+        ids, desc = _builtin_mixture(tokenizer, num_samples, seq_len, gen)
+        return CalibrationData(input_ids=ids, source=desc, sha256=token_hash(ids))
     if source == "self":
         if model is None:
             raise UserError('calibration source "self" needs the model (model=...) to generate text')
@@ -108,6 +125,33 @@ def load_calibration(
         stream = _token_stream(tokenizer, docs, gen, budget=_BUDGET_FACTOR * needed)
     ids = _windows(stream, num_samples, seq_len, gen, desc)
     return CalibrationData(input_ids=ids, source=desc, sha256=token_hash(ids))
+
+
+def builtin_counts(num_samples: int) -> dict[str, int]:
+    """Windows per kind for "builtin": BUILTIN_SHARES of num_samples, floors first, then one
+    more window each to the kinds with the largest remainders (ties: BUILTIN_SHARES order)."""
+    exact = {kind: share * num_samples for kind, share in BUILTIN_SHARES}
+    counts = {kind: math.floor(x) for kind, x in exact.items()}
+    by_remainder = sorted(exact, key=lambda k: counts[k] - exact[k])  # stable: ties keep the order
+    for kind in by_remainder[: num_samples - sum(counts.values())]:
+        counts[kind] += 1
+    return counts
+
+
+def _builtin_mixture(tokenizer, num_samples: int, seq_len: int, gen: torch.Generator):
+    """The "builtin" windows: each kind's share cut from its own calib stream, then shuffled."""
+    counts = builtin_counts(num_samples)
+    parts = []
+    for kind, n in counts.items():
+        if n:
+            docs = texts(kind, "calib")
+            stream = _token_stream(tokenizer, docs, gen, budget=_BUDGET_FACTOR * n * seq_len)
+            parts.append(_windows(stream, n, seq_len, gen, f"builtin {kind}, calib split"))
+    ids = torch.cat(parts)[torch.randperm(num_samples, generator=gen)]
+    shares = " + ".join(f"{kind} {n}" for kind, n in counts.items())
+    desc = (f"builtin: mixture of the built-in corpus's calib splits (hub/data), windows {shares} "
+            f"({'/'.join(f'{round(100 * s)}' for _, s in BUILTIN_SHARES)} % of {num_samples})")
+    return ids, desc
 
 
 def token_hash(input_ids: torch.Tensor) -> str:
@@ -120,14 +164,9 @@ def token_hash(input_ids: torch.Tensor) -> str:
 
 def _documents(source: str):
     """(sequence of document strings, description) for every source but "self"."""
-    if source == "builtin":
-        import platform
-
-        from ..hub.corpus import builtin_texts
-
-        docs = builtin_texts("calib")
-        desc = f"builtin: Python {platform.python_version()} docs (pydoc_data.topics), calib part, {len(docs)} docs"
-        return docs, desc
+    if source in KINDS:
+        docs = texts(source, "calib")
+        return docs, f"builtin {source}: calib split of the built-in corpus (hub/data), {len(docs)} docs"
     path = Path(source).expanduser()
     if path.suffix.lower() in FILE_SUFFIXES:
         if not path.is_file():
@@ -171,14 +210,14 @@ def _hub_documents(source: str):
         raise UserError(_not_found(source, _first_line(e))) from None
     if "text" not in column_names:
         raise UserError(f"hub dataset {source!r} has no 'text' field; fields: {', '.join(column_names)}")
-    texts = (row["text"] for row in ds)
-    return texts, f"hub: {source} (train split, streamed{', offline cache' if offline else ''})"
+    rows = (row["text"] for row in ds)
+    return rows, f"hub: {source} (train split, streamed{', offline cache' if offline else ''})"
 
 
 def _not_found(source: str, why: str) -> str:
     return (
-        f"calibration source {source!r} is not a local {'/'.join(FILE_SUFFIXES)} file, not \"builtin\" "
-        f"or \"self\", and could not be loaded from the Hugging Face hub ({why})"
+        f"calibration source {source!r} is not a local {'/'.join(FILE_SUFFIXES)} file, not one of "
+        f"builtin, {', '.join(KINDS)}, self, and could not be loaded from the Hugging Face hub ({why})"
     )
 
 

@@ -39,10 +39,23 @@ class QuantizeConfig:
     dampening: float = 0.01  # GPTQ, fraction of mean(diag H)
     gptq_block_size: int = 128
     true_sequential: bool = True  # GPTQ: Hessians of later linears see earlier ones quantized
+    # GPTQ: weight of a token of massive activations in the Hessian, in typical tokens
+    # (HessianAccumulator token_cap; None: unweighted, as the paper). Measured on SmolLM2 W4 g64
+    # sym, 16 x 256 docs calibration (benchmarks/quality.py, docs/BENCHMARKS.md): unweighted
+    # GPTQ closes 59% of RTN's gap on held-out docs and -2% on code; with 16, 68% and 38%
+    # (4: 73% and 46%); with 16 and hessian_shrink 0.3, 84% and 60%
+    token_cap: float | None = 16.0
+    # GPTQ: H <- (1 - shrink) H + shrink diag(H) (trust the inputs' correlations less)
+    hessian_shrink: float = 0.3
     # where the calibration activations (block inputs, float outputs, AWQ's captured inputs)
     # live while one block is on the device: "auto" (the CPU past OFFLOAD_AUTO_BYTES per
     # copy), "always" (the CPU), "never" (the device); a batch at a time goes to the device
     offload: str = "auto"
+    # calibration windows held out of every fit (drawn after the num_samples fit windows):
+    # each block's output error on them, quantized by the algorithm and by RTN, goes into the
+    # report ("auto": max(2, num_samples // 8); 0: none)
+    holdout: int | str = "auto"
+    fallback_rtn: bool = False  # keep RTN for a block whose held-out error is lower with it
     awq: AWQOptions = field(default_factory=AWQOptions)
 
     def __post_init__(self) -> None:
@@ -57,8 +70,16 @@ class QuantizeConfig:
             raise UserError(f"seq_len={self.seq_len} must be >= 8")
         if self.dtype not in CHECKPOINT_DTYPES:
             raise UserError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(CHECKPOINT_DTYPES)}")
+        if self.token_cap is not None and not self.token_cap > 0:
+            raise UserError(f"token_cap={self.token_cap} must be > 0 (or null: no cap)")
+        if not 0.0 <= self.hessian_shrink < 1.0:
+            raise UserError(f"hessian_shrink={self.hessian_shrink} must be in [0, 1)")
         if not 0.0 < self.dampening < 1.0:
             raise UserError(f"dampening={self.dampening} must be in (0, 1)")
+        if not (self.holdout == "auto" or (isinstance(self.holdout, int) and self.holdout >= 0)):
+            raise UserError(f"holdout={self.holdout!r} is not allowed; allowed: auto or a number of windows >= 0")
+        if self.fallback_rtn and self.holdout == 0:
+            raise UserError("fallback_rtn needs held-out windows (holdout > 0)")
         if self.offload not in OFFLOAD_MODES:
             raise UserError(f"offload={self.offload!r} is not allowed; allowed: {', '.join(OFFLOAD_MODES)}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -71,6 +92,10 @@ class QuantizeConfig:
         elif actorder == "none":
             actorder = None
         return parse_scheme(self.scheme, self.group_size, self.symmetric, actorder)
+
+    def holdout_windows(self) -> int:
+        """Held-out calibration windows: holdout, or for "auto" max(2, num_samples // 8)."""
+        return max(2, self.num_samples // 8) if self.holdout == "auto" else int(self.holdout)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -81,3 +81,13 @@ def fake_quantize(
     # codes and zeros are small integers, exact in any float dtype: one rounding, in sdt
     out = q.mul_(s32) if sdt == torch.float32 else (q.to(sdt) * scale.unsqueeze(-1)).float()
     return out.reshape(w.shape)
+
+
+def token_weights(rows: torch.Tensor, cap: float | None) -> torch.Tensor | None:
+    """Per-token weights [T] of inputs rows [T, K] that cap a token of massive activations at
+    `cap` typical ones: min(1, cap · median ‖x‖² / ‖x_t‖²) (None when cap is None: all 1).
+    See gptq.HessianAccumulator for why; AWQ's searches weight their tokens the same way."""
+    if cap is None:
+        return None
+    sq = rows.float().square().sum(dim=1)
+    return (cap * sq.median() / sq.clamp_min(1e-30)).clamp(max=1.0)

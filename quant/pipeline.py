@@ -3,6 +3,7 @@ quantization -> compressed-tensors checkpoint + optllm-report.json."""
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 import time
@@ -18,7 +19,7 @@ from ..formats.qweight import QuantizedWeight
 from ..formats.vllm_compat import vllm_incompatibility
 from ..hub.loader import check_architecture, load_config, load_model, parse_dtype, resolve_device, resolve_model
 from . import awq as awq_mod
-from .calib_data import load_calibration
+from .calib_data import load_calibration, token_hash
 from .config import OFFLOAD_AUTO_BYTES, QuantizeConfig
 from .gptq import HessianAccumulator, gptq_quantize
 from .mappings import block_linears, block_mapping
@@ -38,6 +39,12 @@ class BlockStat:
     rel_error: float  # ‖block_q(x) − block(x)‖ / ‖block(x)‖ on the calibration inputs
     seconds: float
     awq_ratios: dict = field(default_factory=dict)
+    # on the held-out windows, sqrt(mean over tokens of ‖out_t − ref_t‖² / ‖ref_t‖²) for the
+    # algorithm's block and for RTN's (None: no held-out windows, or the algorithm is RTN), and
+    # which of the two the checkpoint keeps
+    holdout_error: float | None = None
+    holdout_rtn_error: float | None = None
+    kept: str = ""
 
 
 @dataclass
@@ -56,6 +63,16 @@ class QuantizeReport:
     activations: dict = field(default_factory=dict)
     vllm_note: str | None = None  # why vLLM will not load the checkpoint (None: it loads); save_quantized records it
 
+    def holdout_summary(self) -> dict:
+        """Blocks whose held-out error was higher than RTN's, and those that kept RTN."""
+        compared = [b for b in self.blocks if b.holdout_error is not None]
+        return {
+            "windows": self.calibration.get("holdout_windows", 0),
+            "blocks_compared": len(compared),
+            "worse_than_rtn": [b.index for b in compared if b.holdout_error > b.holdout_rtn_error],
+            "kept_rtn": [b.index for b in compared if b.kept == "rtn"],
+        }
+
     def to_dict(self) -> dict:
         return {
             "scheme": self.scheme,
@@ -66,6 +83,7 @@ class QuantizeReport:
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_memory_kind": self.peak_memory_kind,
             "activations": self.activations,
+            "holdout": self.holdout_summary(),
             "layers": [vars(s) for s in self.layers],
             "blocks": [vars(b) for b in self.blocks],
             "out": self.out,
@@ -124,7 +142,8 @@ def quantize_block(
     out, errs = {}, []
     for group in groups:
         mods = {n: linears[n] for n in group}
-        acc = {n: HessianAccumulator(lin.in_features) for n, lin in mods.items()}
+        cap = cfg.token_cap if scheme.algorithm == "gptq" else None
+        acc = {n: HessianAccumulator(lin.in_features, token_cap=cap) for n, lin in mods.items()}
         with capture_inputs(mods, lambda n, x: acc[n].add(x)):
             run_block(layer, inputs, keep=False)
         for name, lin in mods.items():
@@ -133,7 +152,7 @@ def quantize_block(
             if scheme.algorithm == "gptq":
                 qw, _loss = gptq_quantize(
                     w, h, scheme.weights, block_size=cfg.gptq_block_size,
-                    dampening=cfg.dampening, scale_dtype=scale_dtype,
+                    dampening=cfg.dampening, scale_dtype=scale_dtype, shrink=cfg.hessian_shrink,
                 )
             else:
                 clip = awq_result.clip_ratio.get(name) if awq_result else None
@@ -145,6 +164,35 @@ def quantize_block(
             out[name] = QuantizedWeight(q=qw.q.cpu(), scale=qw.scale.cpu(),
                                         zero=None if qw.zero is None else qw.zero.cpu(), args=qw.args)
     return out, errs
+
+
+def _rtn_in_place(linears: dict[str, nn.Linear], args, scale_dtype) -> dict[str, QuantizedWeight]:
+    """RTN-quantize the linears in place (weights become their dequantized values)."""
+    out = {}
+    for name, lin in linears.items():
+        qw = rtn_quantize(lin.weight.detach(), args, scale_dtype=scale_dtype)
+        with torch.no_grad():
+            lin.weight.copy_(qw.dequantize(torch.float32).to(lin.weight.device, lin.weight.dtype))
+        out[name] = QuantizedWeight(q=qw.q.cpu(), scale=qw.scale.cpu(),
+                                    zero=None if qw.zero is None else qw.zero.cpu(), args=qw.args)
+    return out
+
+
+def _relative(outs: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """sqrt(mean over tokens of ‖out_t − ref_t‖² / ‖ref_t‖²): each token counts once, so the
+    few tokens of massive activations (whose hidden states are 100-1000x the others') do not
+    decide it alone, as they would a ratio of sums."""
+    total, count = 0.0, 0
+    for o, r in zip(outs, ref):
+        r = r.float().reshape(-1, r.shape[-1])
+        num = (o.float().reshape(r.shape) - r).pow(2).sum(1)
+        total += float((num / r.pow(2).sum(1).clamp_min(1e-30)).sum())
+        count += r.shape[0]
+    return (total / count) ** 0.5 if count else 0.0
+
+
+def _state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in layer.state_dict().items()}
 
 
 def activation_store(config: QuantizeConfig, device: torch.device, activation_bytes: int) -> torch.device:
@@ -179,8 +227,11 @@ class _BlockProgress:
     def done(self, stat: BlockStat) -> None:
         i = stat.index + 1
         if self.lines:
+            held = "" if stat.holdout_error is None else (
+                f", held-out {stat.holdout_error:.4f} (RTN {stat.holdout_rtn_error:.4f}"
+                f"{', kept RTN' if stat.kept == 'rtn' else ''})")
             print(f"{self.label} block {i}/{self.total}: {stat.seconds:.1f} s, "
-                  f"block rel. error {stat.rel_error:.4f}", flush=True)
+                  f"block rel. error {stat.rel_error:.4f}{held}", flush=True)
         self.bar.update(self.task, advance=1, description=f"{self.label} block {i}/{self.total}")
 
 
@@ -207,12 +258,18 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
     layers = decoder_layers(hf_model)
     t_load = time.perf_counter()
 
-    calib = load_calibration(tokenizer, config.calib, config.num_samples, config.seq_len, config.seed,
+    n_hold = config.holdout_windows()
+    drawn = load_calibration(tokenizer, config.calib, config.num_samples + n_hold, config.seq_len, config.seed,
                              model=hf_model if config.calib == "self" else None)
+    calib = dataclasses.replace(drawn, input_ids=drawn.input_ids[: config.num_samples],
+                                sha256=token_hash(drawn.input_ids[: config.num_samples]))
+    held_ids = drawn.input_ids[config.num_samples :]
     t_calib = time.perf_counter()
-    act_bytes = calib.input_ids.numel() * hf_model.config.hidden_size * 4  # float32 hidden states
+    act_bytes = drawn.input_ids.numel() * hf_model.config.hidden_size * 4  # float32 hidden states
     store = activation_store(config, device, act_bytes)
     inputs = capture_block_inputs(hf_model, calib.input_ids, config.batch_size, device, store=store)
+    held = capture_block_inputs(hf_model, held_ids, config.batch_size, device, store=store) if n_hold else None
+    compare = held is not None and scheme.algorithm != "rtn"
     scale_dtype = parse_dtype(config.dtype)
 
     qweights: dict[str, QuantizedWeight] = {}
@@ -231,24 +288,43 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
                     else:
                         linears[n] = m
                 ref = run_block(layer, inputs)  # the float block's outputs, on the store device
+                held_ref = run_block(layer, held) if held is not None else None
+                original = _state(layer) if compare else None
                 awq_result = None
                 if scheme.algorithm == "awq":
                     awq_result = awq_mod.awq_block(layer, mapping, inputs, scheme.weights, config.awq,
                                                    quantized=linears, scale_dtype=scale_dtype)
                 qws, errs = quantize_block(layer, linears, inputs, config, awq_result,
                                            mapping.sequential if scheme.algorithm == "gptq" else ())
+                kept = scheme.algorithm
+                hold_err = hold_rtn = None
+                if compare:
+                    hold_err = _relative(run_block(layer, held), held_ref)
+                    chosen = _state(layer)
+                    layer.load_state_dict(original)
+                    rtn_qws = _rtn_in_place(linears, scheme.weights, scale_dtype)
+                    hold_rtn = _relative(run_block(layer, held), held_ref)
+                    if config.fallback_rtn and hold_rtn < hold_err:
+                        qws, kept = rtn_qws, "rtn"
+                    else:
+                        layer.load_state_dict(chosen)
+                    del original, chosen
                 qweights.update({prefix + n: qw for n, qw in qws.items()})
                 layer_stats += [LayerStat(prefix + n, e) for n, e in errs]
                 block_err = advance_block(layer, inputs, ref)  # inputs become the next block's
+                if held is not None:
+                    advance_block(layer, held, held_ref)
             block_stats.append(BlockStat(i, block_err, time.perf_counter() - tb,
-                                         dict(awq_result.ratios) if awq_result else {}))
+                                         dict(awq_result.ratios) if awq_result else {},
+                                         hold_err, hold_rtn, kept))
             bar.done(block_stats[-1])
     t_quant = time.perf_counter()
     peak, kind = _peak_memory(device)
     report = QuantizeReport(
         scheme=scheme.name, config=config.to_dict(), model=str(model),
         calibration={"source": calib.source, "sha256": calib.sha256,
-                     "num_samples": int(calib.input_ids.shape[0]), "seq_len": int(calib.input_ids.shape[1])},
+                     "num_samples": int(calib.input_ids.shape[0]), "seq_len": int(calib.input_ids.shape[1]),
+                     "holdout_windows": int(held_ids.shape[0]), "holdout_sha256": token_hash(held_ids)},
         layers=layer_stats, blocks=block_stats,
         seconds={"load": t_load - t0, "calibration_data": t_calib - t_load, "quantize": t_quant - t_calib},
         peak_memory_bytes=int(peak), peak_memory_kind=kind, out=str(out),

@@ -22,7 +22,7 @@ def _have_builtin() -> bool:
 def _quantize(scheme: str, out) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "optllm", "quantize", "smollm2-135m", "--scheme", scheme, "--group-size", "64",
-         "--num-samples", "4", "--seq-len", "128", "--out", str(out)],
+         "--num-samples", "4", "--seq-len", "128", "--no-compare", "--out", str(out)],
         capture_output=True, text=True,
     )
 

@@ -1,5 +1,6 @@
 """The CLI: bad input is one line on stderr and exit code 2, never a traceback."""
 
+import json
 import subprocess
 import sys
 
@@ -48,14 +49,33 @@ def test_corrupt_checkpoint_in_eval(tiny_llama, tmp_path):
 
 def test_quantize_then_eval(tiny_llama, tmp_path):
     r = run("quantize", str(tiny_llama), "--scheme", "w4a16-gptq", "--group-size", "32", "--num-samples", "4",
-            "--seq-len", "32", "--out", str(tmp_path / "q"))
+            "--seq-len", "32", "--no-compare", "--out", str(tmp_path / "q"))
     assert r.returncode == 0, r.stderr
     assert "w4a16-gptq" in r.stdout and "vLLM: loads this checkpoint" in r.stdout
     r = run("eval", str(tiny_llama), str(tmp_path / "q"), "--ppl", "--seq-len", "64", "--max-windows", "4",
             "--out", str(tmp_path / "rep"))
     assert r.returncode == 0, r.stderr
-    assert "| perplexity |" in r.stdout and "w4a16-gptq" in r.stdout
+    assert "| ppl docs | Δ docs | ppl code | Δ code | ppl chat | Δ chat |" in r.stdout and "w4a16-gptq" in r.stdout
     assert (tmp_path / "rep" / "report.md").is_file() and (tmp_path / "rep" / "ppl.png").is_file()
+
+
+def test_eval_per_kind_and_a_text_file(tiny_llama, tmp_path):
+    (tmp_path / "notes.txt").write_text("Some notes of mine, measured as a kind of their own. " * 30, encoding="utf-8")
+    r = run("eval", str(tiny_llama), "--kinds", "code,chat", "--text", str(tmp_path / "notes.txt"), "--seq-len", "32",
+            "--max-windows", "2", "--device", "cpu", "--out", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr
+    assert "| ppl code | Δ code | ppl chat | Δ chat | ppl notes | Δ notes |" in r.stdout
+    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert list(row["ppl_by_kind"]) == ["code", "chat", "notes"] and row["ppl"] == row["ppl_by_kind"]["code"]
+    assert row["windows_by_kind"] == {"code": 2, "chat": 2, "notes": 2}
+
+
+def test_eval_bad_text_file_or_kind_is_one_line(tiny_llama, tmp_path):
+    (tmp_path / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    _one_clear_line(run("eval", str(tiny_llama), "--text", str(tmp_path / "binary.txt")), "is not UTF-8 text")
+    _one_clear_line(run("eval", str(tiny_llama), "--text", str(tmp_path / "missing.txt")), "does not exist")
+    _one_clear_line(run("eval", str(tiny_llama), "--kinds", "docs,poems"),
+                    "unknown text kind 'poems'; allowed: docs, code, chat")
 
 
 def test_models_lists_the_builtin_alias():
@@ -97,7 +117,7 @@ def test_chat_uses_the_template_over_turns(tiny_llama, tmp_path):
 
 def test_eval_kernels_on_a_checkpoint_the_kernels_do_not_take(tiny_llama, tmp_path):
     r = run("quantize", str(tiny_llama), "--scheme", "w3a16-rtn", "--group-size", "32", "--num-samples", "4",
-            "--seq-len", "32", "--out", str(tmp_path / "q"))
+            "--seq-len", "32", "--no-compare", "--out", str(tmp_path / "q"))
     assert r.returncode == 0, r.stderr
     _one_clear_line(run("eval", str(tmp_path / "q"), "--ppl", "--kernels", "--device", "cpu", "--seq-len", "64"),
                     "use --dequant")
@@ -105,7 +125,7 @@ def test_eval_kernels_on_a_checkpoint_the_kernels_do_not_take(tiny_llama, tmp_pa
 
 def test_quantize_says_when_vllm_will_not_load_the_checkpoint(tiny_llama, tmp_path):
     r = run("quantize", str(tiny_llama), "--scheme", "w3a16-rtn", "--group-size", "32", "--num-samples", "2",
-            "--seq-len", "16", "--out", str(tmp_path / "q"))
+            "--seq-len", "16", "--no-compare", "--out", str(tmp_path / "q"))
     assert r.returncode == 0, r.stderr
     note = [x for x in r.stderr.splitlines() if "will not load in vLLM" in x]
     assert len(note) == 1 and "not 3-bit" in note[0], r.stderr  # before the calibration, one line
@@ -121,3 +141,19 @@ def test_quantize_refuses_to_overwrite_the_model_it_reads(tiny_llama, tmp_path):
     _one_clear_line(run("quantize", str(model), "--scheme", "w4a16-rtn", "--group-size", "32", "--num-samples", "2",
                         "--seq-len", "16", "--out", str(model), "--overwrite"), "is the model being quantized")
     assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_quantize_compares_with_rtn_on_every_text_kind(tiny_llama, tmp_path):
+    r = run("quantize", str(tiny_llama), "--scheme", "w4a16-gptq", "--group-size", "32", "--num-samples", "4",
+            "--seq-len", "32", "--compare-windows", "1", "--compare-symmetry", "--out", str(tmp_path / "q"))
+    assert r.returncode == 0, r.stderr
+    assert "Perplexity on each text kind's held-out split" in r.stdout
+    assert "held-out calibration windows (2): " in r.stdout
+    comp = json.loads((tmp_path / "q" / "optllm-report.json").read_text())["comparison"]
+    assert comp["kinds"] == ["docs", "code", "chat"] and comp["max_windows_per_kind"] == 1
+    rows = {(x["algorithm"], x["symmetric"]): x for x in comp["rows"]}
+    assert set(rows) == {(None, None), ("gptq", True), ("rtn", True), ("gptq", False), ("rtn", False)}
+    for (algo, sym), row in rows.items():
+        assert set(row["ppl"]) == set(comp["kinds"]) and all(v > 1 for v in row["ppl"].values())
+        assert ("gap_closed" in row) == (algo == "gptq")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".optllm-compare-")]  # temporaries removed

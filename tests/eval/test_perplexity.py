@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from optllm.eval.perplexity import PerplexityResult, eval_token_stream, perplexity, text_token_stream
-from optllm.hub.corpus import builtin_eval_text
+from optllm.hub.corpus import KINDS, eval_text
 
 REL_TOL = 1e-5  # float32 log-softmax vs a float64 reference
 
@@ -151,25 +151,33 @@ def test_argument_checks(model):
         perplexity(model, ids[None], seq_len=32)
 
 
-def test_eval_token_stream_is_the_eval_text_without_special_tokens(tokenizer):
-    a = eval_token_stream(tokenizer)
-    b = eval_token_stream(tokenizer)
+@pytest.mark.parametrize("kind", KINDS)
+def test_eval_token_stream_is_the_kinds_eval_text_without_special_tokens(tokenizer, kind):
+    a = eval_token_stream(tokenizer, kind)
+    b = eval_token_stream(tokenizer, kind)
     assert a.dtype == torch.int64 and a.dim() == 1 and a.numel() > 1000
     assert torch.equal(a, b)
     assert int((a == tokenizer.eos_token_id).sum()) == 0
-    assert tokenizer.decode(a.tolist()) == builtin_eval_text()  # byte-level BPE is lossless
+    assert tokenizer.decode(a.tolist()) == eval_text(kind)  # byte-level BPE is lossless
+    if kind == "docs":
+        assert torch.equal(eval_token_stream(tokenizer), a)  # the default kind: the corpus before kinds
 
 
 def test_text_token_stream(tokenizer, tmp_path):
     text = "The quick brown fox jumps over the lazy dog.\n\nA second paragraph follows."
-    path = tmp_path / "doc.txt"
-    path.write_text(text, encoding="utf-8")
-    ids = text_token_stream(tokenizer, path)
-    assert ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
-    with pytest.raises(ValueError, match=r"\.txt"):
-        text_token_stream(tokenizer, tmp_path / "doc.md")
+    for name in ("doc.txt", "notes.md"):
+        path = tmp_path / name
+        path.write_text(text, encoding="utf-8")
+        ids = text_token_stream(tokenizer, path)
+        assert ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="does not exist"):
         text_token_stream(tokenizer, tmp_path / "missing.txt")
+    (tmp_path / "blank.txt").write_text(" \n\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="is empty"):
+        text_token_stream(tokenizer, tmp_path / "blank.txt")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match="not UTF-8"):
+        text_token_stream(tokenizer, tmp_path / "latin1.txt")
 
 
 @pytest.mark.parametrize("stride", (None, 24))

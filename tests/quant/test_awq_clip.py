@@ -83,3 +83,29 @@ def test_clip_stats_token_sample_is_strided_across_batches():
     for batch in (tokens[:7], tokens[7:19], tokens[19:]):  # uneven batches
         s.add(batch)
     assert torch.cat(s.rows)[:, 0].tolist() == [float(t) for t in range(0, 30, 3)]
+
+
+@pytest.mark.parametrize("gram", [True, False])
+def test_token_cap_weights_the_massive_token_in_both_scoring_paths(gram):
+    """With a massive token, the capped statistics equal the uncapped ones of inputs whose
+    massive row is scaled by sqrt(weight); a cap no token reaches changes nothing."""
+    torch.manual_seed(5)
+    x = torch.randn(256, 64)
+    x[0] *= 50.0
+    sq = x.pow(2).sum(1)
+    weight = (4.0 * sq.median() / sq).clamp(max=1.0)
+    assert int((weight < 1).sum()) == 1
+    d = torch.randn(8, 64)
+    capped = ClipStats(64, ARGS, clip_tokens=256, total_tokens=256, gram=gram, token_cap=4.0)
+    capped.add(x)
+    scaled = ClipStats(64, ARGS, clip_tokens=256, total_tokens=256, gram=gram)
+    scaled.add(x * weight.sqrt()[:, None])
+    a, b = capped.errors(d), scaled.errors(d)
+    if gram:  # normalised by the weighted token count instead of the plain one
+        b = b * 256 / float(weight.sum())
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    roomy = ClipStats(64, ARGS, clip_tokens=256, total_tokens=256, gram=gram, token_cap=1e6)
+    plain = ClipStats(64, ARGS, clip_tokens=256, total_tokens=256, gram=gram)
+    roomy.add(x)
+    plain.add(x)
+    torch.testing.assert_close(roomy.errors(d), plain.errors(d), rtol=1e-6, atol=0)

@@ -1,4 +1,5 @@
-"""Calibration data: shapes, determinism, windows taken from the stream, sources, errors."""
+"""Calibration data: shapes, determinism, windows taken from the stream, sources (the built-in
+mixture and its kinds, files, self, hub), errors."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import random
 import pytest
 import torch
 
+from optllm.hub.corpus import KINDS, texts
 from optllm.quant import calib_data
-from optllm.quant.calib_data import CalibrationData, load_calibration, token_hash
+from optllm.quant.calib_data import CalibrationData, builtin_counts, load_calibration, token_hash
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,97 @@ def test_builtin_shape_determinism_and_seed(tokenizer):
     assert not torch.equal(a.input_ids, c.input_ids) and a.sha256 != c.sha256
     assert a.source.startswith("builtin")
     assert 0 <= int(a.input_ids.min()) and int(a.input_ids.max()) < len(tokenizer)
+
+
+def test_builtin_counts_follow_the_shares():
+    assert builtin_counts(128) == {"docs": 51, "code": 39, "chat": 38}
+    assert builtin_counts(10) == {"docs": 4, "code": 3, "chat": 3}
+    assert builtin_counts(1) == {"docs": 1, "code": 0, "chat": 0}
+    for n in range(1, 300):
+        counts = builtin_counts(n)
+        assert sum(counts.values()) == n and list(counts) == list(KINDS)
+        assert all(abs(counts[k] - share * n) < 1 for k, share in calib_data.BUILTIN_SHARES)
+        assert n < 3 or min(counts.values()) >= 1
+
+
+def _kind_of(tokenizer, window: list[int], joined: dict[str, str]) -> str:
+    """The kind whose calib text holds the window's longest EOS-free piece (decoded: the tiny
+    byte-level BPE is lossless but for a character cut at the window's edge)."""
+    pieces = [p.strip("\ufffd") for p in tokenizer.decode(window).split(tokenizer.eos_token)]
+    longest = max(pieces, key=len)
+    found = [k for k, text in joined.items() if longest in text]
+    assert len(found) == 1 and len(longest) >= 20, (longest, found)
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def calib_joined() -> dict[str, str]:
+    return {k: "\x00".join(texts(k, "calib")) for k in KINDS}
+
+
+def test_builtin_is_the_mixture_of_kinds_in_their_shares(tokenizer, calib_joined):
+    data = load_calibration(tokenizer, "builtin", num_samples=10, seq_len=64, seed=0)
+    kinds = [_kind_of(tokenizer, row, calib_joined) for row in data.input_ids.tolist()]
+    assert {k: kinds.count(k) for k in KINDS} == {"docs": 4, "code": 3, "chat": 3}
+    assert kinds != sorted(kinds, key=KINDS.index)  # interleaved, not kind after kind
+    assert "docs 4 + code 3 + chat 3" in data.source and "40/30/30" in data.source
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_kind_of_the_builtin_corpus(tokenizer, calib_joined, kind):
+    a = load_calibration(tokenizer, kind, num_samples=4, seq_len=64, seed=0)
+    b = load_calibration(tokenizer, kind, num_samples=4, seq_len=64, seed=0)
+    assert a.input_ids.shape == (4, 64) and torch.equal(a.input_ids, b.input_ids)
+    assert a.source.startswith(f"builtin {kind}: calib split")
+    assert all(_kind_of(tokenizer, row, calib_joined) == kind for row in a.input_ids.tolist())
+
+
+def _runs(ids: list[int], n: int = 32) -> set[int]:
+    """Hashes of every n-token run of ids."""
+    return {hash(tuple(ids[i : i + n])) for i in range(len(ids) - n + 1)}
+
+
+@pytest.fixture(scope="module")
+def eval_only_runs(tokenizer) -> set[int]:
+    """The 32-token runs of the eval splits that no calib document holds. A few runs are in
+    both splits by nature (sentences the Python docs repeat in two sections, code idioms, the
+    chat template's system message), so they cannot tell calib text from eval text."""
+    runs: set[int] = set()
+    for kind in KINDS:
+        for ids in tokenizer(texts(kind, "eval"), add_special_tokens=False)["input_ids"]:
+            runs |= _runs(ids)
+    total = len(runs)
+    for kind in KINDS:
+        for ids in tokenizer(texts(kind, "calib"), add_special_tokens=False)["input_ids"]:
+            runs -= _runs(ids)
+    assert len(runs) > 0.97 * total  # the shared runs are few
+    for kind in KINDS:  # the check has teeth: a window of eval text is caught
+        assert _runs(tokenizer(texts(kind, "eval")[0], add_special_tokens=False)["input_ids"][:128]) & runs
+    return runs
+
+
+@pytest.mark.parametrize("source", ("builtin", *KINDS))
+def test_calibration_windows_hold_no_eval_text(tokenizer, eval_only_runs, source):
+    data = load_calibration(tokenizer, source, num_samples=48, seq_len=128, seed=0)
+    hits = [row for row in data.input_ids.tolist() if _runs(row) & eval_only_runs]
+    assert not hits, tokenizer.decode(hits[0])
+
+
+@pytest.mark.model
+def test_default_builtin_size_needs_no_overlap(caplog):
+    """128 x 512 SmolLM2 tokens: every kind's calib split holds its share without overlap."""
+    from transformers import AutoTokenizer
+
+    from optllm.hub.loader import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    with caplog.at_level(logging.WARNING, logger=calib_data.__name__):
+        data = load_calibration(tok, "builtin")
+    assert data.input_ids.shape == (128, 512)
+    assert not [r for r in caplog.records if "overlap" in r.getMessage()]
+    for kind, n in builtin_counts(128).items():  # room to spare, for tokenizers that make fewer tokens
+        tokens = sum(len(t) for t in tok(texts(kind, "calib"), add_special_tokens=False)["input_ids"])
+        assert tokens > 1.5 * n * 512, (kind, tokens)
 
 
 def test_hash_is_shape_plus_little_endian_int64_and_tracks_content(tokenizer):

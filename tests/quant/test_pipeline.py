@@ -159,3 +159,55 @@ def test_recipe_file(tmp_path):
     p.write_text("scheme: w4a16-gptq\ngroup_size: 64\nawq:\n  n_grid: 5\n")
     cfg = QuantizeConfig.from_recipe(p, num_samples=3)
     assert (cfg.scheme, cfg.group_size, cfg.num_samples, cfg.awq.n_grid) == ("w4a16-gptq", 64, 3, 5)
+
+
+def test_held_out_windows_compare_each_block_with_rtn(tiny_llama, tmp_path):
+    cfg = QuantizeConfig(scheme="w4a16-gptq", group_size=32, num_samples=8, seq_len=32, holdout=2)
+    rep = quantize(str(tiny_llama), tmp_path / "q", cfg, progress=False)
+    assert rep.calibration["holdout_windows"] == 2 and rep.calibration["num_samples"] == 8
+    assert rep.calibration["holdout_sha256"] != rep.calibration["sha256"]
+    for b in rep.blocks:
+        assert b.kept == "gptq" and 0 < b.holdout_error and 0 < b.holdout_rtn_error
+    summary = json.loads((tmp_path / "q" / "optllm-report.json").read_text())["holdout"]
+    assert summary["windows"] == 2 and summary["blocks_compared"] == 2 and summary["kept_rtn"] == []
+    rtn = quantize(str(tiny_llama), tmp_path / "r", QuantizeConfig(scheme="w4a16-rtn", group_size=32, num_samples=8,
+                                                                   seq_len=32, holdout=2), progress=False)
+    assert all(b.holdout_error is None and b.kept == "rtn" for b in rtn.blocks)  # nothing to compare RTN with
+
+
+def test_fallback_rtn_keeps_rtn_where_the_algorithm_lost(tiny_llama, tmp_path, monkeypatch):
+    """A GPTQ made to fit badly (its weights perturbed before rounding) loses to RTN on the
+    held-out windows in every block: the report says so, and with fallback_rtn the checkpoint
+    holds RTN's codes and scales there, bit for bit."""
+    from optllm.quant import pipeline
+
+    real = pipeline.gptq_quantize
+
+    def bad_gptq(w, h, args, **kw):
+        gen = torch.Generator(device=w.device).manual_seed(0)
+        return real(w + 0.5 * w.abs().mean() * torch.randn(w.shape, generator=gen, device=w.device), h, args, **kw)
+
+    monkeypatch.setattr(pipeline, "gptq_quantize", bad_gptq)
+    base = dict(scheme="w4a16-gptq", group_size=32, num_samples=8, seq_len=32, holdout=2)
+    report = quantize(str(tiny_llama), tmp_path / "plain", QuantizeConfig(**base), progress=False)
+    assert report.holdout_summary()["worse_than_rtn"] == [0, 1] and report.holdout_summary()["kept_rtn"] == []
+    kept = quantize(str(tiny_llama), tmp_path / "fb", QuantizeConfig(**base, fallback_rtn=True), progress=False)
+    assert kept.holdout_summary()["kept_rtn"] == [0, 1] and all(b.kept == "rtn" for b in kept.blocks)
+    quantize(str(tiny_llama), tmp_path / "rtn", QuantizeConfig(**{**base, "scheme": "w4a16-rtn"}), progress=False)
+    fb, rtn = load_quantized_weights(tmp_path / "fb")[0], load_quantized_weights(tmp_path / "rtn")[0]
+    assert set(fb) == set(rtn) and len(fb) == 14
+    for name in fb:
+        assert torch.equal(fb[name].q, rtn[name].q) and torch.equal(fb[name].scale, rtn[name].scale), name
+
+
+def test_holdout_and_gptq_options_are_validated():
+    with pytest.raises(UserError, match="holdout=-1 is not allowed"):
+        QuantizeConfig(holdout=-1)
+    with pytest.raises(UserError, match="fallback_rtn needs held-out windows"):
+        QuantizeConfig(holdout=0, fallback_rtn=True)
+    with pytest.raises(UserError, match="token_cap=0"):
+        QuantizeConfig(token_cap=0)
+    with pytest.raises(UserError, match="hessian_shrink=1"):
+        QuantizeConfig(hessian_shrink=1.0)
+    assert QuantizeConfig(num_samples=128).holdout_windows() == 16
+    assert QuantizeConfig(num_samples=4).holdout_windows() == 2
