@@ -64,8 +64,11 @@ Matched with `optllm quantize` (defaults of QuantizeConfig):
   scales from the original weight, no g_idx; ours: QuantizeConfig.actorder "auto" -> "static"
   for gptq), block size 128, block-by-block calibration whose next block sees the quantized
   block's outputs (their sequential pipeline, propagate_error);
-- GPTQ, ours at its defaults: no token cap, no Hessian shrink, no RTN fallback (the
-  paper's H), which is what llm-compressor computes;
+- GPTQ's Hessian, only when ours is told so: llm-compressor uses the paper's
+  H = (2/n) Σ x xᵀ; ours by default caps the weight of massive-activation tokens
+  (token_cap 16) and shrinks H toward its diagonal (hessian_shrink 0.3). For the same
+  algorithm run ours with a recipe holding `token_cap: null` and `hessian_shrink: 0.0`
+  (--recipe FILE); with its defaults the table compares ours-as-shipped with theirs;
 - AWQ: the same four Llama smoothing pairs (input_layernorm -> q/k/v, v -> o,
   post_attention_layernorm -> gate/up, up -> down; both skip v -> o under grouped-query
   attention, as SmolLM2 has), a 20-point grid with duo scaling, the scale folded into the

@@ -38,7 +38,8 @@ def quantize(
     actorder: Optional[bool] = typer.Option(
         None, "--actorder/--no-actorder", help="GPTQ act-order with static groups [default: on for gptq]"
     ),
-    calib: Optional[str] = typer.Option(None, help="builtin | self | FILE.txt/.jsonl/.parquet | hub dataset"),
+    calib: Optional[str] = typer.Option(None, help="builtin (docs+code+chat mixture) | docs | code | chat | self | "
+                                        "FILE.txt/.jsonl/.parquet | hub dataset"),
     num_samples: Optional[int] = typer.Option(None, help="calibration sequences [default 128]"),
     seq_len: Optional[int] = typer.Option(None, help="tokens per calibration sequence [default 512]"),
     seed: Optional[int] = typer.Option(None, help="calibration sampling seed [default 0]"),
