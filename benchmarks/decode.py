@@ -23,6 +23,7 @@ replay's GPU time per decode step (CUDA events): wall step time minus it is host
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -147,6 +148,7 @@ def decode_case(name, llm_kw, hf_factory, sizes, quick, rows, peers="all"):
         rows.append(r)
         log(json.dumps(r))
     del llm
+    gc.collect()
     torch.cuda.empty_cache()
     if peers == "none" or hf_factory is None:
         return
@@ -163,6 +165,7 @@ def decode_case(name, llm_kw, hf_factory, sizes, quick, rows, peers="all"):
             rows.append(r)
             log(json.dumps(r))
     del m
+    gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()
 
@@ -204,6 +207,7 @@ def serve_case(root, rows, quick, peers):
     rows.append(r)
     log(json.dumps(r))
     del llm
+    gc.collect()
     torch.cuda.empty_cache()
     if peers != "all":
         return
@@ -229,6 +233,7 @@ def serve_case(root, rows, quick, peers):
     rows.append(r)
     log(json.dumps(r))
     del m
+    gc.collect()
     torch.cuda.empty_cache()
 
 

@@ -20,8 +20,16 @@ export PYTHONPATH=$(dirname "$PWD")${PYTHONPATH:+:$PYTHONPATH}
 export OPTLLM_COMMIT=${OPTLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 [ "${TESTS:-1}" = 0 ] || timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/kernels/test_paged_attention.py tests/kernels/test_rmsnorm.py tests/kernels/test_rotary.py \
-  tests/kernels/test_activation.py tests/runtime 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  ${TEST_PATHS:-tests/kernels/test_paged_attention.py tests/kernels/test_rmsnorm.py tests/kernels/test_rotary.py \
+  tests/kernels/test_activation.py tests/kernels/test_gemv.py tests/runtime} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+# the dense decode GEMV against cuBLAS at M = 1 (fills kernels/gemv.py's table): TUNE_GEMV=1; the
+# cases below then run with the table it found (OPTLLM_GEMV_TABLE)
+if [ "${TUNE_GEMV:-0}" = 1 ]; then
+  timeout "${GEMV_TIMEOUT:-300}" python3 benchmarks/tune_gemv.py --shapes "${GEMV_SHAPES:-8b}" --out "$OUT" >> "$OUT/decode.log" 2>&1 \
+    || echo "tune_gemv exited $?" | tee -a "$OUT/decode.log"
+  cat "$OUT/tune_gemv.md" 2>/dev/null
+  [ -f "$OUT/gemv_configs.json" ] && export OPTLLM_GEMV_TABLE="$OUT/gemv_configs.json"
+fi
 for case in ${CASES:-smol 8b-bf16 8b-w4a16 serve256}; do
   limit=TIMEOUT_${case//-/_}
   timeout "${!limit:-${CASE_TIMEOUT:-120}}" python3 benchmarks/decode.py --cases "$case" --tag "decode-$case" --out "$OUT" "$@" \
@@ -32,12 +40,6 @@ if [ -n "${SERVE:-1}" ] && [ "${SERVE:-1}" != 0 ]; then
   timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/serve.py --out "$OUT" >> "$OUT/decode.log" 2>&1 \
     || echo "serve benchmark exited $?" | tee -a "$OUT/decode.log"
   cat "$OUT/serve.md" 2>/dev/null
-fi
-# the dense decode GEMV against cuBLAS at M = 1 (fills kernels/gemv.py's table): TUNE_GEMV=1
-if [ "${TUNE_GEMV:-0}" = 1 ]; then
-  timeout "${GEMV_TIMEOUT:-300}" python3 benchmarks/tune_gemv.py --shapes "${GEMV_SHAPES:-8b}" --out "$OUT" >> "$OUT/decode.log" 2>&1 \
-    || echo "tune_gemv exited $?" | tee -a "$OUT/decode.log"
-  cat "$OUT/tune_gemv.md" 2>/dev/null
 fi
 # one table (the per-case .json files keep every number)
 { head -8 "$OUT"/decode-*.md 2>/dev/null | grep "^- " | sort -u; echo; cat "$OUT"/decode-*.md 2>/dev/null | grep "^|" | awk '!seen[$0]++'; } > "$OUT/decode.md"

@@ -15,6 +15,7 @@ and inter-token latency p50 / p99 seen by the clients, in a table, JSON and Mark
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import json
 import os
@@ -53,6 +54,7 @@ def offline(folder, prompts, outs, engine_args) -> dict:
     tokens = sum(len(r.outputs[0].token_ids) for r in res)
     del llm
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
     return dict(s=dt, tokens=tokens, tok_s=tokens / dt)
 
@@ -97,9 +99,12 @@ def through_server(folder, prompts, outs, clients: int, engine_args: dict) -> di
     cmd = [sys.executable, "-m", "optllm", "serve", str(folder), "--port", str(port), "--load-format", "dummy"]
     for k, v in engine_args.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.devnull, "w"))
+    log = open(os.environ.get("OUT", "/tmp") + "/serve_server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         for _ in range(3000):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode} (its log: {log.name})")
             try:
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
                 c.request("GET", "/health")
@@ -134,6 +139,7 @@ def through_server(folder, prompts, outs, clients: int, engine_args: dict) -> di
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+        log.close()
     tokens = sum(r["tokens"] for r in results)
     ttft = sorted(r["ttft"] for r in results)
     gaps = sorted(g for r in results for g in r["gaps"])

@@ -7,7 +7,8 @@ head), bf16: cuBLAS (x @ w.t()) and every candidate GemvConfig, timed as benchma
 times (CUDA-graph replay, weight copies rotated so small weights do not sit in L2), the best
 checked against a float64 reference; % of the memory floor (weight bytes / 4.27 TB/s). Prints
 the table, and the GEMV_CONFIGS entries for shapes where the best config beats cuBLAS by more
-than 3% (paste them into kernels/gemv.py).
+than 3% (paste them into kernels/gemv.py), and writes them as gemv_configs.json for
+OPTLLM_GEMV_TABLE (end-to-end measurement before pasting).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def main():
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tune_gemv.json").write_text(json.dumps(dict(info=info, rows=rows), indent=1))
     (a.out / "tune_gemv.md").write_text(md + "\nGEMV_CONFIGS entries:\n" + entries + "\n")
+    # the same table for OPTLLM_GEMV_TABLE (kernels/gemv.py), so decode.py can measure it in this run
+    (a.out / "gemv_configs.json").write_text(json.dumps(
+        {f"{n},{k}": [c.block_n, c.block_k, c.num_warps, c.num_stages] for (n, k), c in table.items()}))
     print(md)
     print("GEMV_CONFIGS entries:\n" + (entries or "    (none beat cuBLAS by 3%)"))
 

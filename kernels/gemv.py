@@ -14,6 +14,8 @@ benchmarks/tune_gemv.py); every other call stays on cuBLAS.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Optional
@@ -43,7 +45,22 @@ class GemvConfig:
 
 
 # (N, K) -> config, from benchmarks/tune_gemv.py on the H200; empty until measured
-GEMV_CONFIGS: MappingProxyType = MappingProxyType({})
+_MEASURED: dict = {}
+
+
+def _table_from_env() -> dict:
+    """OPTLLM_GEMV_TABLE=FILE (the gemv_configs.json tune_gemv.py writes: {"N,K": [block_n,
+    block_k, num_warps, num_stages]}) adds to the table, read once at import: a tuning run
+    measures its configs end to end before they are pasted above."""
+    path = os.environ.get("OPTLLM_GEMV_TABLE")
+    if not path:
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    return {tuple(int(v) for v in key.split(",")): GemvConfig(*cfg) for key, cfg in raw.items()}
+
+
+GEMV_CONFIGS: MappingProxyType = MappingProxyType({**_MEASURED, **_table_from_env()})
 
 
 @triton.jit

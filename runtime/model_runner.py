@@ -8,6 +8,9 @@ end (the ids the scheduler needs). On CPU every kernel is its torch reference.
 
 from __future__ import annotations
 
+import functools
+import gc
+
 import torch
 
 from ..errors import UserError
@@ -64,6 +67,13 @@ class ModelRunner:
                             f"max_model_len={max_model_len}; lower --max-model-len or raise the memory given")
         self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
         self.kv_cache.bind(self.model.attention_layers())
+        # The decode kernel's split count along the sequence, from the batch size and the longest
+        # sequence the engine admits (so a CUDA graph and an eager step agree). A partial, not a
+        # method: the graphs hold it, and a runner <-> graphs cycle would keep the KV cache and the
+        # graphs' memory pool alive after the LLM is dropped (until the next gc run).
+        self.decode_splits = functools.partial(default_num_splits, num_kv_heads=self.num_kv_heads,
+                                               max_blocks=self.max_blocks_per_seq, block_size=self.block_size,
+                                               block_n=self.kv_spec.head_dim, device=self.device)
         self.graphs = None
         if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, config.cuda_graph_max_batch),
@@ -83,16 +93,11 @@ class ModelRunner:
         return counts
 
     # ---- sizing
-    def decode_splits(self, batch: int) -> int:
-        """The decode kernel's split count along the sequence, from the batch size and the
-        longest sequence the engine admits (so a CUDA graph and an eager step agree)."""
-        return default_num_splits(batch, self.num_kv_heads, self.max_blocks_per_seq, self.block_size,
-                                  self.kv_spec.head_dim, self.device)
-
     def _blocks_that_fit(self) -> int:
         per_block = self.kv_spec.bytes_per_block()
         if self.device.type != "cuda":
             return max(1, int(self.config.cpu_kv_cache_gib * 2**30) // per_block)
+        gc.collect()  # an engine dropped earlier in this process gives its cache back first
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

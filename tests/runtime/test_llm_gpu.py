@@ -6,6 +6,9 @@ activations on both sides), and the FP8 KV cache stays within 0.1 (measured well
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -14,6 +17,30 @@ from optllm import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [11, 12, 13], list(range(20, 61)), [300, 1, 300, 2] * 5]
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu():
+    yield
+    gc.collect()  # a failed test's traceback may hold its engine
+    torch.cuda.empty_cache()
+
+
+def test_dropped_engine_frees_its_memory_at_once(tiny_llama):
+    """No reference cycle through the CUDA graphs: dropping the LLM frees the KV cache and the
+    graphs' pool without waiting for a gc run (each engine takes most of the free memory)."""
+    gc.disable()
+    try:
+        before = torch.cuda.memory_allocated()
+        llm = LLM(tiny_llama, device="cuda", max_num_seqs=4, gpu_memory_utilization=0.3)
+        llm.generate([PROMPTS[0]], greedy(4))
+        assert llm.engine.runner.graphs is not None
+        runner = weakref.ref(llm.engine.runner)
+        del llm
+        assert runner() is None
+        assert torch.cuda.memory_allocated() - before < 64 * 2**20
+    finally:
+        gc.enable()
 
 
 def greedy(n=24, **kw):
