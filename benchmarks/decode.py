@@ -186,7 +186,7 @@ def serve_case(root, rows, quick, peers):
     steps = []
     execute = runner.execute
 
-    def counted(batch):
+    def counted(batch, execute=execute):
         steps.append(sum(s.num_computed_tokens + k for s, k in zip(batch.seqs, batch.num_new_tokens)))
         return execute(batch)
 
@@ -206,7 +206,7 @@ def serve_case(root, rows, quick, peers):
              ttft_p50=ttft[len(ttft) // 2], ttft_p99=ttft[int(len(ttft) * 0.99)])
     rows.append(r)
     log(json.dumps(r))
-    del llm
+    del llm, runner, execute, counted  # every reference to the engine, or its KV cache stays
     gc.collect()
     torch.cuda.empty_cache()
     if peers != "all":

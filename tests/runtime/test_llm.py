@@ -35,7 +35,7 @@ def hf_greedy(folder, prompts, new=NEW):
 
 
 def greedy(n=NEW, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")

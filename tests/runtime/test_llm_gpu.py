@@ -1,8 +1,9 @@
-"""The runtime on CUDA (Triton kernels, CUDA graphs): greedy tokens equal HF transformers'
-(float32), CUDA-graph decode equals eager decode token for token (bf16, batch sizes that fill
-a graph bucket exactly, so both run the same kernels on the same shapes), a W4A16 checkpoint
-on the int4 kernels stays within 2e-2 of its dequantized model's prompt log-probs (bf16
-activations on both sides), and the FP8 KV cache stays within 0.1 (measured well below)."""
+"""The runtime on CUDA (Triton kernels, CUDA graphs): greedy tokens equal HF transformers' and
+prompt log-probs within 1e-4 of HF's (float32), CUDA-graph decode equals eager decode token for
+token (bf16, batch sizes that fill a graph bucket exactly, so both run the same kernels on the
+same shapes), a W4A16 checkpoint on the int4 kernels stays within 2e-2 of its dequantized
+model's prompt log-probs (bf16 activations on both sides), and the FP8 KV cache stays within
+0.1 (measured well below). A dropped engine gives its memory back without a gc run."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from optllm import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [11, 12, 13], list(range(20, 61)), [300, 1, 300, 2] * 5]
+
+
+# Each engine sizes its KV cache from the free memory; a failed test's traceback keeps its engine
+# alive, so the tests give a fixed small cache instead (tiny models: 512 blocks of 16 tokens).
+SMALL = dict(num_kv_blocks=512)
 
 
 @pytest.fixture(autouse=True)
@@ -35,19 +41,25 @@ def test_dropped_engine_frees_its_memory_at_once(tiny_llama):
         llm = LLM(tiny_llama, device="cuda", max_num_seqs=4, gpu_memory_utilization=0.3)
         llm.generate([PROMPTS[0]], greedy(4))
         assert llm.engine.runner.graphs is not None
+        held = torch.cuda.memory_allocated() - before  # the KV cache: ~40 GiB
         runner = weakref.ref(llm.engine.runner)
         del llm
         assert runner() is None
-        assert torch.cuda.memory_allocated() - before < 64 * 2**20
+        # what stays is cuBLAS's per-stream workspaces (64 MiB seen on the H200), not the engine
+        assert torch.cuda.memory_allocated() - before < min(256 * 2**20, held // 100)
     finally:
         gc.enable()
 
 
 def greedy(n=24, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+    # min_tokens as HF's min_new_tokens: both suppress the EOS ids (the tiny configs' EOS, 2, is
+    # a likely token of a random model; ignore_eos alone would let it be chosen)
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True, **kw)
 
 
 def hf_greedy(folder, prompts, new, dtype=torch.float32):
+    """HF's greedy tokens per prompt (min_new_tokens: the config's EOS is suppressed, as our
+    min_tokens does)."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).cuda().eval()
@@ -61,11 +73,27 @@ def hf_greedy(folder, prompts, new, dtype=torch.float32):
     return outs
 
 
+def hf_prompt_logprobs(folder, prompt):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        logits = m(torch.tensor([prompt], device="cuda")).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return torch.tensor([float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))])
+
+
 @pytest.mark.parametrize("arch", ("llama", "qwen3"))
 def test_greedy_equals_hf_on_cuda_float32(arch, tiny_models):
-    llm = LLM(tiny_models[arch], device="cuda", dtype="float32", max_num_seqs=8)
+    folder = tiny_models[arch]
+    llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=8, **SMALL)
     outs = llm.generate(PROMPTS, greedy())
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_models[arch], PROMPTS, 24)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, PROMPTS, 24)
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    for p in PROMPTS:
+        out = llm.generate([p], sp)[0]
+        lp = torch.tensor([out.prompt_logprobs[i][p[i]] for i in range(1, len(p))])
+        assert float((lp - hf_prompt_logprobs(folder, p)).abs().max()) < 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +112,8 @@ def test_cuda_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint):
     """Graph replay (W4A16 included: its split-K counters must reset inside the graph) gives
     the eager tokens."""
     folder = tiny_llama if which == "dense" else w4a16_checkpoint
-    a = LLM(folder, device="cuda", max_num_seqs=8)
-    b = LLM(folder, device="cuda", max_num_seqs=8, enforce_eager=True)
+    a = LLM(folder, device="cuda", max_num_seqs=8, **SMALL)
+    b = LLM(folder, device="cuda", max_num_seqs=8, enforce_eager=True, **SMALL)
     assert a.engine.runner.graphs is not None and b.engine.runner.graphs is None
     for _ in range(2):  # replayed many times over
         ta = [o.outputs[0].token_ids for o in a.generate(PROMPTS, greedy(32))]
@@ -95,11 +123,15 @@ def test_cuda_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint):
 
 @pytest.mark.model
 def test_smollm2_greedy_equals_hf_on_cuda():
+    from optllm.errors import UserError
     from optllm.hub.loader import resolve_model
 
-    folder = resolve_model("smollm2-135m")
+    try:
+        folder = resolve_model("smollm2-135m")
+    except UserError as e:  # the GPU machine has neither the package nor gguf unless staged
+        pytest.skip(str(e))
     prompts = [list(range(1000, 1000 + n)) for n in (5, 33, 70)]
-    llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512)
+    llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512, **SMALL)
     outs = llm.generate(prompts, greedy(32))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts, 32)
 
@@ -109,7 +141,7 @@ def test_w4a16_kernels_and_fp8_kv_stay_close(w4a16_checkpoint):
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
 
     def lps(**kw):
-        llm = LLM(w4a16_checkpoint, device="cuda", max_num_seqs=4, **kw)
+        llm = LLM(w4a16_checkpoint, device="cuda", max_num_seqs=4, **SMALL, **kw)
         out = llm.generate([ids], sp)[0]
         return torch.tensor([out.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))])
 
