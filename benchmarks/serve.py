@@ -3,8 +3,11 @@
     python benchmarks/serve.py [--requests 256] [--clients 64] [--model 8b|smol] [--out DIR]
 
 The requests are benchmarks/decode.py's serve256 set: prompt and output lengths uniform in
-[100, 1024] (seed 0), random token ids, greedy, EOS ignored, exact output lengths. First
-every request through LLM.generate in this process (offline throughput); then the same
+[100, 1024] (seed 0), random token ids, greedy, EOS ignored, exact output lengths, text
+detokenized (as the server does). First every request through LLM.generate in this process,
+twice: all at once (max_num_seqs 256) and at most --clients at once (max_num_seqs = clients:
+the concurrency the clients give the server, so the ratio to it is the server's own
+overhead); then the same
 requests through a server process (`optllm serve --load-format dummy`, random weights in
 the model's shape), sent as token-id prompts to /v1/completions with stream=true by
 `--clients` concurrent clients (threads, http.client: the standard library only, so the
@@ -45,8 +48,7 @@ def offline(folder, prompts, outs, engine_args) -> dict:
     from optllm import LLM, SamplingParams
 
     llm = LLM(str(folder), load_format="dummy", **engine_args)
-    params = [SamplingParams(temperature=0, max_tokens=o, min_tokens=o, ignore_eos=True, detokenize=False)
-              for o in outs]
+    params = [SamplingParams(temperature=0, max_tokens=o, min_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:8], params[:8])  # warm-up
     t0 = time.perf_counter()
     res = llm.generate(prompts, params)
@@ -165,17 +167,24 @@ def main():
     print(json.dumps(info), flush=True)
     off = offline(folder, prompts, outs, engine_args)
     print(json.dumps(dict(offline=off)), flush=True)
+    matched = offline(folder, prompts, outs, {**engine_args, "max_num_seqs": a.clients})
+    print(json.dumps(dict(offline_matched=matched)), flush=True)
     srv = through_server(folder, prompts, outs, a.clients, engine_args)
     print(json.dumps(dict(server=srv)), flush=True)
     ms = lambda v: "–" if v is None else f"{1000 * v:.1f}"  # noqa: E731
-    table = ("| path | requests | output tokens | s | tok/s | vs offline | TTFT p50 / p99 ms | ITL p50 / p99 ms |\n"
+    table = ("| path | requests | output tokens | s | tok/s | vs offline, same concurrency | TTFT p50 / p99 ms "
+             "| ITL p50 / p99 ms |\n"
              "|---|---|---|---|---|---|---|---|\n"
-             f"| LLM.generate | {a.requests} | {off['tokens']} | {off['s']:.2f} | {off['tok_s']:.1f} | 1.00 | – | – |\n"
+             f"| LLM.generate, all at once | {a.requests} | {off['tokens']} | {off['s']:.2f} | {off['tok_s']:.1f} | "
+             f"{off['tok_s'] / matched['tok_s']:.2f} | – | – |\n"
+             f"| LLM.generate, max_num_seqs {a.clients} | {a.requests} | {matched['tokens']} | {matched['s']:.2f} | "
+             f"{matched['tok_s']:.1f} | 1.00 | – | – |\n"
              f"| optllm serve, {a.clients} clients | {a.requests} | {srv['tokens']} | {srv['s']:.2f} | "
-             f"{srv['tok_s']:.1f} | {srv['tok_s'] / off['tok_s']:.2f} | "
+             f"{srv['tok_s']:.1f} | {srv['tok_s'] / matched['tok_s']:.2f} | "
              f"{ms(srv['ttft_p50'])} / {ms(srv['ttft_p99'])} | {ms(srv['itl_p50'])} / {ms(srv['itl_p99'])} |\n")
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "serve.json").write_text(json.dumps(dict(info=info, offline=off, server=srv), indent=1))
+    (a.out / "serve.json").write_text(json.dumps(dict(info=info, offline=off, offline_matched=matched, server=srv),
+                                                  indent=1))
     md = "\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n\n" + table
     (a.out / "serve.md").write_text(md)
     print(md)

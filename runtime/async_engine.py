@@ -2,9 +2,12 @@
 
 The engine itself is single-threaded: one thread owns it and runs step() while there is
 work; add and abort are commands queued to that thread. Each request's outputs reach the
-caller's event loop through an asyncio.Queue (call_soon_threadsafe). Leaving the async
-iterator early (a client that disconnected) aborts the request, which frees its KV blocks
-on the engine's next turn.
+caller's event loop through an asyncio.Queue: one call_soon_threadsafe per event loop per
+step carries every output of the step (not one wake-up of the loop per request). Outputs are
+cumulative, so a reader that fell behind takes only the newest one queued (its text and tokens
+hold the skipped ones): under load a stream sends fewer, larger chunks instead of falling
+further behind the engine. Leaving the async iterator early (a client that disconnected)
+aborts the request, which frees its KV blocks on the engine's next turn.
 """
 
 from __future__ import annotations
@@ -118,11 +121,16 @@ class AsyncLLMEngine:
             self._wake.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
-                loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: its readers are gone
+                pass
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -133,6 +141,11 @@ class AsyncLLMEngine:
             target = self._streams.get(rid)
             if target is not None:
                 target[0].call_soon_threadsafe(target[1].put_nowait, RuntimeError(f"engine step failed: {error}"))
+
+
+def _put_all(items) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 class RequestStream:
@@ -151,6 +164,8 @@ class RequestStream:
         if self.finished or self._closed:
             raise StopAsyncIteration
         out = await self._queue.get()
+        while not isinstance(out, BaseException) and not self._queue.empty():
+            out = self._queue.get_nowait()  # cumulative: the newest holds the ones before it
         if isinstance(out, BaseException):
             self.close()
             raise out

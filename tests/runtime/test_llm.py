@@ -35,7 +35,8 @@ def hf_greedy(folder, prompts, new=NEW):
 
 
 def greedy(n=NEW, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True, **kw)
+    # min_tokens = max_tokens, as HF's min_new_tokens: both suppress EOS at every step
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -52,9 +52,9 @@ def test_dropped_engine_frees_its_memory_at_once(tiny_llama):
 
 
 def greedy(n=24, **kw):
-    # min_tokens as HF's min_new_tokens: both suppress the EOS ids (the tiny configs' EOS, 2, is
-    # a likely token of a random model; ignore_eos alone would let it be chosen)
-    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True, **kw)
+    # min_tokens = max_tokens, as HF's min_new_tokens: both suppress EOS at every step (the tiny
+    # configs' EOS, 2, is a likely token of a random model; ignore_eos would let it be chosen)
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, **kw)
 
 
 def hf_greedy(folder, prompts, new, dtype=torch.float32):
