@@ -53,7 +53,9 @@ SMOLLM2 = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_la
 
 
 def shape_folder(root: Path, name: str, cfg: dict, w4a16: bool = False) -> Path:
-    """A config-only folder with a stub tokenizer (only token ids are used: detokenize=False)."""
+    """A config-only folder with a word-level tokenizer over the whole vocabulary (token i is
+    the word "w<i>"; decoding joins words with spaces), so detokenizing costs what it costs
+    with a real vocabulary: every token adds text."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -66,14 +68,16 @@ def shape_folder(root: Path, name: str, cfg: dict, w4a16: bool = False) -> Path:
 
         cfg["quantization_config"] = quantization_config(QuantArgs(4, 128, True), ["Linear"], ["lm_head"])
     (folder / "config.json").write_text(json.dumps(cfg))
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, cfg["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
     return folder
 
 
 def provenance() -> dict:
-    """date, GPU, versions, commit (with "+dirty" when the tree has uncommitted changes;
-    $OPTLLM_COMMIT where the tree is not a git checkout), and the command."""
+    """date, GPU, versions, commit ($OPTLLM_COMMIT when set: the device machine's copy of the
+    tree carries a stale .git; else HEAD, with "+dirty" when the tree has uncommitted
+    changes), and the command."""
     import torch
     import transformers
 
@@ -83,10 +87,12 @@ def provenance() -> dict:
         except OSError:
             return ""
 
-    commit = git("rev-parse", "--short", "HEAD")
-    if commit and git("status", "--porcelain", "--untracked-files=no"):
-        commit += "+dirty"
+    commit = os.environ.get("OPTLLM_COMMIT", "")
+    if not commit:
+        commit = git("rev-parse", "--short", "HEAD")
+        if commit and git("status", "--porcelain", "--untracked-files=no"):
+            commit += "+dirty"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, commit=commit or os.environ.get("OPTLLM_COMMIT", "?"),
+                transformers=transformers.__version__, commit=commit or "?",
                 command=" ".join(sys.argv))
