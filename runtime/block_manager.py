@@ -109,13 +109,26 @@ class BlockManager:
 
         Never counts the block holding the sequence's last token (its logits must be
         computed), so at most (num_tokens - 1) // block_size blocks. Skipped (empty hit) when
-        caching is off, the sequence already holds blocks or KV, or it asks for prompt_logprobs.
+        caching is off, the sequence already holds blocks or KV, or it asks for prompt
+        log-probs that no hit can leave room for (see below).
         """
-        if (not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens
-                or seq.params.prompt_logprobs is not None):
+        if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
             return PrefixHit()
         bs = self.block_size
         max_hits = (seq.num_tokens - 1) // bs
+        if seq.params.prompt_logprobs is not None:
+            # The log-prob of prompt token t is read off the logits at position t - 1, and
+            # only positions this request computes have logits. With p = seq.next_prompt_logprob
+            # (the first prompt token not scored yet: max(prompt_logprobs_start, 1) at the first
+            # admission, the prompt length once all are scored), a hit of h tokens is allowed
+            # iff h <= p - 1, i.e. at most (p - 1) // block_size full blocks, when p < the
+            # prompt length; with every prompt token scored (or none wanted) only the rule
+            # above holds. So prompt_logprobs_start 0 or 1 allows no hit, and a recompute after
+            # a preemption may reuse the prompt once its log-probs are out.
+            if seq.next_prompt_logprob < seq.num_prompt_tokens:
+                max_hits = min(max_hits, (seq.next_prompt_logprob - 1) // bs)
+            if max_hits == 0:
+                return PrefixHit()  # skipped, and left out of the hit-rate statistics
         hashes = self._chain(seq, max_hits)
         blocks: list[int] = []
         for i in range(max_hits):

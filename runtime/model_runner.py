@@ -188,8 +188,9 @@ class ModelRunner:
         for i, row0, n, first in inputs.prompt_lp:
             seq = seqs[i]
             k = seq.params.prompt_logprobs
-            if first == 0:
-                seq.prompt_logprobs.append(None)  # the first prompt token has no context
+            if len(seq.prompt_logprobs) != first + 1:  # a hole or a repeat: the prefix cache's rule broke
+                raise RuntimeError(f"{seq!r} holds {len(seq.prompt_logprobs)} prompt log-probs; this step "
+                                   f"scores prompt token {first + 1} on")
             for c in range(0, n, _LOGPROB_ROWS):
                 m = min(_LOGPROB_ROWS, n - c)
                 rows = inputs.logits_rows[row0 + c: row0 + c + m]

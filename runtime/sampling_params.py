@@ -34,6 +34,12 @@ class SamplingParams:
     `logprobs` tokens (0: only the sampled one's); prompt_logprobs likewise per prompt
     token (from the second on). Log-probabilities are those of the model's raw
     distribution (before penalties, temperature and truncation).
+    prompt_logprobs_start: the first prompt position whose log-prob is wanted (e.g. where
+    the continuation an eval scores begins); prompt_logprobs keeps one entry per prompt
+    token, None before this position (as for position 0), so indices still match the
+    prompt. Lets the prefix cache serve the KV of the prompt blocks before it, so requests
+    that share a long context compute it once (0: every position, no prefix-cache use; a
+    value past the prompt: all None). Ignored without prompt_logprobs.
     n: completions per request.
     """
 
@@ -54,6 +60,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
     detokenize: bool = True
 
@@ -87,6 +94,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(v is None or (isinstance(v, int) and 0 <= v <= 20), name, v, "None or an integer in 0..20")
+        v = self.prompt_logprobs_start
+        _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "prompt_logprobs_start", v,
+               "an integer >= 0 (a prompt position)")
 
     @property
     def greedy(self) -> bool:

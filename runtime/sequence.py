@@ -56,9 +56,14 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
-        # filled by the sampler when asked for: one entry per output / prompt token
+        # filled by the model runner when asked for: one entry per output / prompt token. The
+        # prompt entries nobody wants (position 0, and those before prompt_logprobs_start) are
+        # None from the start; the runner appends the others in order, each once, so a prompt
+        # recomputed after a preemption does not add them again
         self.output_logprobs: list = []
         self.prompt_logprobs: list = []
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * min(max(params.prompt_logprobs_start, 1), self.num_prompt_tokens)
 
     # ---- token views
     @property
@@ -84,6 +89,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def next_prompt_logprob(self) -> int:
+        """The first prompt position whose log-prob is still to be computed (it needs the logits
+        at the position before it); num_prompt_tokens when none is, or none was asked for."""
+        if self.params.prompt_logprobs is None:
+            return self.num_prompt_tokens
+        return len(self.prompt_logprobs)
 
     @property
     def in_prefill(self) -> bool:

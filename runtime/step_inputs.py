@@ -4,8 +4,9 @@ For sequence i computing tokens [start, end) (start = num_computed_tokens): its 
 positions, the cache slot of each (block_table[p // block_size] * block_size + p %
 block_size), its key count end, and the hidden rows that need logits: the last row when the
 step completes the sequence (it samples), and, for prompt_logprobs requests, every row whose
-next token is a prompt token. Two host tensors (int64 and int32) carry everything to the
-device in two copies.
+next token is a prompt token still to score (seq.next_prompt_logprob on: not those before
+prompt_logprobs_start, nor those scored before a preemption). Two host tensors (int64 and
+int32) carry everything to the device in two copies.
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables) -> Ho
         seq_lens.append(end)
         width = max(width, len(bt))
         if seq.params.prompt_logprobs is not None:
-            n = min(end, seq.num_prompt_tokens - 1) - start
-            if n > 0:
-                prompt_lp.append((i, len(rows), n, start))
-                rows += range(row0, row0 + n)
+            # position q scores prompt token q + 1: q in [lo, hi) of this step's [start, end)
+            lo = max(start, seq.next_prompt_logprob - 1)
+            hi = min(end, seq.num_prompt_tokens - 1)
+            if hi > lo:
+                prompt_lp.append((i, len(rows), hi - lo, lo))
+                rows += range(row0 + lo - start, row0 + hi - start)
         if end == seq.num_tokens:
             sample.append((i, len(rows)))
             rows.append(row0 + k - 1)

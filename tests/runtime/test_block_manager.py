@@ -178,6 +178,34 @@ def test_prompt_logprobs_skip_the_lookup_and_statistics():
     assert bm.hit_rate == pytest.approx(8 / 19)
 
 
+@pytest.mark.parametrize("start, hit", [(0, 0), (1, 0), (4, 0), (5, 4), (8, 4), (9, 8), (13, 12), (20, 16), (21, 20),
+                                        (22, 20), (100, 20)])
+def test_prompt_logprobs_start_limits_the_hit_to_blocks_before_its_logits(start, hit):
+    # the log-prob of token `start` needs the logits at position start - 1: the hit ends at or
+    # before it, on a block boundary (22 tokens, 5 full blocks cached; the last block is never a hit)
+    bm = BlockManager(num_blocks=20, block_size=4)
+    admit(bm, make_seq(range(22)))
+    p = make_seq(range(22), prompt_logprobs=0, prompt_logprobs_start=start)
+    assert p.prompt_logprobs == [None] * min(max(start, 1), 22)  # the entries nobody wants
+    h = bm.lookup(p)
+    assert h.num_tokens == hit and len(h.blocks) == hit // 4
+    assert h.num_queried == (22 if hit else 0)  # a lookup that cannot hit is skipped, as before
+    assert bm.allocate(p, 22 - hit, h) and p.num_computed_tokens == p.num_cached_tokens == hit
+
+
+def test_prompt_logprobs_all_scored_lift_the_limit():
+    # after a preemption, a sequence whose prompt log-probs are all out may reuse its whole prompt
+    bm = BlockManager(num_blocks=20, block_size=4)
+    admit(bm, make_seq(range(13)))
+    p = make_seq(range(13), prompt_logprobs=0, prompt_logprobs_start=6)
+    assert bm.lookup(p).num_tokens == 4 and p.next_prompt_logprob == 6
+    p.prompt_logprobs += [{0: -1.0}] * 6  # tokens 6..11 scored, token 12 not yet
+    assert p.next_prompt_logprob == 12 and bm.lookup(p).num_tokens == 8
+    p.prompt_logprobs.append({0: -1.0})
+    assert p.next_prompt_logprob == 13 and bm.lookup(p).num_tokens == 12
+    assert make_seq(range(13)).next_prompt_logprob == 13  # nothing asked: nothing pending
+
+
 def test_prefix_caching_off_registers_nothing():
     bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
     admit(bm, make_seq(range(9)))
