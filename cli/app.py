@@ -10,8 +10,10 @@ import typer
 
 from ..errors import UserError
 from ..hub.corpus import KINDS
+from .bench import bench_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Compress, draft, serve and measure LLMs.")
+app.add_typer(bench_app, name="bench")
 
 
 def _fail(msg: str) -> None:
@@ -153,24 +155,52 @@ def eval_cmd(
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N]"),
     dtype: str = typer.Option("float32", help="compute dtype: float32 | bfloat16 | float16"),
     kernels: bool = typer.Option(False, "--kernels/--dequant", help="run quantized linears on the W4A16 kernels"),
+    tasks: Optional[str] = typer.Option(
+        None, help="lm-eval tasks, groups or tags, comma-separated (optllm_offline: our own two; ppl: the "
+                   "perplexity above)"),
+    include_path: Optional[list[Path]] = typer.Option(None, help="a folder of lm-eval task YAML files (repeatable)"),
+    limit: Optional[int] = typer.Option(None, help="documents per lm-eval task (default: all)"),
+    num_fewshot: Optional[int] = typer.Option(None, help="few-shot examples per lm-eval document [task default]"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / ppl.png"),
 ) -> None:
     """Measure checkpoints side by side and write one report (the first model is the baseline)."""
-    from ..eval.evaluate import evaluate_ppl, parse_kinds, read_texts
-    from ..eval.report import markdown_table, write_report
+    from ..eval.evaluate import EvalRow, evaluate_ppl, parse_kinds, read_texts
+    from ..eval.report import markdown_table, tasks_table, write_report
     from ..hub.loader import resolve_device
 
-    if not ppl:
-        _fail("nothing to measure: only --ppl is available so far")
     try:
+        want_ppl, task_names = ppl, []
+        if tasks is not None:
+            from ..eval.harness import parse_tasks
+
+            in_tasks, task_names = parse_tasks(tasks)
+            want_ppl = in_tasks  # --tasks says everything to measure; ppl is one of its names
+        if not want_ppl and not task_names:
+            _fail("nothing to measure: give --ppl or --tasks (lm-eval task names, or ppl)")
         kind_list = parse_kinds(kinds)
         texts = read_texts(text or [], taken=kind_list)
         dev = str(resolve_device(device))
-        rows = evaluate_ppl(models, kinds=kind_list, texts=texts, seq_len=seq_len, max_windows=max_windows,
-                            dtype=dtype, device=dev, linear="kernel" if kernels else "dequant")
+        rows = []
+        if want_ppl:
+            rows = evaluate_ppl(models, kinds=kind_list, texts=texts, seq_len=seq_len, max_windows=max_windows,
+                                dtype=dtype, device=dev, linear="kernel" if kernels else "dequant")
+        if task_names:
+            from ..eval.harness import evaluate_tasks
+
+            results = evaluate_tasks(models, task_names, include_path or [], limit=limit, num_fewshot=num_fewshot,
+                                     device=dev, dtype=dtype)
+            if not rows:
+                nan = float("nan")
+                rows = [EvalRow(m, r["scheme"], nan, nan, 0, 0, 0.0) for m, r in zip(models, results)]
+            for row, r in zip(rows, results):
+                row.tasks, row.task_main = r["tasks"], {t: list(mv) for t, mv in r["main"].items()}
+                row.seconds += r["seconds"]
     except (UserError, ValueError) as e:
         _fail(str(e))
-    typer.echo(markdown_table(rows))
+    if want_ppl:
+        typer.echo(markdown_table(rows))
+    if task_names:
+        typer.echo(tasks_table(rows))
     if out is not None:
         write_report(rows, out)
         typer.echo(f"report written to {out}")

@@ -24,7 +24,7 @@ from .perplexity import perplexity, read_text_file, token_stream
 
 @dataclass
 class EvalRow:
-    """One model's perplexities.
+    """One model's perplexities (and lm-eval task scores, when asked for).
 
     ppl_by_kind, nll_by_kind (nats per scored token), tokens_by_kind (scored tokens),
     windows_by_kind: one entry per text kind, in the order measured (built-in kinds, then
@@ -43,6 +43,9 @@ class EvalRow:
     nll_by_kind: dict[str, float] = field(default_factory=dict)
     tokens_by_kind: dict[str, int] = field(default_factory=dict)
     windows_by_kind: dict[str, int] = field(default_factory=dict)
+    # lm-eval tasks (eval/harness.py): {task: {metric: value}} and {task: [metric, value]} shown
+    tasks: dict[str, dict[str, float]] = field(default_factory=dict)
+    task_main: dict[str, list] = field(default_factory=dict)
 
 
 def parse_kinds(kinds: str | Sequence[str] | None) -> tuple[str, ...]:

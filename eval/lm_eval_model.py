@@ -18,11 +18,13 @@ context is the prefix token (BOS, else EOS); rolling windows are lm-eval's own, 
 ``max_length`` tokens; generation truncates the context on the left to leave room for
 ``max_gen_toks`` and cuts the text at the first ``until`` string (EOS included).
 
-Batching: every request of a call goes to the engine in one ``LLM.generate`` (or in chunks
-of ``batch_size``), which batches them continuously; identical token sequences are sent
-once. The runtime's prefix cache does not serve requests that ask for prompt log-probs
-(block_manager.lookup skips them, since every prompt position's logits are wanted), so
-today a task's choices each compute their shared context again.
+Batching: every request of a call goes to the engine in ``LLM.generate`` calls (chunks of
+``batch_size``), which batch them continuously; identical token sequences are sent once.
+Each request asks for the log-probs of its continuation only (``prompt_logprobs_start``), so
+the prefix cache may serve its context: requests are sent in two waves, one request per
+distinct context first, then the others, whose shared context (whole KV blocks of it) is
+then cached -- a multiple-choice task computes each question's context once, not once per
+choice.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ class OptllmLM(TemplateLM):
             whole = (list(ctx) + list(cont))[-(self.max_length + 1):]
             windows.append(whole)
             spans.append(min(len(cont), len(whole) - 1))
-        scores = self._prompt_logprobs([w for w, n in zip(windows, spans) if n > 0], disable_tqdm)
+        scores = self._prompt_logprobs([(w, len(w) - n) for w, n in zip(windows, spans) if n > 0], disable_tqdm)
         res = []
         for (key, _ctx, _cont), whole, n in zip(requests, windows, spans):
             total, greedy = 0.0, True
@@ -166,14 +168,30 @@ class OptllmLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return res
 
-    def _prompt_logprobs(self, prompts: list[list[int]], disable_tqdm: bool) -> dict[tuple, list]:
-        """Prompt log-probs (with the top-1 token) of each distinct prompt, by its token tuple."""
-        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+    def _prompt_logprobs(self, prompts: list[tuple[list[int], int]], disable_tqdm: bool) -> dict[tuple, list]:
+        """Prompt log-probs (with the top-1 token) of each distinct prompt, by its token tuple,
+        from the position each asks for on (prompts: (ids, first scored position); a prompt
+        asked for twice is scored from the earlier position)."""
+        start: dict[tuple, int] = {}
+        for ids, first in prompts:
+            key = tuple(ids)
+            start[key] = min(first, start.get(key, first))
+        # wave 1: the first prompt of each context (the tokens before its scored span); wave 2:
+        # the rest, whose contexts are in the prefix cache by then
+        seen: set[tuple] = set()
+        waves: tuple[list, list] = ([], [])
+        for key, first in start.items():
+            ctx = key[:first]
+            waves[ctx in seen].append(key)
+            seen.add(ctx)
         out: dict[tuple, list] = {}
-        for chunk in _chunks(distinct, self._batch_size):
-            for ids, r in zip(chunk, self.llm.generate([list(c) for c in chunk], params, use_tqdm=not disable_tqdm)):
-                out[ids] = r.prompt_logprobs
+        for wave in waves:
+            for chunk in _chunks(wave, self._batch_size):
+                params = [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False,
+                                         prompt_logprobs_start=start[k]) for k in chunk]
+                outs = self.llm.generate([list(k) for k in chunk], params, use_tqdm=not disable_tqdm)
+                for key, r in zip(chunk, outs):
+                    out[key] = r.prompt_logprobs
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

@@ -1,7 +1,8 @@
 """Side-by-side reports: a Markdown table, the same rows as JSON, and a PNG bar chart.
 
 One perplexity column per text kind (rows' ``ppl_by_kind``), each with its change vs the
-first model (the baseline).
+first model (the baseline); then, when rows carry lm-eval task scores, one column per task
+(its main metric) with the same change.
 """
 
 from __future__ import annotations
@@ -49,6 +50,28 @@ def markdown_table(rows: list, baseline: dict[str, float] | float | None = None)
     return out
 
 
+def tasks_table(rows: list) -> str:
+    """lm-eval scores: a column per task (its main metric, higher is better unless it is a
+    perplexity), Δ vs the first row in points; "" when no row has tasks."""
+    tasks: dict[str, str] = {}
+    for r in rows:
+        for t, (metric, _v) in (getattr(r, "task_main", None) or {}).items():
+            tasks.setdefault(t, metric)
+    if not tasks:
+        return ""
+    base = getattr(rows[0], "task_main", None) or {}
+    head = ["model", "scheme", *[c for t, m in tasks.items() for c in (f"{t} {m}", "Δ")]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = []
+        for t in tasks:
+            v = (getattr(r, "task_main", None) or {}).get(t)
+            b = base.get(t)
+            cells += [f"{v[1]:.4f}" if v else "–", f"{100 * (v[1] - b[1]):+.2f}" if v and b else "–"]
+        lines.append("| " + " | ".join([r.model, r.kind, *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval") -> Path:
     """Write report.md, report.json and ppl.png into out_dir (atomically, via a temp folder)."""
     out = Path(out_dir)
@@ -56,9 +79,17 @@ def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval") ->
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     intro = ("Perplexity (lower is better) on the held-out split of each text kind; "
              "Δ: change vs the first model.\n\n")
-    (tmp / "report.md").write_text(f"# {title}\n\n{intro}" + markdown_table(rows))
+    md = f"# {title}\n\n"
+    if any(r.num_windows for r in rows):
+        md += intro + markdown_table(rows)
+    tasks = tasks_table(rows)
+    if tasks:
+        md += ("\n## lm-eval tasks\n\nEach task's main metric (accuracy-like: higher is better); Δ: points vs the "
+               "first model.\n\n" + tasks)
+    (tmp / "report.md").write_text(md)
     (tmp / "report.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    _plot(rows, tmp / "ppl.png")
+    if any(r.num_windows for r in rows):
+        _plot(rows, tmp / "ppl.png")
     if out.exists():
         import shutil
 

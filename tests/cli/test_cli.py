@@ -157,3 +157,29 @@ def test_quantize_compares_with_rtn_on_every_text_kind(tiny_llama, tmp_path):
         assert set(row["ppl"]) == set(comp["kinds"]) and all(v > 1 for v in row["ppl"].values())
         assert ("gap_closed" in row) == (algo == "gptq")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".optllm-compare-")]  # temporaries removed
+
+
+def test_eval_lm_eval_tasks_beside_perplexity(tiny_llama, tmp_path):
+    """--tasks runs lm-eval tasks (our offline ones) through the runtime beside ppl, one report."""
+    import json
+
+    r = run("eval", str(tiny_llama), "--tasks", "ppl,optllm_mc,optllm_gen", "--limit", "3", "--seq-len", "64",
+            "--max-windows", "2", "--out", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr
+    assert "| ppl docs |" in r.stdout and "optllm_mc acc_norm" in r.stdout and "optllm_gen exact_match" in r.stdout
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "## lm-eval tasks" in md and (tmp_path / "rep" / "ppl.png").is_file()
+    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert set(row["tasks"]) == {"optllm_mc", "optllm_gen"}
+    assert 0.0 <= row["tasks"]["optllm_mc"]["acc"] <= 1.0 and row["task_main"]["optllm_mc"][0] == "acc_norm"
+    # tasks only: no perplexity table, no plot
+    r = run("eval", str(tiny_llama), "--tasks", "optllm_mc", "--limit", "2", "--out", str(tmp_path / "rep2"))
+    assert r.returncode == 0, r.stderr
+    assert "ppl docs" not in r.stdout and not (tmp_path / "rep2" / "ppl.png").exists()
+
+
+def test_eval_bad_tasks_are_one_line(tiny_llama, tmp_path):
+    _one_clear_line(run("eval", str(tiny_llama), "--tasks", "optllm_mc,no_such_task_xyz"), "no_such_task_xyz")
+    _one_clear_line(run("eval", str(tiny_llama), "--tasks", "optllm_mc", "--include-path", str(tmp_path / "nope")),
+                    "not a folder")
+    _one_clear_line(run("eval", str(tiny_llama), "--tasks", "optllm_mc", "--limit", "0"), "--limit")

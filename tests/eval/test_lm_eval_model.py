@@ -102,6 +102,22 @@ def test_loglikelihood_equals_hf(lm, llm, hf):
     assert [lp for lp, _ in chunked] == pytest.approx([lp for lp, _ in got], abs=ATOL)
 
 
+def test_choices_share_their_context_through_the_prefix_cache(folder, hf):
+    """Four continuations of one long context: the first request computes the context, the
+    other three read its whole KV blocks from the prefix cache (each scores only its own
+    continuation, prompt_logprobs_start), and every log-likelihood still equals HF's."""
+    context = "In the beginning was the word and the word was " * 3
+    pairs = [(context, c) for c in (" good", " a tree", " seven", " light")]
+    lm = OptllmLM(LLM(folder, device="cpu", max_model_len=MAX_MODEL_LEN))
+    assert len(lm.tok_encode(context)) >= 32  # two whole blocks of 16 to share
+    got = lm.loglikelihood(instances("loglikelihood", pairs))
+    for (c, x), (lp, greedy) in zip(pairs, got):
+        ref_lp, ref_greedy = hf_loglikelihood(hf, c, x, lm.max_length)
+        assert lp == pytest.approx(ref_lp, abs=ATOL) and greedy == ref_greedy
+    bm = lm.llm.engine.scheduler.block_manager
+    assert bm.num_hit_tokens >= 3 * 32, bm.num_hit_tokens
+
+
 def test_is_greedy_is_the_argmax_of_every_continuation_token(lm, hf):
     model, tok = hf
     ctx = tok.encode("The Python language is")
