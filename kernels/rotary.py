@@ -36,6 +36,16 @@ def _rotate(base, cos, sin, heads, n_heads, d, HEAD_DIM: tl.constexpr, HALF: tl.
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cache_ptr, t, stride_c, d, HALF: tl.constexpr):
+    """cos and sin [1, BLOCK_D] (float32, zero past HALF) of token t's position."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c = cache_ptr + pos * stride_c + d
+    cos = tl.load(c, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(c + HALF, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, stride_q, stride_k, stride_c, NQ, NK,
                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -43,10 +53,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, stride_q, stride_k, stride_
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    c = cache_ptr + pos * stride_c + d
-    cos = tl.load(c, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(c + HALF, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, d, HALF)
     _rotate(q_ptr + t * stride_q, cos, sin, heads, NQ, d, HEAD_DIM, HALF)
     _rotate(k_ptr + t * stride_k, cos, sin, heads, NK, d, HEAD_DIM, HALF)
 
@@ -142,10 +149,7 @@ def _rotary_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, kc_ptr, vc_ptr
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    c = cache_ptr + pos * stride_c + d
-    cos = tl.load(c, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(c + HALF, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, d, HALF)
     _rotate(q_ptr + t * stride_q, cos, sin, heads, NQ, d, HEAD_DIM, HALF)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
