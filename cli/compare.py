@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-REPORT_NAME = "optllm-report.json"
+from ..quant.pipeline import REPORT_NAME  # the checkpoint's report file (formats/ names it)
 
 
 @dataclasses.dataclass

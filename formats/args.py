@@ -78,9 +78,11 @@ class QuantArgs:
         strategy = d.get("strategy", "group")
         if strategy not in ("group", "channel"):
             raise ValueError(f"weight strategy {strategy!r} is not supported; allowed: 'group', 'channel'")
-        actorder = d.get("actorder")
-        if actorder == "group":
-            raise ValueError("actorder 'group' (with g_idx) is not supported; allowed: None, 'weight'")
+        # compressed-tensors' ActivationOrdering: "static" is an alias of "weight", "dynamic" of "group"
+        actorder = {"static": "weight", "dynamic": "group"}.get(d.get("actorder"), d.get("actorder"))
+        if actorder not in (None, "weight"):
+            raise ValueError(f"actorder {d.get('actorder')!r} is not supported; allowed: None, 'weight' ('static'); "
+                             "'group' ('dynamic') needs g_idx")
         return cls(
             num_bits=int(d["num_bits"]),
             group_size=d.get("group_size") if strategy == "group" else None,

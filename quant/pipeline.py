@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..formats.compressed_tensors import check_writable, matches, save_quantized
+from ..formats.compressed_tensors import REPORT_NAME, check_writable, matches, save_quantized  # noqa: F401 (cli reads REPORT_NAME here)
 from ..formats.qweight import QuantizedWeight
 from ..formats.vllm_compat import vllm_incompatibility
 from ..hub.loader import check_architecture, load_config, load_model, parse_dtype, resolve_device, resolve_model

@@ -244,3 +244,24 @@ def test_sharded_checkpoint_reads_back_every_tensor(tiny_models, tmp_path, monke
         assert len(names) == 1 or sum(whole[k].numel() * whole[k].element_size() for k in names) <= 48 * 1024
     ours, _, qweights = load_quantized(out, dtype="bfloat16")
     assert_same_model(hf_dequantized(out), ours, qweights)
+
+
+@pytest.mark.parametrize("given, ours", [(None, None), ("weight", "static"), ("static", "static")])
+def test_actorder_names_of_compressed_tensors_read_as_theirs(given, ours):
+    """compressed-tensors' ActivationOrdering: "static" is "weight" (columns by Hessian order,
+    groups in place), "dynamic" is "group" (needs g_idx, which we do not write)."""
+    from optllm.formats.args import QuantArgs
+
+    d = dict(num_bits=4, group_size=32, symmetric=True, strategy="group", type="int", actorder=given)
+    args = QuantArgs.from_compressed_tensors(d)
+    assert args.actorder == ours
+    assert args.to_compressed_tensors()["actorder"] == ("weight" if ours else None)
+
+
+@pytest.mark.parametrize("given", ["group", "dynamic", "sideways"])
+def test_actorder_with_g_idx_or_unknown_is_refused(given):
+    from optllm.formats.args import QuantArgs
+
+    d = dict(num_bits=4, group_size=32, symmetric=True, strategy="group", type="int", actorder=given)
+    with pytest.raises(ValueError, match="actorder"):
+        QuantArgs.from_compressed_tensors(d)
