@@ -145,7 +145,8 @@ def _print_quant_summary(report) -> None:
 @app.command("eval")
 def eval_cmd(
     models: list[str] = typer.Argument(..., help="model folders / aliases to compare (quantized or not)"),
-    ppl: bool = typer.Option(True, "--ppl/--no-ppl", help="perplexity on each text kind's held-out split"),
+    ppl: Optional[bool] = typer.Option(None, "--ppl/--no-ppl", help="perplexity on each text kind's held-out split "
+                                       "[default: on, unless --tasks or --speed says what to measure]"),
     kinds: str = typer.Option(",".join(KINDS), help=f"built-in text kinds, comma-separated: {', '.join(KINDS)}"),
     text: Optional[list[Path]] = typer.Option(
         None, help="a UTF-8 text file measured as one more kind, named after the file (repeatable)"
@@ -161,25 +162,38 @@ def eval_cmd(
     include_path: Optional[list[Path]] = typer.Option(None, help="a folder of lm-eval task YAML files (repeatable)"),
     limit: Optional[int] = typer.Option(None, help="documents per lm-eval task (default: all)"),
     num_fewshot: Optional[int] = typer.Option(None, help="few-shot examples per lm-eval document [task default]"),
-    out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / ppl.png"),
+    speed: bool = typer.Option(False, "--speed", help="tok/s, TTFT and inter-token latency at each batch size"),
+    batch_sizes: Optional[str] = typer.Option(None, help="--speed: comma-separated batch sizes "
+                                              "[1,8,32 on CUDA, 1,4 on CPU]"),
+    prompt_len: Optional[int] = typer.Option(None, help="--speed: random prompt tokens per request [128; CPU 32]"),
+    output_len: Optional[int] = typer.Option(None, help="--speed: output tokens per request [128; CPU 32]"),
+    bandwidth: Optional[float] = typer.Option(None, help="--speed: memory bandwidth in GB/s for the roofline "
+                                              "[known GPUs: H200 4270]"),
+    out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),
 ) -> None:
     """Measure checkpoints side by side and write one report (the first model is the baseline)."""
     from ..eval.evaluate import EvalRow, evaluate_ppl, parse_kinds, read_texts
-    from ..eval.report import markdown_table, tasks_table, write_report
+    from ..eval.report import markdown_table, speed_table, tasks_table, write_report
     from ..hub.loader import resolve_device
 
     try:
-        want_ppl, task_names = ppl, []
+        want_ppl, task_names = (ppl if ppl is not None else not speed), []
         if tasks is not None:
             from ..eval.harness import parse_tasks
 
             in_tasks, task_names = parse_tasks(tasks)
-            want_ppl = in_tasks  # --tasks says everything to measure; ppl is one of its names
-        if not want_ppl and not task_names:
-            _fail("nothing to measure: give --ppl or --tasks (lm-eval task names, or ppl)")
+            want_ppl = in_tasks or ppl is True  # --tasks says what to measure; ppl is one of its names
+        if not want_ppl and not task_names and not speed:
+            _fail("nothing to measure: give --ppl, --tasks (lm-eval task names, or ppl) or --speed")
         kind_list = parse_kinds(kinds)
         texts = read_texts(text or [], taken=kind_list)
         dev = str(resolve_device(device))
+        if speed:
+            from ..eval.speed import evaluate_speed, speed_shape
+
+            if bandwidth is not None and not bandwidth > 0:
+                _fail(f"--bandwidth {bandwidth:g} is not allowed; allowed: a number of GB/s > 0")
+            shape = speed_shape(dev, batch_sizes, prompt_len, output_len)  # checked before any model loads
         rows = []
         if want_ppl:
             rows = evaluate_ppl(models, kinds=kind_list, texts=texts, seq_len=seq_len, max_windows=max_windows,
@@ -195,12 +209,23 @@ def eval_cmd(
             for row, r in zip(rows, results):
                 row.tasks, row.task_main = r["tasks"], {t: list(mv) for t, mv in r["main"].items()}
                 row.seconds += r["seconds"]
+        if speed:
+            results = evaluate_speed(models, *shape, device=dev, dtype=dtype,
+                                     bandwidth=None if bandwidth is None else bandwidth * 1e9)
+            if not rows:
+                nan = float("nan")
+                rows = [EvalRow(m, r["scheme"], nan, nan, 0, 0, 0.0) for m, r in zip(models, results)]
+            for row, r in zip(rows, results):
+                row.speed = r["speed"]
+                row.seconds += r["seconds"]
     except (UserError, ValueError) as e:
         _fail(str(e))
     if want_ppl:
         typer.echo(markdown_table(rows))
     if task_names:
         typer.echo(tasks_table(rows))
+    if speed:
+        typer.echo(speed_table(rows))
     if out is not None:
         write_report(rows, out)
         typer.echo(f"report written to {out}")

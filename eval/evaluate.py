@@ -24,7 +24,7 @@ from .perplexity import perplexity, read_text_file, token_stream
 
 @dataclass
 class EvalRow:
-    """One model's perplexities (and lm-eval task scores, when asked for).
+    """One model's perplexities (and lm-eval task scores and speed, when asked for).
 
     ppl_by_kind, nll_by_kind (nats per scored token), tokens_by_kind (scored tokens),
     windows_by_kind: one entry per text kind, in the order measured (built-in kinds, then
@@ -46,6 +46,8 @@ class EvalRow:
     # lm-eval tasks (eval/harness.py): {task: {metric: value}} and {task: [metric, value]} shown
     tasks: dict[str, dict[str, float]] = field(default_factory=dict)
     task_main: dict[str, list] = field(default_factory=dict)
+    # speed (eval/speed.py): one dict per batch size, as measure_speed returns them
+    speed: list[dict] = field(default_factory=list)
 
 
 def parse_kinds(kinds: str | Sequence[str] | None) -> tuple[str, ...]:

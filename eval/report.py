@@ -1,8 +1,11 @@
-"""Side-by-side reports: a Markdown table, the same rows as JSON, and a PNG bar chart.
+"""Side-by-side reports: Markdown tables, the same rows as JSON, and PNG plots.
 
 One perplexity column per text kind (rows' ``ppl_by_kind``), each with its change vs the
 first model (the baseline); then, when rows carry lm-eval task scores, one column per task
-(its main metric) with the same change.
+(its main metric) with the same change; then, when rows carry speed, a row per model and
+batch size. Plots, each only when its data exists: perplexity per kind (ppl.png), quality
+against average bits per weight (quality_bits.png), tok/s against batch size (speed.png),
+TTFT and inter-token latency percentiles against batch size (latency.png).
 """
 
 from __future__ import annotations
@@ -72,24 +75,69 @@ def tasks_table(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speed_table(rows: list) -> str:
+    """Speed: a row per model and batch size (output tok/s over the whole call, decode tok/s
+    from first to last token, TTFT and inter-token latency percentiles in ms, weight GB/s, %
+    of the roofline); "" when no row has speed."""
+    if not any(getattr(r, "speed", None) for r in rows):
+        return ""
+    head = ["model", "scheme", "batch", "tok/s", "decode tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+            "ITL p99 ms", "weight GB/s", "% roofline"]
+    keys = [("tok_s", "{:.1f}"), ("decode_tok_s", "{:.1f}"), ("ttft_p50_ms", "{:.2f}"), ("ttft_p99_ms", "{:.2f}"),
+            ("itl_p50_ms", "{:.2f}"), ("itl_p99_ms", "{:.2f}"), ("weight_gb_s", "{:.1f}"), ("roofline_pct", "{:.1f}")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        for s in getattr(r, "speed", None) or []:
+            cells = [fmt.format(s[k]) if s.get(k) is not None else "–" for k, fmt in keys]
+            lines.append("| " + " | ".join([r.model, r.kind, str(s["batch_size"]), *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def speed_intro(rows: list) -> str:
+    """One paragraph saying how the speed rows were measured (from the first row's first entry)."""
+    s = next((s for r in rows for s in getattr(r, "speed", None) or []), None)
+    if s is None:
+        return ""
+    bw = s.get("bandwidth_gb_s")
+    roof = (f"the roofline: the time the decode steps need to read the weights and the KV cache once at {bw:.0f} GB/s"
+            f", over the time they took" if bw else "no roofline (no bandwidth known for this device)")
+    return (f"Each batch: that many requests of {s['prompt_len']} random prompt tokens, all arriving at once, decoded "
+            f"greedily to exactly {s['output_len']} tokens; {s['batches']} measured batches per size after a warm-up, "
+            f"on {s['device']} in {s['dtype']}, quantized linears on their kernels (as `optllm serve` runs them). "
+            "tok/s: output tokens over the whole call (prefill included); decode tok/s: from the first to the last "
+            f"token; TTFT: arrival to first token; ITL: between consecutive tokens of a request; {roof}.\n\n")
+
+
 def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval") -> Path:
-    """Write report.md, report.json and ppl.png into out_dir (atomically, via a temp folder)."""
+    """Write report.md, report.json and the plots whose data the rows carry (see the module
+    docstring) into out_dir (atomically, via a temp folder)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     intro = ("Perplexity (lower is better) on the held-out split of each text kind; "
              "Δ: change vs the first model.\n\n")
-    md = f"# {title}\n\n"
+    md = f"# {title}\n"
     if any(r.num_windows for r in rows):
-        md += intro + markdown_table(rows)
+        md += "\n" + intro + markdown_table(rows)
+        _plot(rows, tmp / "ppl.png")
+        md += "\n![perplexity per text kind](ppl.png)\n"
+        bits = {r.model: average_bits(r.model) for r in rows if r.num_windows}
+        if any(b is not None for b in bits.values()):
+            _plot_quality_bits(rows, bits, tmp / "quality_bits.png")
+            md += ("\nPerplexity against average bits per quantized weight (the weights' bits plus their scales' "
+                   "and zero points' share; 16 for a float model):\n\n![quality vs bits](quality_bits.png)\n")
     tasks = tasks_table(rows)
     if tasks:
         md += ("\n## lm-eval tasks\n\nEach task's main metric (accuracy-like: higher is better); Δ: points vs the "
                "first model.\n\n" + tasks)
+    speed = speed_table(rows)
+    if speed:
+        _plot_speed(rows, tmp / "speed.png")
+        _plot_latency(rows, tmp / "latency.png")
+        md += ("\n## Speed\n\n" + speed_intro(rows) + speed + "\n![tok/s against batch size](speed.png)\n\n"
+               "![TTFT and ITL percentiles](latency.png)\n")
     (tmp / "report.md").write_text(md)
     (tmp / "report.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    if any(r.num_windows for r in rows):
-        _plot(rows, tmp / "ppl.png")
     if out.exists():
         import shutil
 
@@ -98,17 +146,149 @@ def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval") ->
     return out
 
 
+def average_bits(model: str | Path) -> float | None:
+    """Bits per quantized weight of a checkpoint, from its config.json quantization_config:
+    num_bits + 16 / group_size for a group's scale (8 / group_size for NVFP4's FP8 scales)
+    + num_bits / group_size for its zero point when asymmetric; per-channel or per-tensor
+    scales add a negligible share, left out. 16 for a model without a quantization config;
+    None when the config cannot be read (never downloads) or holds several differing weight
+    configs."""
+    path = _config_json(model)
+    try:
+        cfg = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return 16.0
+    weights = [g.get("weights") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    bits = set()
+    for w in weights:
+        if not isinstance(w, dict) or not isinstance(w.get("num_bits"), int):
+            return None
+        n, group = w["num_bits"], w.get("group_size")
+        b = float(n)
+        if w.get("strategy", "group") in ("group", "tensor_group") and isinstance(group, int) and group > 0:
+            scale = 8 if w.get("type") == "float" and n == 4 else 16
+            b += scale / group + (0 if w.get("symmetric", True) else n / group)
+        bits.add(b)
+    return bits.pop() if len(bits) == 1 else None
+
+
+def _config_json(model: str | Path) -> Path | None:
+    """config.json of a model folder, a built-in alias or a hub id already in the local cache."""
+    from ..hub.builtin import BUILTIN_MODELS
+    from ..hub.loader import resolve_model
+
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        return folder / "config.json"
+    try:
+        if str(model).lower() in BUILTIN_MODELS:
+            return resolve_model(model) / "config.json"
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(model), "config.json")
+    except Exception:  # an id the hub's cache refuses, a conversion that fails: no bits to show
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def _by_kind(row) -> dict[str, float]:
     return getattr(row, "ppl_by_kind", None) or {"text": row.ppl}
 
 
-def _plot(rows: list, path: Path) -> None:
-    """One panel per text kind (their perplexities differ in scale), a bar per model."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _label(row) -> str:
+    return f"{Path(row.model).name} ({row.kind})"
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+
+
+def _plot_quality_bits(rows: list, bits: dict, path: Path) -> None:
+    """One panel per text kind: perplexity against average bits per weight, a point per model."""
+    plt = _pyplot()
+    kinds = row_kinds([r for r in rows if r.num_windows])
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), squeeze=False)
+    shown = [r for r in rows if r.num_windows and bits.get(r.model) is not None]
+    for ax, kind in zip(axes[0], kinds):
+        for i, r in enumerate(shown):
+            v = _by_kind(r).get(kind)
+            if v is None:
+                continue
+            ax.scatter([bits[r.model]], [v], color=f"C{i % 10}", label=_label(r), zorder=3)
+        ax.set_title(kind, fontsize=10)
+        ax.set_xlabel("average bits per weight")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("perplexity (lower is better)")
+    axes[0][-1].legend(fontsize=7)
+    _save(fig, path)
+
+
+def _speed_series(row, key: str) -> tuple[list[int], list[float]]:
+    entries = getattr(row, "speed", None) or []
+    return ([s["batch_size"] for s in entries],
+            [s[key] if s.get(key) is not None else float("nan") for s in entries])
+
+
+def _batch_axis(ax, rows) -> None:
+    sizes = sorted({s["batch_size"] for r in rows for s in getattr(r, "speed", None) or []})
+    if len(sizes) > 1 and sizes[-1] / sizes[0] >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size")
+    ax.grid(alpha=0.3)
+
+
+def _plot_speed(rows: list, path: Path) -> None:
+    """Output tok/s and decode tok/s against batch size, a line per model."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    shown = [r for r in rows if getattr(r, "speed", None)]
+    for ax, key, title in zip(axes, ("tok_s", "decode_tok_s"), ("output tok/s (whole call)", "decode tok/s")):
+        for i, r in enumerate(shown):
+            ax.plot(*_speed_series(r, key), marker="o", color=f"C{i % 10}", label=_label(r))
+        ax.set_title(title, fontsize=10)
+        _batch_axis(ax, shown)
+    axes[0].set_ylabel("tokens / s")
+    axes[-1].legend(fontsize=7)
+    _save(fig, path)
+
+
+def _plot_latency(rows: list, path: Path) -> None:
+    """TTFT and inter-token latency against batch size: p50 solid, p99 dashed, a colour per model."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    shown = [r for r in rows if getattr(r, "speed", None)]
+    for ax, what in zip(axes, ("ttft", "itl")):
+        for i, r in enumerate(shown):
+            for q, style in (("p50", "-"), ("p99", "--")):
+                ax.plot(*_speed_series(r, f"{what}_{q}_ms"), style, marker="o", color=f"C{i % 10}",
+                        label=f"{_label(r)} {q}")
+        ax.set_title("time to first token" if what == "ttft" else "inter-token latency", fontsize=10)
+        ax.set_ylabel("ms")
+        _batch_axis(ax, shown)
+    axes[-1].legend(fontsize=7)
+    _save(fig, path)
+
+
+def _plot(rows: list, path: Path) -> None:
+    """One panel per text kind (their perplexities differ in scale), a bar per model."""
+    plt = _pyplot()
     kinds = row_kinds(rows)
     fig, axes = plt.subplots(1, len(kinds), figsize=(len(kinds) * max(3, 1.1 * len(rows) + 1.5), 3.6), squeeze=False)
     labels = [f"{Path(r.model).name}\n{r.kind}" for r in rows]
@@ -120,6 +300,4 @@ def _plot(rows: list, path: Path) -> None:
         seen = [v for v in values if v == v]
         ax.set_ylim(min(seen) * 0.95, max(seen) * 1.02)
     axes[0][0].set_ylabel("perplexity (lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)

@@ -183,3 +183,47 @@ def test_eval_bad_tasks_are_one_line(tiny_llama, tmp_path):
     _one_clear_line(run("eval", str(tiny_llama), "--tasks", "optllm_mc", "--include-path", str(tmp_path / "nope")),
                     "not a folder")
     _one_clear_line(run("eval", str(tiny_llama), "--tasks", "optllm_mc", "--limit", "0"), "--limit")
+
+
+def _png(path) -> bool:
+    data = path.read_bytes()
+    return data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024
+
+
+_SPEED = ("--speed", "--batch-sizes", "1,2", "--prompt-len", "8", "--output-len", "8", "--device", "cpu")
+
+
+def test_eval_speed_alone_and_beside_perplexity(tiny_llama, tmp_path):
+    """--speed alone measures only speed; with --ppl both land in one report, with every plot."""
+    head = "| model | scheme | batch | tok/s | decode tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
+    r = run("eval", str(tiny_llama), *_SPEED, "--out", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr
+    assert head in r.stdout and "ppl docs" not in r.stdout
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "## Speed" in md and head in md and "ppl docs" not in md
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == [
+        "latency.png", "report.json", "report.md", "speed.png"]
+    assert _png(tmp_path / "rep" / "speed.png") and _png(tmp_path / "rep" / "latency.png")
+    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert [s["batch_size"] for s in row["speed"]] == [1, 2] and row["num_windows"] == 0
+    for s in row["speed"]:
+        assert s["output_tokens"] == 2 * s["batch_size"] * 8 and s["itl_count"] == 2 * s["batch_size"] * 7
+        assert s["tok_s"] > 0 and 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"] and 0 < s["itl_p50_ms"] <= s["itl_p99_ms"]
+    r = run("eval", str(tiny_llama), "--ppl", "--kinds", "docs", "--seq-len", "32", "--max-windows", "1", *_SPEED,
+            "--out", str(tmp_path / "both"))
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "both" / "report.md").read_text()
+    assert "| ppl docs |" in md and "## Speed" in md and head in md
+    pngs = sorted(p for p in (tmp_path / "both").iterdir() if p.suffix == ".png")
+    assert [p.name for p in pngs] == ["latency.png", "ppl.png", "quality_bits.png", "speed.png"]
+    assert all(_png(p) for p in pngs)
+
+
+def test_eval_bad_speed_options_are_one_line(tiny_llama):
+    for bad in ("1,x", "0", "1,,2"):
+        _one_clear_line(run("eval", str(tiny_llama), "--speed", "--batch-sizes", bad, "--device", "cpu"),
+                        "--batch-sizes")
+    # checked before the perplexity runs
+    _one_clear_line(run("eval", str(tiny_llama), "--ppl", "--speed", "--output-len", "1", "--device", "cpu"),
+                    "--output-len 1 is not allowed; allowed: an integer >= 2")
+    _one_clear_line(run("eval", str(tiny_llama), "--speed", "--bandwidth", "-5", "--device", "cpu"), "--bandwidth")
