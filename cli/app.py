@@ -21,9 +21,9 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _group(value: str) -> int | None:
+def _group(value: str) -> int | str:
     if value.lower() in ("channel", "none", "-1"):
-        return None
+        return "channel"  # one scale per output channel (never None: None is "not given")
     try:
         return int(value)
     except ValueError:
@@ -35,7 +35,7 @@ def quantize(
     model: str = typer.Argument(..., help="HF model folder, built-in alias (see `optllm models`) or hub id"),
     scheme: Optional[str] = typer.Option(None, help="w4a16-rtn | w4a16-awq | w4a16-gptq (w3a16-*, w8a16-* too)"),
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
-    group_size: Optional[str] = typer.Option(None, help="32, 64, 128 or 'channel' [default 128]"),
+    group_size: Optional[str] = typer.Option(None, help="32, 64, 128 or 'channel' [default: the scheme's, 128]"),
     asym: Optional[bool] = typer.Option(None, "--asym/--sym", help="asymmetric grid with zero points [default sym]"),
     actorder: Optional[bool] = typer.Option(
         None, "--actorder/--no-actorder", help="GPTQ act-order with static groups [default: on for gptq]"
@@ -83,10 +83,7 @@ def quantize(
         if recipe is not None:
             cfg = QuantizeConfig.from_recipe(recipe, **overrides)
         else:
-            given = {k: v for k, v in overrides.items() if v is not None}
-            if group_size is not None and overrides["group_size"] is None:
-                given["group_size"] = None
-            cfg = QuantizeConfig.from_dict(given)
+            cfg = QuantizeConfig.from_dict({k: v for k, v in overrides.items() if v is not None})
         if compare_windows < 1:
             raise UserError(f"--compare-windows {compare_windows} must be >= 1")
         report = run(model, out, cfg, overwrite=overwrite)

@@ -1,22 +1,32 @@
 """Quantization arguments of one tensor, as a checkpoint stores them.
 
-``QuantArgs`` mirrors compressed-tensors' ``QuantizationArgs`` (integer, round-to-nearest
-grid) so it serialises straight into a checkpoint's ``config.json`` and reads back from it.
+``QuantArgs`` mirrors compressed-tensors' ``QuantizationArgs`` so it serialises straight into a
+checkpoint's ``config.json`` and reads back from it: the number type and bits, the grid's
+symmetry, and the strategy that says which elements share a scale (compressed-tensors'
+spelling: "tensor", "channel" (per output row), "group" (``group_size`` columns of a row),
+"token" (per row of an activation)), static (calibrated) or dynamic (taken at run time).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+CHANNEL = "channel"  # a group size that means one scale per output channel (config, recipes, CLI)
 WEIGHT_ONLY_BITS = (2, 3, 4, 8)
+FLOAT_BITS = (4, 8)  # E2M1 (NVFP4), E4M3 (FP8)
 GROUP_SIZES = (32, 64, 128)
+TYPES = ("int", "float")
+STRATEGIES = ("tensor", "channel", "group", "token")
 
 
 @dataclass(frozen=True)
 class QuantArgs:
-    """How one tensor is quantized (integer, round-to-nearest grid).
+    """How one tensor is quantized.
 
-    ``group_size`` None means one scale per output channel (the group spans all of K).
+    ``strategy`` defaults from ``group_size``: "group" with one, "channel" without, so
+    ``group_size`` None means one scale per output channel (the group spans all of K), as
+    compressed-tensors writes it (strategy "channel", group_size null). Strategies other
+    than "group" take no group size.
     ``actorder`` "static": GPTQ visits columns by decreasing Hessian diagonal but the groups
     keep their natural column ranges, so no g_idx is needed (compressed-tensors "weight").
     """
@@ -25,29 +35,51 @@ class QuantArgs:
     group_size: int | None = 128
     symmetric: bool = True
     actorder: str | None = None
+    type: str = "int"
+    strategy: str | None = None  # None: "group" when group_size is given, else "channel"
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_bits not in WEIGHT_ONLY_BITS:
+        if self.strategy is None:
+            object.__setattr__(self, "strategy", "group" if self.group_size is not None else CHANNEL)
+        if self.type not in TYPES:
+            raise ValueError(f"type={self.type!r} is not supported; allowed: {', '.join(TYPES)}")
+        if self.type == "int" and self.num_bits not in WEIGHT_ONLY_BITS:
             raise ValueError(f"num_bits={self.num_bits} is not supported; allowed: {WEIGHT_ONLY_BITS}")
-        if self.group_size is not None and (self.group_size <= 0 or self.group_size % 8):
-            raise ValueError(
-                f"group_size={self.group_size} is not supported; allowed: a positive multiple of 8 "
-                f"(usually {', '.join(map(str, GROUP_SIZES))}) or None for per-channel"
-            )
+        if self.type == "float" and (self.num_bits not in FLOAT_BITS or not self.symmetric):
+            raise ValueError(f"float num_bits={self.num_bits} (symmetric={self.symmetric}) is not supported; "
+                             f"allowed: symmetric {' or '.join(map(str, FLOAT_BITS))} bits")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is not supported; allowed: {', '.join(STRATEGIES)}")
+        if self.strategy == "group":
+            if self.group_size is None or isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
+                    or self.group_size <= 0 or self.group_size % 8:
+                raise ValueError(
+                    f"group_size={self.group_size} is not supported; allowed: a positive multiple of 8 "
+                    f"(usually {', '.join(map(str, GROUP_SIZES))}) or None for per-channel"
+                )
+        elif self.group_size is not None:
+            raise ValueError(f"group_size={self.group_size} needs strategy 'group', not {self.strategy!r}")
         if self.actorder not in (None, "static"):
             raise ValueError(f"actorder={self.actorder!r} is not supported; allowed: None, 'static'")
 
     @property
     def qmin(self) -> int:
+        self._integer_grid()
         return -(1 << (self.num_bits - 1))
 
     @property
     def qmax(self) -> int:
+        self._integer_grid()
         return (1 << (self.num_bits - 1)) - 1
+
+    def _integer_grid(self) -> None:
+        if self.type != "int":
+            raise ValueError(f"{self.type} {self.num_bits}-bit values have no integer grid [qmin, qmax]")
 
     def groups(self, in_features: int) -> int:
         """Number of groups along K; raises ValueError if the group size does not divide K."""
-        if self.group_size is None:
+        if self.strategy != "group":
             return 1
         if in_features % self.group_size:
             raise ValueError(
@@ -57,37 +89,46 @@ class QuantArgs:
         return in_features // self.group_size
 
     def to_compressed_tensors(self) -> dict:
-        """The ``weights`` entry of a compressed-tensors config group."""
+        """This tensor's entry of a compressed-tensors config group (``weights``, ``input_activations``)."""
         return {
             "num_bits": self.num_bits,
-            "type": "int",
+            "type": self.type,
             "symmetric": self.symmetric,
-            "strategy": "channel" if self.group_size is None else "group",
+            "strategy": self.strategy,
             "group_size": self.group_size,
-            "dynamic": False,
+            "dynamic": self.dynamic,
             "actorder": "weight" if self.actorder == "static" else None,
-            "observer": "minmax",
+            "observer": None if self.dynamic else "minmax",
             "observer_kwargs": {},
             "block_structure": None,
         }
 
     @classmethod
     def from_compressed_tensors(cls, d: dict) -> "QuantArgs":
-        if d.get("type", "int") != "int":
-            raise ValueError(f"weight type {d.get('type')!r} is not supported here; allowed: 'int'")
+        """Inverse of to_compressed_tensors; ValueError for what these arguments cannot express
+        (a format may refuse more: formats/codec.py)."""
+        kind = d.get("type", "int")
+        if kind not in TYPES:
+            raise ValueError(f"type {kind!r} is not supported; allowed: {', '.join(TYPES)}")
         strategy = d.get("strategy", "group")
-        if strategy not in ("group", "channel"):
-            raise ValueError(f"weight strategy {strategy!r} is not supported; allowed: 'group', 'channel'")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is not supported; allowed: {', '.join(STRATEGIES)}")
         # compressed-tensors' ActivationOrdering: "static" is an alias of "weight", "dynamic" of "group"
         actorder = {"static": "weight", "dynamic": "group"}.get(d.get("actorder"), d.get("actorder"))
         if actorder not in (None, "weight"):
             raise ValueError(f"actorder {d.get('actorder')!r} is not supported; allowed: None, 'weight' ('static'); "
                              "'group' ('dynamic') needs g_idx")
+        dynamic = d.get("dynamic", False)
+        if dynamic not in (True, False):
+            raise ValueError(f"dynamic {dynamic!r} is not supported; allowed: true, false")
         return cls(
             num_bits=int(d["num_bits"]),
             group_size=d.get("group_size") if strategy == "group" else None,
             symmetric=bool(d.get("symmetric", True)),
             actorder="static" if actorder == "weight" else None,
+            type=kind,
+            strategy=strategy,
+            dynamic=bool(dynamic),
         )
 
 

@@ -1,11 +1,11 @@
 """compressed-tensors checkpoints: write (atomically) and read back.
 
-Layout of a `pack-quantized` folder: config.json with `quantization_config`
-(quant_method compressed-tensors, config_groups, ignore, format), model*.safetensors where
-each quantized linear X has X.weight_packed (int32), X.weight_scale, X.weight_shape and,
-for asymmetric schemes, X.weight_zero_point (int32, packed along the output dim); every other
-tensor is stored as is. Tokenizer and generation config are copied from the source folder.
-vLLM and transformers (with the compressed-tensors package) read this layout.
+Layout of a folder: config.json with `quantization_config` (quant_method compressed-tensors,
+config_groups, ignore, format), model*.safetensors where each quantized linear holds the
+tensors its format's codec gives it (formats/codec.py; `pack-quantized`: X.weight_packed,
+X.weight_scale, X.weight_shape, X.weight_zero_point) and every other tensor is stored as is.
+Tokenizer and generation config are copied from the source folder. Writing and reading go
+through the codec the format names, so this file knows no format's tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,9 +27,9 @@ from torch import nn
 
 from ..errors import UserError
 from .args import QuantArgs
+from .codec import FormatCodec, get_codec
 from .folder_swap import recover, replacing
 from .qweight import QuantizedWeight
-from .vllm_compat import vllm_incompatibility
 
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -38,28 +40,44 @@ REPORT_NAME = "optllm-report.json"
 log = logging.getLogger("optllm.formats")
 
 
-def quantization_config(args: QuantArgs, targets: list[str], ignore: list[str]) -> dict:
-    """config.json's quantization_config for a weight-only integer scheme."""
+def quantization_config(
+    args: QuantArgs,
+    targets: list[str],
+    ignore: list[str],
+    fmt: str = "pack-quantized",
+    input_activations: QuantArgs | None = None,
+) -> dict:
+    """config.json's quantization_config: one config group of FMT's codec."""
     from .. import __version__
 
+    codec = get_codec(fmt)
+    codec.check(args, input_activations)
     return {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": codec.name,
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": targets,
-                "weights": args.to_compressed_tensors(),
-                "input_activations": None,
-                "output_activations": None,
-                "format": "pack-quantized",
-            }
-        },
+        "config_groups": {"group_0": codec.config_group(targets, args, input_activations)},
         "ignore": ignore,
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
         "producer": {"name": "optllm", "version": __version__},
     }
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """What a checkpoint's quantization_config says: its format, the arguments of its
+    weights and input activations (None: weight-only), its targets and ignored modules."""
+
+    format: str
+    weights: QuantArgs
+    input_activations: QuantArgs | None
+    targets: list[str]
+    ignore: list[str]
+
+    @property
+    def codec(self) -> FormatCodec:
+        return get_codec(self.format)
 
 
 def is_checkpoint_folder(folder: str | Path) -> bool:
@@ -125,36 +143,42 @@ def save_quantized(
     ignore: list[str],
     report: dict | None = None,
     overwrite: bool = False,
+    fmt: str = "pack-quantized",
+    input_activations: QuantArgs | None = None,
+    omit: Collection[str] = (),
 ) -> Path:
     """Write the checkpoint into a temp folder beside OUT, then swap it in (folder_swap).
 
-    Folders and files get the modes the user's umask gives any other file. The report (if
-    given) is written as optllm-report.json with `vllm_loadable` and `vllm_note` added.
+    Quantized linears are written by FMT's codec; `omit` names state-dict tensors not written
+    (a tied LM head, whose weight is the embedding's). Folders and files get the modes the
+    user's umask gives any other file. The report (if given) is written as
+    optllm-report.json with `vllm_loadable` and `vllm_note` added.
     """
     out = Path(out)
+    codec = get_codec(fmt)
+    codec.check(args, input_activations)
     check_writable(out, overwrite, source)
     with replacing(out) as tmp:
         tensors: dict[str, torch.Tensor] = {}
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
         for name, t in model.state_dict().items():
             mod, _, leaf = name.rpartition(".")
-            if (mod in qweights and leaf == "weight") or (tied and name == "lm_head.weight"):
+            if (mod in qweights and leaf == "weight") or name in omit:
                 continue
             tensors[name] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
         for name, qw in qweights.items():
-            for k, v in qw.to_state_dict(name).items():
-                tensors[k] = v.detach().cpu().contiguous()
+            for k, v in codec.encode(qw).items():
+                tensors[f"{name}.{k}"] = v.detach().cpu().contiguous()
         _write_shards(tensors, tmp)
         cfg = model.config.to_dict()
         cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
-        cfg["quantization_config"] = quantization_config(args, ["Linear"], ignore)
+        cfg["quantization_config"] = quantization_config(args, ["Linear"], ignore, fmt, input_activations)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         for f in SIDE_FILES:
             if (Path(source) / f).is_file():
                 # copyfile, not copy2: the copy gets the umask's mode, not the source's
                 shutil.copyfile(Path(source) / f, tmp / f)
         if report is not None:
-            note = vllm_incompatibility(args)
+            note = codec.vllm_incompatibility(args, input_activations)
             report = {**report, "vllm_loadable": note is None, "vllm_note": note}
             (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return out
@@ -210,27 +234,31 @@ def is_quantized_folder(folder: str | Path) -> bool:
         return False
 
 
-def read_quant_args(config: dict) -> tuple[QuantArgs, list[str], list[str]]:
-    """(weight args, targets, ignore) of a compressed-tensors pack-quantized config."""
+def read_quantization(config: dict) -> CheckpointQuant:
+    """The quantization a compressed-tensors config.json declares; UserError for a format no
+    codec is registered for, or arguments its codec cannot hold."""
     qc = config.get("quantization_config") or {}
     if qc.get("quant_method") != "compressed-tensors":
         raise UserError("config.json has no compressed-tensors quantization_config")
-    fmt = qc.get("format")
-    if fmt != "pack-quantized":
-        raise UserError(f"checkpoint format {fmt!r} is not supported yet; supported: pack-quantized")
+    codec = get_codec(qc.get("format"))
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise UserError(f"checkpoint has {len(groups)} config groups; supported: exactly 1")
     group = next(iter(groups.values()))
     try:
-        args = QuantArgs.from_compressed_tensors(group["weights"])
-    except (KeyError, ValueError) as e:
+        weights = QuantArgs.from_compressed_tensors(group["weights"])
+        acts = group.get("input_activations")
+        acts = None if acts is None else QuantArgs.from_compressed_tensors(acts)
+        codec.check(weights, acts)
+    except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"unsupported weight quantization in config.json: {e}") from None
-    return args, list(group.get("targets", [])), list(qc.get("ignore") or [])
+    return CheckpointQuant(codec.name, weights, acts, list(group.get("targets", [])), list(qc.get("ignore") or []))
 
 
-def quantized_modules(sd: dict[str, torch.Tensor]) -> list[str]:
-    return sorted(k[: -len(".weight_packed")] for k in sd if k.endswith(".weight_packed"))
+def quantized_modules(sd: dict[str, torch.Tensor], codec: FormatCodec) -> list[str]:
+    """Modules of a state dict that hold the codec's tensors (its first tensor marks them)."""
+    marker = "." + codec.tensor_names[0]
+    return sorted(k[: -len(marker)] for k in sd if k.endswith(marker))
 
 
 def load_quantized_weights(folder: Path) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], dict]:
@@ -243,16 +271,16 @@ def load_quantized_weights(folder: Path) -> tuple[dict[str, QuantizedWeight], di
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{cfg_path} is not valid JSON: {e}") from None
-    args, _targets, _ignore = read_quant_args(config)
+    quant = read_quantization(config)
+    codec = quant.codec
     sd = read_state_dict(folder)
     qweights = {}
-    for name in quantized_modules(sd):
+    for name in quantized_modules(sd, codec):
+        parts = {t: sd.pop(f"{name}.{t}") for t in codec.tensor_names if f"{name}.{t}" in sd}
         try:
-            qweights[name] = QuantizedWeight.from_state_dict(sd, name, args)
+            qweights[name] = codec.decode(parts, quant.weights)
         except ValueError as e:
-            raise UserError(f"{folder}: {e}") from None
-        for suffix in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"):
-            sd.pop(f"{name}.{suffix}", None)
+            raise UserError(f"{folder}: {name}: {e}") from None
     return qweights, sd, config
 
 

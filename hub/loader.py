@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from .architectures import architecture_of, supported_architectures
 from .builtin import BUILTIN_MODELS
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = supported_architectures()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -116,14 +117,8 @@ def _builtin_folder(alias: str) -> Path:
 
 
 def check_architecture(config) -> str:
-    archs = list(getattr(config, "architectures", None) or [])
-    for a in archs:
-        if a in SUPPORTED_ARCHITECTURES:
-            return a
-    raise UserError(
-        f"architecture {', '.join(archs) or getattr(config, 'model_type', '?')} is not supported; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    """The supported architecture name of an HF config (hub/architectures.py); UserError otherwise."""
+    return architecture_of(config).name
 
 
 def load_config(folder: Path):

@@ -34,9 +34,11 @@ import torch
 from torch import nn
 
 from ..formats.args import QuantArgs
+from ..hub.architectures import BlockMapping, SmoothMapping
 from . import observers
+from .algorithm import Algorithm, BlockContext, BlockResult, quantize_in_place, register_algorithm
 from .awq_clip import ClipStats, search_clip
-from .mappings import BlockMapping, SmoothMapping
+from .rtn import rtn_quantize
 from .sequential import BlockInputs, _to, capture_inputs, collect_inputs, run_block
 
 
@@ -338,3 +340,17 @@ def _rows(obj, rows: list[int] | None, batch: int):
 
 def _out_features(mod: nn.Module) -> int:
     return mod.out_features if isinstance(mod, nn.Linear) else mod.weight.shape[0]
+
+
+def awq_step(ctx: BlockContext, opts: AWQOptions) -> BlockResult:
+    """Search and fold the block's scales and clip ratios (awq_block), then quantize every
+    linear to its clipped min-max grid."""
+    found = awq_block(ctx.layer, ctx.mapping, ctx.inputs, ctx.weights, opts, quantized=ctx.linears,
+                      scale_dtype=ctx.scale_dtype)
+    result = quantize_in_place(ctx, lambda name, w: rtn_quantize(
+        w, ctx.weights, clip_ratio=found.clip_ratio.get(name), scale_dtype=ctx.scale_dtype))
+    result.stats["awq_ratios"] = dict(found.ratios)
+    return result
+
+
+register_algorithm(Algorithm("awq", awq_step, options=lambda config: config.awq))

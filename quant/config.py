@@ -1,6 +1,8 @@
 """QuantizeConfig: every knob of one `optllm quantize` run, validated on construction.
 
-A recipe file (YAML) holds the same fields; CLI flags override it.
+A recipe file (YAML) holds the same fields; CLI flags override it. A field left out (None)
+takes its default; the group size's default is the scheme's own, filled in on construction,
+and per-channel is spelled "channel" (formats.args.CHANNEL), never None.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..formats.args import CHANNEL, GROUP_SIZES
+from .algorithm import ALGORITHMS
 from .awq import AWQOptions
 from .scheme import QuantScheme, parse_scheme
 
@@ -23,7 +27,9 @@ OFFLOAD_AUTO_BYTES = 1 << 30
 @dataclass(frozen=True)
 class QuantizeConfig:
     scheme: str = "w4a16-rtn"
-    group_size: int | None = 128
+    # the weights' group size: a positive multiple of 8, "channel" (one scale per output
+    # channel), or None on construction: the scheme's own (128 for the w*a16 schemes)
+    group_size: int | str | None = None
     symmetric: bool = True
     # GPTQ column order: "static" (act-order with static groups; the default for GPTQ, as in
     # llm-compressor: it measured 18.4 vs 19.3-19.9 ppl on SmolLM2 W4 g64) or None
@@ -36,6 +42,8 @@ class QuantizeConfig:
     batch_size: int = 8
     device: str = "auto"
     dtype: str = "bfloat16"  # of the checkpoint's scales and unquantized tensors
+    # GPTQ's options (gptq.GPTQOptions): dampening, gptq_block_size, true_sequential, token_cap,
+    # hessian_shrink
     dampening: float = 0.01  # GPTQ, fraction of mean(diag H)
     gptq_block_size: int = 128
     true_sequential: bool = True  # GPTQ: Hessians of later linears see earlier ones quantized
@@ -59,23 +67,25 @@ class QuantizeConfig:
     awq: AWQOptions = field(default_factory=AWQOptions)
 
     def __post_init__(self) -> None:
-        try:
-            self.quant_scheme()
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        self._check_group_size()
         for name in ("num_samples", "seq_len", "batch_size", "gptq_block_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must be >= 1")
+        try:
+            scheme = self.quant_scheme()
+            # each algorithm's options, so a bad value is refused whatever the scheme
+            for algorithm in ALGORITHMS.values():
+                algorithm.options(self)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if self.group_size is None:  # the scheme's own, stated, so the report says what was used
+            w = scheme.weights
+            object.__setattr__(self, "group_size", w.group_size if w.strategy == "group" else
+                               CHANNEL if w.strategy == CHANNEL else None)
         if self.seq_len < 8:
             raise UserError(f"seq_len={self.seq_len} must be >= 8")
         if self.dtype not in CHECKPOINT_DTYPES:
             raise UserError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(CHECKPOINT_DTYPES)}")
-        if self.token_cap is not None and not self.token_cap > 0:
-            raise UserError(f"token_cap={self.token_cap} must be > 0 (or null: no cap)")
-        if not 0.0 <= self.hessian_shrink < 1.0:
-            raise UserError(f"hessian_shrink={self.hessian_shrink} must be in [0, 1)")
-        if not 0.0 < self.dampening < 1.0:
-            raise UserError(f"dampening={self.dampening} must be in (0, 1)")
         if not (self.holdout == "auto" or (isinstance(self.holdout, int) and self.holdout >= 0)):
             raise UserError(f"holdout={self.holdout!r} is not allowed; allowed: auto or a number of windows >= 0")
         if self.fallback_rtn and self.holdout == 0:
@@ -85,13 +95,17 @@ class QuantizeConfig:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise UserError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
 
+    def _check_group_size(self) -> None:
+        g = self.group_size
+        if isinstance(g, str) and g.strip().lower() == CHANNEL:
+            object.__setattr__(self, "group_size", CHANNEL)
+        elif not (g is None or (isinstance(g, int) and not isinstance(g, bool))):
+            raise UserError(f"group_size={g!r} is not allowed; allowed: a positive multiple of 8 (usually "
+                            f"{', '.join(map(str, GROUP_SIZES))}) or {CHANNEL!r} (one scale per output channel)")
+
     def quant_scheme(self) -> QuantScheme:
-        actorder = self.actorder
-        if actorder == "auto":
-            actorder = "static" if self.scheme.strip().lower().endswith("-gptq") else None
-        elif actorder == "none":
-            actorder = None
-        return parse_scheme(self.scheme, self.group_size, self.symmetric, actorder)
+        """The scheme with this run's group size, symmetry and column order."""
+        return parse_scheme(self.scheme, self.group_size, self.symmetric, self.actorder)
 
     def holdout_windows(self) -> int:
         """Held-out calibration windows: holdout, or for "auto" max(2, num_samples // 8)."""
@@ -100,6 +114,8 @@ class QuantizeConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["ignore"] = list(self.ignore)
+        if d["group_size"] is None:  # a scheme without groups or channels (per tensor): nothing to say
+            del d["group_size"]
         return d
 
     @classmethod
@@ -126,6 +142,10 @@ class QuantizeConfig:
         if unknown:
             raise UserError(f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
         data = dict(data)
+        if "group_size" in data and data["group_size"] is None:
+            # null meant per-channel once; "not given" is leaving the field out
+            raise UserError(f"group_size: null is ambiguous; write {CHANNEL!r} for one scale per output channel, "
+                            "or leave the field out for the scheme's own group size")
         if isinstance(data.get("awq"), dict):
             try:
                 data["awq"] = AWQOptions(**data["awq"])

@@ -18,11 +18,44 @@ import torch
 from ..formats.args import QuantArgs
 from ..formats.qweight import QuantizedWeight
 from . import observers
+from .algorithm import Algorithm, BlockContext, BlockResult, install, register_algorithm
+from .sequential import capture_inputs, run_block
 
 # Each failed Cholesky multiplies the relative dampening by this; after this many tries the
 # Hessian is beyond repair (non-finite entries, or not a Hessian at all).
 _DAMP_GROWTH = 10.0
 _DAMP_TRIES = 8
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """The GPTQ step's options (QuantizeConfig's fields of the same names; block_size is its
+    gptq_block_size). The column order (act-order) is the weights' QuantArgs.actorder, since
+    the checkpoint records it."""
+
+    dampening: float = 0.01  # added to the Hessian diagonal, a fraction of its mean
+    block_size: int = 128  # columns updated lazily together
+    true_sequential: bool = True  # Hessians of later linears see earlier ones quantized
+    # weight of a token of massive activations in the Hessian, in typical tokens
+    # (HessianAccumulator token_cap; None: unweighted, as the paper)
+    token_cap: float | None = 16.0
+    hessian_shrink: float = 0.3  # H <- (1 - shrink) H + shrink diag(H)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be >= 1")
+        if self.token_cap is not None and not self.token_cap > 0:
+            raise ValueError(f"token_cap={self.token_cap} must be > 0 (or null: no cap)")
+        if not 0.0 <= self.hessian_shrink < 1.0:
+            raise ValueError(f"hessian_shrink={self.hessian_shrink} must be in [0, 1)")
+        if not 0.0 < self.dampening < 1.0:
+            raise ValueError(f"dampening={self.dampening} must be in (0, 1)")
+
+    @classmethod
+    def from_config(cls, config) -> "GPTQOptions":
+        return cls(dampening=config.dampening, block_size=config.gptq_block_size,
+                   true_sequential=config.true_sequential, token_cap=config.token_cap,
+                   hessian_shrink=config.hessian_shrink)
 
 
 class HessianAccumulator:
@@ -293,3 +326,43 @@ def _gptq(
         DQ = DQ[:, inv]
     loss = 0.5 * col_loss.double().sum().item()
     return _GPTQResult(q=Q.to(torch.int8), scale=scale, zero=zero, dq=DQ, loss=loss)
+
+
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
+    """sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)): the relative output error over the inputs behind H."""
+    w = w.float()
+    d = w - w_hat.float()
+    num = ((d @ hessian) * d).sum()
+    den = ((w @ hessian) * w).sum()
+    return float((num / den.clamp_min(1e-30)).sqrt())
+
+
+def gptq_step(ctx: BlockContext, opts: GPTQOptions) -> BlockResult:
+    """GPTQ on every linear of the block. With true_sequential, the block's sequential groups
+    (a linear in none goes last) are done in order, each group's Hessians collected with the
+    earlier groups already quantized; otherwise one pass over the float block collects them all."""
+    linears = ctx.linears
+    if opts.true_sequential and ctx.mapping.sequential:
+        placed = [[n for n in g if n in linears] for g in ctx.mapping.sequential]
+        rest = [n for n in linears if not any(n in g for g in placed)]
+        groups = [g for g in placed + [rest] if g]
+    else:
+        groups = [list(linears)]
+    result = BlockResult({}, [])
+    for group in groups:
+        mods = {n: linears[n] for n in group}
+        acc = {n: HessianAccumulator(lin.in_features, token_cap=opts.token_cap) for n, lin in mods.items()}
+        with capture_inputs(mods, lambda n, x: acc[n].add(x)):
+            run_block(ctx.layer, ctx.inputs, keep=False)
+        for name, lin in mods.items():
+            w = lin.weight.detach()
+            h = acc.pop(name).hessian
+            qw, _loss = gptq_quantize(w, h, ctx.weights, block_size=opts.block_size, dampening=opts.dampening,
+                                      scale_dtype=ctx.scale_dtype, shrink=opts.hessian_shrink)
+            result.errors.append((name, relative_error(w, qw.dequantize(torch.float32).to(w.device), h)))
+            del h
+            result.qweights[name] = install(lin, qw)
+    return result
+
+
+register_algorithm(Algorithm("gptq", gptq_step, options=GPTQOptions.from_config, actorders=("static", None)))

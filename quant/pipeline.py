@@ -1,5 +1,11 @@
 """The quantize pipeline: load -> calibration data -> sequential per-block calibration and
-quantization -> compressed-tensors checkpoint + optllm-report.json."""
+quantization -> compressed-tensors checkpoint + optllm-report.json.
+
+What varies by scheme comes from registries: the scheme (quant/scheme.py) names its weights'
+arguments, its algorithm and its format; the algorithm's block step (quant/algorithm.py)
+quantizes each block; the format's codec (formats/codec.py) writes the tensors; the
+architecture (hub/architectures.py) names the blocks, their linears and the LM head.
+"""
 
 from __future__ import annotations
 
@@ -14,23 +20,26 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..formats.codec import get_codec
 from ..formats.compressed_tensors import REPORT_NAME, check_writable, matches, save_quantized  # noqa: F401 (cli reads REPORT_NAME here)
 from ..formats.qweight import QuantizedWeight
-from ..formats.vllm_compat import vllm_incompatibility
-from ..hub.loader import check_architecture, load_config, load_model, parse_dtype, resolve_device, resolve_model
-from . import awq as awq_mod
+from ..hub.architectures import architecture_of
+from ..hub.loader import load_config, load_model, parse_dtype, resolve_device, resolve_model
+from .algorithm import BlockContext, get_algorithm, install
 from .calib_data import load_calibration, token_hash
 from .config import OFFLOAD_AUTO_BYTES, QuantizeConfig
-from .gptq import HessianAccumulator, gptq_quantize
-from .mappings import block_linears, block_mapping
 from .rtn import rtn_quantize
-from .sequential import advance_block, capture_block_inputs, capture_inputs, decoder_layers, on_device, run_block
+from .sequential import advance_block, block_linears, capture_block_inputs, decoder_layers, on_device, run_block
+
+BASELINE = "rtn"  # the algorithm every other one is compared with on the held-out windows
 
 
 @dataclass
 class LayerStat:
     name: str
-    rel_error: float  # sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)): relative RMS output error on calibration inputs
+    # sqrt(Σ‖x ΔWᵀ‖² / Σ‖x Wᵀ‖²) = sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)): relative RMS output error on the
+    # calibration inputs (GPTQ: through its Hessian, whose tokens are weighted by token_cap)
+    rel_error: float
 
 
 @dataclass
@@ -90,15 +99,6 @@ class QuantizeReport:
         }
 
 
-def relative_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
-    """sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)): the relative output error over the inputs behind H."""
-    w = w.float()
-    d = w - w_hat.float()
-    num = ((d @ hessian) * d).sum()
-    den = ((w @ hessian) * w).sum()
-    return float((num / den.clamp_min(1e-30)).sqrt())
-
-
 def _peak_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
@@ -117,64 +117,11 @@ def check_group_size(config, args) -> None:
             raise UserError(str(e)) from None
 
 
-def quantize_block(
-    layer: nn.Module,
-    linears: dict[str, nn.Linear],
-    inputs,
-    cfg: QuantizeConfig,
-    awq_result: awq_mod.AWQResult | None,
-    sequential: tuple[tuple[str, ...], ...] = (),
-) -> tuple[dict[str, QuantizedWeight], list[tuple[str, float]]]:
-    """Quantize the block's linears in place (weights become their dequantized values).
-
-    With `sequential` (GPTQ's true-sequential order; a linear in no group goes last), each
-    group's Hessians are collected with the earlier groups already quantized; otherwise one
-    pass over the float block collects every Hessian.
-    """
-    scheme = cfg.quant_scheme()
-    if cfg.true_sequential and sequential:
-        placed = [[n for n in g if n in linears] for g in sequential]
-        rest = [n for n in linears if not any(n in g for g in placed)]
-        groups = [g for g in placed + [rest] if g]
-    else:
-        groups = [list(linears)]
-    scale_dtype = parse_dtype(cfg.dtype)
-    out, errs = {}, []
-    for group in groups:
-        mods = {n: linears[n] for n in group}
-        cap = cfg.token_cap if scheme.algorithm == "gptq" else None
-        acc = {n: HessianAccumulator(lin.in_features, token_cap=cap) for n, lin in mods.items()}
-        with capture_inputs(mods, lambda n, x: acc[n].add(x)):
-            run_block(layer, inputs, keep=False)
-        for name, lin in mods.items():
-            w = lin.weight.detach()
-            h = acc[name].hessian
-            if scheme.algorithm == "gptq":
-                qw, _loss = gptq_quantize(
-                    w, h, scheme.weights, block_size=cfg.gptq_block_size,
-                    dampening=cfg.dampening, scale_dtype=scale_dtype, shrink=cfg.hessian_shrink,
-                )
-            else:
-                clip = awq_result.clip_ratio.get(name) if awq_result else None
-                qw = rtn_quantize(w, scheme.weights, clip_ratio=clip, scale_dtype=scale_dtype)
-            w_hat = qw.dequantize(torch.float32).to(w.device)
-            errs.append((name, relative_error(w, w_hat, h)))
-            with torch.no_grad():
-                lin.weight.copy_(w_hat.to(lin.weight.dtype))
-            out[name] = QuantizedWeight(q=qw.q.cpu(), scale=qw.scale.cpu(),
-                                        zero=None if qw.zero is None else qw.zero.cpu(), args=qw.args)
-    return out, errs
-
-
 def _rtn_in_place(linears: dict[str, nn.Linear], args, scale_dtype) -> dict[str, QuantizedWeight]:
     """RTN-quantize the linears in place (weights become their dequantized values)."""
     out = {}
     for name, lin in linears.items():
-        qw = rtn_quantize(lin.weight.detach(), args, scale_dtype=scale_dtype)
-        with torch.no_grad():
-            lin.weight.copy_(qw.dequantize(torch.float32).to(lin.weight.device, lin.weight.dtype))
-        out[name] = QuantizedWeight(q=qw.q.cpu(), scale=qw.scale.cpu(),
-                                    zero=None if qw.zero is None else qw.zero.cpu(), args=qw.args)
+        out[name] = install(lin, rtn_quantize(lin.weight.detach(), args, scale_dtype=scale_dtype))
     return out
 
 
@@ -248,13 +195,19 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scheme = config.quant_scheme()
+    algorithm = get_algorithm(scheme.algorithm)
+    options = algorithm.options(config)
+    codec = get_codec(scheme.format)
+    try:
+        codec.check(scheme.weights, scheme.input_activations)
+    except ValueError as e:
+        raise UserError(f"scheme {scheme.name!r} cannot be written as {codec.name}: {e}") from None
     check_group_size(load_config(source), scheme.weights)
-    vllm_note = vllm_incompatibility(scheme.weights)
+    vllm_note = codec.vllm_incompatibility(scheme.weights, scheme.input_activations)
     if vllm_note and progress:  # said before the calibration, not only in the report
         print(f"note: {out} will not load in vLLM: {vllm_note}", file=sys.stderr, flush=True)
     hf_model, tokenizer, folder = load_model(model, dtype="float32", device="cpu")
-    arch = check_architecture(hf_model.config)
-    mapping = block_mapping(arch)
+    arch = architecture_of(hf_model.config)
     layers = decoder_layers(hf_model)
     t_load = time.perf_counter()
 
@@ -269,20 +222,20 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
     store = activation_store(config, device, act_bytes)
     inputs = capture_block_inputs(hf_model, calib.input_ids, config.batch_size, device, store=store)
     held = capture_block_inputs(hf_model, held_ids, config.batch_size, device, store=store) if n_hold else None
-    compare = held is not None and scheme.algorithm != "rtn"
+    compare = held is not None and scheme.algorithm != BASELINE
     scale_dtype = parse_dtype(config.dtype)
 
     qweights: dict[str, QuantizedWeight] = {}
     layer_stats: list[LayerStat] = []
     block_stats: list[BlockStat] = []
-    ignored: list[str] = ["lm_head"]
+    ignored: list[str] = [arch.lm_head]
     with _BlockProgress(progress, scheme.name, len(layers)) as bar:
         for i, layer in enumerate(layers):
             tb = time.perf_counter()
             with on_device(layer, device):
-                prefix = f"model.layers.{i}."
+                prefix = arch.block_prefix(i) + "."
                 linears = {}
-                for n, m in block_linears(layer, mapping).items():
+                for n, m in block_linears(layer, arch.block).items():
                     if matches(prefix + n, config.ignore):
                         ignored.append(prefix + n)
                     else:
@@ -290,13 +243,9 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
                 ref = run_block(layer, inputs)  # the float block's outputs, on the store device
                 held_ref = run_block(layer, held) if held is not None else None
                 original = _state(layer) if compare else None
-                awq_result = None
-                if scheme.algorithm == "awq":
-                    awq_result = awq_mod.awq_block(layer, mapping, inputs, scheme.weights, config.awq,
-                                                   quantized=linears, scale_dtype=scale_dtype)
-                qws, errs = quantize_block(layer, linears, inputs, config, awq_result,
-                                           mapping.sequential if scheme.algorithm == "gptq" else ())
-                kept = scheme.algorithm
+                ctx = BlockContext(layer, i, linears, arch.block, inputs, scheme.weights, scale_dtype)
+                result = algorithm.step(ctx, options)
+                qws, kept = result.qweights, scheme.algorithm
                 hold_err = hold_rtn = None
                 if compare:
                     hold_err = _relative(run_block(layer, held), held_ref)
@@ -305,18 +254,17 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
                     rtn_qws = _rtn_in_place(linears, scheme.weights, scale_dtype)
                     hold_rtn = _relative(run_block(layer, held), held_ref)
                     if config.fallback_rtn and hold_rtn < hold_err:
-                        qws, kept = rtn_qws, "rtn"
+                        qws, kept = rtn_qws, BASELINE
                     else:
                         layer.load_state_dict(chosen)
                     del original, chosen
                 qweights.update({prefix + n: qw for n, qw in qws.items()})
-                layer_stats += [LayerStat(prefix + n, e) for n, e in errs]
+                layer_stats += [LayerStat(prefix + n, e) for n, e in result.errors]
                 block_err = advance_block(layer, inputs, ref)  # inputs become the next block's
                 if held is not None:
                     advance_block(layer, held, held_ref)
-            block_stats.append(BlockStat(i, block_err, time.perf_counter() - tb,
-                                         dict(awq_result.ratios) if awq_result else {},
-                                         hold_err, hold_rtn, kept))
+            block_stats.append(BlockStat(i, block_err, time.perf_counter() - tb, holdout_error=hold_err,
+                                         holdout_rtn_error=hold_rtn, kept=kept, **result.stats))
             bar.done(block_stats[-1])
     t_quant = time.perf_counter()
     peak, kind = _peak_memory(device)
@@ -332,6 +280,8 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
         vllm_note=vllm_note,
     )
     report.seconds["total"] = t_quant - t0  # up to the write, which the report travels with
+    tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
     save_quantized(hf_model, qweights, scheme.weights, out, folder, scale_dtype,
-                   ignored, report=report.to_dict(), overwrite=overwrite)
+                   ignored, report=report.to_dict(), overwrite=overwrite, fmt=scheme.format,
+                   input_activations=scheme.input_activations, omit=[f"{arch.lm_head}.weight"] if tied else [])
     return report

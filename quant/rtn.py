@@ -8,6 +8,7 @@ from ..formats.args import QuantArgs
 from ..formats.grid import quantize
 from ..formats.qweight import QuantizedWeight
 from . import observers
+from .algorithm import Algorithm, BlockContext, BlockResult, quantize_in_place, register_algorithm
 
 
 def rtn_quantize(
@@ -25,3 +26,11 @@ def rtn_quantize(
     scale = scale.to(scale_dtype or w.dtype)
     q = quantize(w, scale, zero, args)
     return QuantizedWeight(q=q, scale=scale, zero=zero, args=args)
+
+
+def rtn_step(ctx: BlockContext, _options: None) -> BlockResult:
+    """Every linear of the block to its min-max grid; the inputs serve only the error report."""
+    return quantize_in_place(ctx, lambda _name, w: rtn_quantize(w, ctx.weights, scale_dtype=ctx.scale_dtype))
+
+
+register_algorithm(Algorithm("rtn", rtn_step))

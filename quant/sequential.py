@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..hub.architectures import Architecture, BlockMapping, architecture_of
+
 
 class _Captured(Exception):
     """Raised by a capture hook to stop the forward once the wanted input is seen."""
@@ -42,13 +44,28 @@ class BlockInputs:
         return sum(h.numel() * h.element_size() for h in self.hidden)
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder blocks (Llama family: model.model.layers)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+def decoder_layers(model: nn.Module, arch: Architecture | None = None) -> nn.ModuleList:
+    """The model's list of decoder blocks (its architecture's `layers`: model.layers for the
+    Llama family); arch defaults to the registered architecture of model.config."""
+    arch = arch or architecture_of(model.config)
+    try:
+        layers = model.get_submodule(arch.layers)
+    except AttributeError:
+        layers = None
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no model.layers; not a Llama-family causal LM")
+        raise ValueError(f"{type(model).__name__} has no {arch.layers}; not a {arch.name}")
     return layers
+
+
+def block_linears(layer: nn.Module, mapping: BlockMapping) -> dict[str, nn.Linear]:
+    """The block's linears by name (mapping.linears, relative to the block)."""
+    out = {}
+    for name in mapping.linears:
+        mod = layer.get_submodule(name)
+        if not isinstance(mod, nn.Linear):
+            raise ValueError(f"{name} is a {type(mod).__name__}, expected nn.Linear")
+        out[name] = mod
+    return out
 
 
 def _to(obj, device):
@@ -82,8 +99,9 @@ def capture_block_inputs(
 
     The hidden states are kept on `store` (default: `device`)."""
     store = device if store is None else store
-    layers = decoder_layers(model)
-    inner = model.model
+    arch = architecture_of(model.config)
+    layers = decoder_layers(model, arch)
+    inner = model.get_submodule(arch.model)
     hidden, kwargs = [], []
 
     def hook(_module, args, kw):
@@ -97,7 +115,7 @@ def capture_block_inputs(
         kwargs.append(kw)
         raise _Captured
 
-    staged = [m for m in (inner.embed_tokens, getattr(inner, "rotary_emb", None)) if m is not None]
+    staged = [model.get_submodule(arch.embed_tokens)] + _optional(model, arch.rotary_emb)
     homes = [next(iter(m.parameters()), next(iter(m.buffers()), None)) for m in staged]
     for m in staged:
         m.to(device)
@@ -117,6 +135,13 @@ def capture_block_inputs(
     if not hidden:
         raise RuntimeError("calibration captured no inputs for the first decoder block")
     return BlockInputs(hidden=hidden, kwargs=kwargs)
+
+
+def _optional(model: nn.Module, name: str) -> list[nn.Module]:
+    try:
+        return [model.get_submodule(name)]
+    except AttributeError:
+        return []
 
 
 def _forward(layer: nn.Module, h: torch.Tensor, kw: dict, device: torch.device) -> torch.Tensor:

@@ -4,8 +4,9 @@ MODEL is an HF folder (safetensors), a built-in alias (hub/), or a compressed-te
 checkpoint ``optllm quantize`` wrote (read through formats/). Tensors are read one
 safetensors file at a time; each goes to the layer that owns it, whose weight loader cuts
 its tensor-parallel shard and places it (fused QKV / gate-up shards included), so this file
-only maps names. Quantized linears arrive as integer codes, scales and zero points (the
-codec unpacks ``weight_packed``); each linear's method then repacks or dequantizes them.
+only maps names. Quantized linears arrive as the tensors of the checkpoint's format, which its
+codec (formats/codec.py, chosen by the format's name) turns into integer codes, scales and
+zero points; each linear's method then repacks or dequantizes them.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
-from ..formats.compressed_tensors import REPORT_NAME, is_quantized_folder, read_quant_args
-from ..formats.qweight import QuantizedWeight
+from ..formats.codec import get_codec, quantized_tensor_names
+from ..formats.compressed_tensors import REPORT_NAME, is_quantized_folder, read_quantization
 from ..hub.loader import check_architecture, resolve_model
 from .layers.linear_methods import QuantSpec
 from .models.llama import BuildOptions
 from .models.registry import model_class
 
-_QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 _SKIPPED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 
 
@@ -50,9 +50,11 @@ def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSou
         raise UserError(f"cannot read {folder / 'config.json'}: {e}") from None
     quant = None
     if raw.get("quantization_config"):
-        args, _targets, ignore = read_quant_args(raw)
+        q = read_quantization(raw)
+        if q.input_activations is not None:
+            raise UserError(f"{folder}: quantized input activations ({q.format}) are not served yet")
         scale_dtype = _dtype_of(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
-        quant = QuantSpec(args, tuple(ignore), scale_dtype, quantized_linear)
+        quant = QuantSpec(q.weights, tuple(q.ignore), scale_dtype, quantized_linear, q.format)
     clean = {k: v for k, v in raw.items() if k != "quantization_config"}
     if "model_type" not in clean:
         raise UserError(f"{folder / 'config.json'} has no model_type")
@@ -108,6 +110,8 @@ def load_weights(model, folder: Path) -> None:
     modules = dict(model.named_modules())
     pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized modules whose parts straddle files
     quant = _quant_of(model)
+    # a dense model's config: any format's tensor is a quantized module without a config
+    parts_of = quantized_tensor_names() if quant is None else set(get_codec(quant.format).tensor_names)
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -115,7 +119,7 @@ def load_weights(model, folder: Path) -> None:
                     if name.endswith(_SKIPPED):
                         continue
                     module, _, leaf = name.rpartition(".")
-                    if leaf in _QUANT_SUFFIXES:
+                    if leaf in parts_of:
                         parts = pending.setdefault(module, {})
                         parts[leaf] = sf.get_tensor(name)
                         if _complete(parts, quant):
@@ -167,10 +171,9 @@ def _quant_of(model) -> QuantSpec | None:
 
 
 def _complete(parts: dict, quant: QuantSpec | None) -> bool:
-    need = {"weight_packed", "weight_scale", "weight_shape"}
-    if quant is not None and not quant.args.symmetric:
-        need.add("weight_zero_point")
-    return need <= parts.keys()
+    if quant is None:
+        return True  # refused by _load_quantized at once
+    return get_codec(quant.format).required(quant.args) <= parts.keys()
 
 
 def _target(modules: dict, model, module: str):
@@ -184,7 +187,7 @@ def _target(modules: dict, model, module: str):
 
 
 def _load_one(modules, model, module: str, leaf: str, tensor: torch.Tensor) -> None:
-    if module == "lm_head" and getattr(model.config, "tie_word_embeddings", False):
+    if module == model.arch.lm_head and getattr(model.config, "tie_word_embeddings", False):
         return  # tied: the embedding's weight serves
     target, shard = _target(modules, model, module)
     if target is None or not hasattr(target, "weight_loader"):
@@ -198,9 +201,8 @@ def _load_one(modules, model, module: str, leaf: str, tensor: torch.Tensor) -> N
 def _load_quantized(modules, model, module: str, parts: dict, quant: QuantSpec | None) -> None:
     if quant is None:
         raise UserError(f"{module} is quantized but config.json has no quantization_config")
-    sd = {f"{module}.{k}": v for k, v in parts.items()}
     try:
-        qw = QuantizedWeight.from_state_dict(sd, module, quant.args)
+        qw = get_codec(quant.format).decode(parts, quant.args)
     except ValueError as e:
         raise UserError(f"{module}: {e}") from None
     _load_one(modules, model, module, "qweight", qw.q)

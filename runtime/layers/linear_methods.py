@@ -122,12 +122,14 @@ def kernel_takes(args: QuantArgs, in_features: int) -> bool:
 class QuantSpec:
     """What a compressed-tensors checkpoint says about its linears: the weight args, the
     modules left unquantized (compressed-tensors ``ignore``), the dtype scales are stored
-    in, and whether to run int4 on the kernels or dequantize everything at load."""
+    in, whether to run int4 on the kernels or dequantize everything at load, and the format
+    whose codec (formats/codec.py) reads the quantized tensors."""
 
     args: QuantArgs
     ignore: tuple[str, ...]
     scale_dtype: torch.dtype
     mode: str = "kernel"
+    format: str = "pack-quantized"
 
     def is_quantized(self, hf_name: str) -> bool:
         return not matches(hf_name, self.ignore)

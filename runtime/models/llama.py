@@ -2,9 +2,11 @@
 
 One implementation; the architectures differ only in what ArchSpec says: biases on the
 QKV / output / MLP projections, Qwen3's per-head RMSNorm of q and k before the rotary, and
-sliding-window layers (Mistral, Qwen2/3 with use_sliding_window). Tied embeddings share the
-embedding's weight with the LM head. Sequences travel flattened: hidden states are
-[T, hidden] for the T tokens of a step, whatever sequences they belong to.
+sliding-window layers (Mistral, Qwen2/3 with use_sliding_window). The HF module names (blocks,
+their linears, the LM head) come from the architecture registry quant/ uses too
+(hub/architectures.py). Tied embeddings share the embedding's weight with the LM head.
+Sequences travel flattened: hidden states are [T, hidden] for the T tokens of a step, whatever
+sequences they belong to.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...hub.architectures import Architecture, get_architecture
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -79,13 +82,14 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, spec: ArchSpec, index: int, prefix: str, opt: BuildOptions) -> None:
+    def __init__(self, config, spec: ArchSpec, names: Architecture, index: int, opt: BuildOptions) -> None:
         super().__init__()
         h, d = config.hidden_size, head_dim_of(config)
         nh, nkv = config.num_attention_heads, config.num_key_value_heads
-        names = [f"{prefix}.{p}_proj" for p in "qkv"]
-        self.qkv_proj = QKVParallelLinear(h, d, nh, nkv, spec.qkv_bias(config), opt.linear(names, h), **opt.kw())
-        o_method = opt.linear([f"{prefix}.o_proj"], nh * d // opt.ctx.world_size)
+        block = names.block_prefix(index)
+        qkv = [f"{block}.{n}" for n in names.qkv]
+        self.qkv_proj = QKVParallelLinear(h, d, nh, nkv, spec.qkv_bias(config), opt.linear(qkv, h), **opt.kw())
+        o_method = opt.linear([f"{block}.{names.o_proj}"], nh * d // opt.ctx.world_size)
         self.o_proj = RowParallelLinear(nh * d, h, spec.o_bias(config), o_method, **opt.kw())
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
@@ -114,15 +118,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, spec: ArchSpec, prefix: str, opt: BuildOptions) -> None:
+    def __init__(self, config, spec: ArchSpec, names: Architecture, index: int, opt: BuildOptions) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; allowed: silu")
         bias = spec.mlp_bias(config)
+        block = names.block_prefix(index)
         self.gate_up_proj = MergedColumnParallelLinear(
-            h, [i, i], bias, opt.linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], h), **opt.kw())
-        self.down_proj = RowParallelLinear(i, h, bias, opt.linear([f"{prefix}.down_proj"], i // opt.ctx.world_size),
+            h, [i, i], bias, opt.linear([f"{block}.{n}" for n in names.gate_up], h), **opt.kw())
+        self.down_proj = RowParallelLinear(i, h, bias,
+                                           opt.linear([f"{block}.{names.down_proj}"], i // opt.ctx.world_size),
                                            **opt.kw())
         self.act_fn = SiluAndMul(opt.backend)
 
@@ -131,11 +137,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, spec: ArchSpec, index: int, opt: BuildOptions) -> None:
+    def __init__(self, config, spec: ArchSpec, names: Architecture, index: int, opt: BuildOptions) -> None:
         super().__init__()
-        prefix = f"model.layers.{index}"
-        self.self_attn = LlamaAttention(config, spec, index, f"{prefix}.self_attn", opt)
-        self.mlp = LlamaMLP(config, spec, f"{prefix}.mlp", opt)
+        self.self_attn = LlamaAttention(config, spec, names, index, opt)
+        self.mlp = LlamaMLP(config, spec, names, index, opt)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, opt.dtype, opt.device, opt.backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, opt.dtype, opt.device, opt.backend)
@@ -152,10 +157,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, spec: ArchSpec, opt: BuildOptions) -> None:
+    def __init__(self, config, spec: ArchSpec, names: Architecture, opt: BuildOptions) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **opt.kw())
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, i, opt) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, names, i, opt)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, opt.dtype, opt.device, opt.backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -171,21 +177,19 @@ class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], meta) -> hidden [T, H];
     compute_logits(hidden [n, H]) -> logits [n, vocab] in the model dtype."""
 
-    # HF module -> (our module, shard id): the fused linears
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
     def __init__(self, config, opt: BuildOptions) -> None:
         super().__init__()
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in ARCHS:
             raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(ARCHS)}")
         self.config = config
-        self.model = LlamaModel(config, ARCHS[arch], opt)
+        self.arch = names = get_architecture(arch)
+        # HF module (its last name) -> (our module, shard id): the fused linears
+        self.packed_modules = {n.rpartition(".")[2]: ("qkv_proj", s) for n, s in zip(names.qkv, "qkv")}
+        self.packed_modules |= {n.rpartition(".")[2]: ("gate_up_proj", i) for i, n in enumerate(names.gate_up)}
+        self.model = LlamaModel(config, ARCHS[arch], names, opt)
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        method = DenseMethod() if tied else opt.linear(["lm_head"], config.hidden_size)
+        method = DenseMethod() if tied else opt.linear([names.lm_head], config.hidden_size)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method, **opt.kw())
         if tied:
             self.lm_head.tie(self.model.embed_tokens)

@@ -4,12 +4,19 @@ import pytest
 import torch
 
 from optllm.formats.args import QuantArgs
+from optllm.hub.architectures import LLAMA_LIKE, BlockMapping
 from optllm.quant import awq as awq_mod
 from optllm.quant import observers
 from optllm.quant.awq import AWQOptions, awq_block, search_scales
-from optllm.quant.mappings import LLAMA_LIKE, BlockMapping, block_linears
 from optllm.quant.rtn import rtn_quantize
-from optllm.quant.sequential import BlockInputs, capture_block_inputs, capture_inputs, decoder_layers, run_block
+from optllm.quant.sequential import (
+    BlockInputs,
+    block_linears,
+    capture_block_inputs,
+    capture_inputs,
+    decoder_layers,
+    run_block,
+)
 
 ARGS = QuantArgs(num_bits=4, group_size=32, symmetric=True)
 NORM2 = LLAMA_LIKE.smooth[2]  # post_attention_layernorm -> gate_proj, up_proj (inspect: mlp)

@@ -179,7 +179,7 @@ def test_fallback_rtn_keeps_rtn_where_the_algorithm_lost(tiny_llama, tmp_path, m
     """A GPTQ made to fit badly (its weights perturbed before rounding) loses to RTN on the
     held-out windows in every block: the report says so, and with fallback_rtn the checkpoint
     holds RTN's codes and scales there, bit for bit."""
-    from optllm.quant import pipeline
+    from optllm.quant import gptq as pipeline  # the GPTQ step (gptq.py) calls gptq_quantize
 
     real = pipeline.gptq_quantize
 
