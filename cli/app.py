@@ -136,7 +136,10 @@ def _print_quant_summary(report) -> None:
     if report.vllm_note:
         console.print(f"vLLM: will not load this checkpoint. {report.vllm_note}", highlight=False)
     else:
-        console.print("vLLM: loads this checkpoint (compressed-tensors pack-quantized).", highlight=False)
+        from ..quant.scheme import parse_scheme
+
+        fmt = parse_scheme(report.scheme).format
+        console.print(f"vLLM: loads this checkpoint (compressed-tensors {fmt}).", highlight=False)
 
 
 @app.command("eval")

@@ -32,8 +32,11 @@ class Comparison:
 
 def compare_checkpoint(model: str, out: Path, config, *, other_symmetry: bool, max_windows: int, device: str,
                        progress: bool = True) -> Comparison:
-    """Evaluate OUT (quantized from MODEL with `config`) beside the float model and RTN."""
+    """Evaluate OUT (quantized from MODEL with `config`) beside the float model and RTN (of
+    the same integer grid; a scheme whose algorithm has no RTN counterpart, e.g. FP8, only
+    beside the float model)."""
     from ..eval.evaluate import evaluate_ppl
+    from ..quant.algorithm import get_algorithm
     from ..quant.pipeline import quantize
 
     scheme = config.quant_scheme()
@@ -43,6 +46,8 @@ def compare_checkpoint(model: str, out: Path, config, *, other_symmetry: bool, m
     if other_symmetry:
         plan += [(algo, not config.symmetric), ("rtn", not config.symmetric)]
     plan = [p for p in plan if p != (algo, config.symmetric)]
+    if not get_algorithm(algo).rtn_baseline:
+        plan = []
     tmp = Path(tempfile.mkdtemp(prefix=".optllm-compare-", dir=out.parent))
     try:
         extra = []
@@ -63,7 +68,7 @@ def compare_checkpoint(model: str, out: Path, config, *, other_symmetry: bool, m
 
         shutil.rmtree(tmp, ignore_errors=True)
     kinds = list(rows[0].ppl_by_kind)
-    labels = [("float", None, None), (f"w{bits}a16-{algo} (this checkpoint)", algo, config.symmetric)]
+    labels = [("float", None, None), (f"{scheme.name} (this checkpoint)", algo, config.symmetric)]
     labels += [(f"w{bits}a16-{a}", a, s) for a, s, _f in extra]
     table = []
     for (label, a, sym), row in zip(labels, rows):

@@ -33,6 +33,11 @@ class FormatCodec:
         """The tensor names decode needs (default: all of them)."""
         return set(self.tensor_names)
 
+    def activation_tensors(self, input_activations: QuantArgs | None) -> set[str]:
+        """The tensor names a quantized linear also holds for its input activations (a static
+        scale), which decode needs too (default: none)."""
+        return set()
+
     def encode(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         """A quantized linear's tensors by tensor name (without the module prefix)."""
         raise NotImplementedError
@@ -56,7 +61,8 @@ class FormatCodec:
         return f"vLLM has no reader for the {self.name!r} format."
 
 
-CODECS: Registry[FormatCodec] = Registry("checkpoint format", builtins=("optllm.formats.pack_quantized",))
+CODECS: Registry[FormatCodec] = Registry("checkpoint format", builtins=("optllm.formats.pack_quantized",
+                                                                 "optllm.formats.float_quantized"))
 
 
 def register_codec(codec: FormatCodec, replace: bool = False) -> FormatCodec:

@@ -1,4 +1,4 @@
-"""Which weight-only integer checkpoints vLLM loads.
+"""Which checkpoints vLLM loads: weight-only integer (pack-quantized) and FP8 (float-quantized).
 
 What vLLM's source says (read for this file; paths under
 vllm/model_executor/layers/quantization/):
@@ -20,6 +20,17 @@ Machete, and fails elsewhere). A recent vLLM main branch lists 2-8 bits in
 WNA16_SUPPORTED_TYPES_MAP for newer kernels; released versions take 4 and 8, and that is the
 rule here. Shape rules (Marlin: a shard's output features % 64, input features % 128) depend
 on the model and the tensor-parallel degree, not on these arguments, so they are not judged.
+
+FP8 (``float-quantized``), from compressed_tensors/compressed_tensors.py: the format is an
+activation-quantization format (`is_activation_quantization_format`), and `_is_fp8_w8a8`
+takes float weights that are symmetric, static and per-tensor or per-channel (recent
+releases also per-block), with float input activations that are either dynamic (any
+strategy: per token here) or static, symmetric and per-tensor. Such a layer is
+CompressedTensorsW8A8Fp8 (schemes/compressed_tensors_w8a8_fp8.py: weight float8_e4m3fn,
+weight_scale, input_scale for static inputs; fused QKV / gate-up shards with static inputs
+share the largest input_scale) on GPUs of compute capability 8.9 and up (Ada, Hopper); on
+older ones (8.0+) vLLM falls back to CompressedTensorsW8A16Fp8 (FP8 Marlin, weight-only:
+the input scales are ignored), so the checkpoint still loads.
 """
 
 from __future__ import annotations
@@ -29,6 +40,19 @@ from .args import QuantArgs
 VLLM_BITS = (4, 8)
 VLLM_ZERO_POINT_BITS = (4,)
 VLLM_GROUP_SIZES = (32, 64, 128)  # or None: per-channel
+
+
+def vllm_fp8_incompatibility(weights: QuantArgs, input_activations: QuantArgs | None) -> str | None:
+    """None when vLLM loads an FP8 W8A8 checkpoint with these arguments, else why not."""
+    if weights.type != "float" or weights.num_bits != 8:
+        return f"vLLM's FP8 path takes 8-bit float weights, not {weights.type} {weights.num_bits}-bit ones."
+    if weights.strategy not in ("tensor", "channel") or weights.dynamic or not weights.symmetric:
+        return "vLLM takes static symmetric FP8 weights per tensor or per channel."
+    if input_activations is None or input_activations.dynamic:
+        return None
+    if input_activations.strategy != "tensor" or not input_activations.symmetric:
+        return "vLLM takes static FP8 input activations only per tensor and symmetric."
+    return None
 
 
 def vllm_incompatibility(args: QuantArgs) -> str | None:

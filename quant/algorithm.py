@@ -69,16 +69,19 @@ class Algorithm:
     algorithm's options dataclass from the run's config (validated on construction: the
     config builds every algorithm's, so a bad value is refused whatever the scheme);
     actorders: the QuantArgs.actorder values the step honours, the first being the one
-    actorder "auto" picks."""
+    actorder "auto" picks; rtn_baseline: whether the pipeline compares the step's blocks with
+    RTN's on the held-out windows (False for a step that is itself round-to-nearest, e.g. on
+    the FP8 grid, which the integer RTN cannot quantize to)."""
 
     name: str
     step: BlockStep
     options: Callable[["QuantizeConfig"], Any] = _no_options
     actorders: tuple[str | None, ...] = (None,)
+    rtn_baseline: bool = True
 
 
 ALGORITHMS: Registry[Algorithm] = Registry(
-    "algorithm", builtins=("optllm.quant.rtn", "optllm.quant.awq", "optllm.quant.gptq"))
+    "algorithm", builtins=("optllm.quant.rtn", "optllm.quant.awq", "optllm.quant.gptq", "optllm.quant.fp8"))
 
 
 def register_algorithm(algorithm: Algorithm, replace: bool = False) -> Algorithm:

@@ -222,7 +222,7 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
     store = activation_store(config, device, act_bytes)
     inputs = capture_block_inputs(hf_model, calib.input_ids, config.batch_size, device, store=store)
     held = capture_block_inputs(hf_model, held_ids, config.batch_size, device, store=store) if n_hold else None
-    compare = held is not None and scheme.algorithm != BASELINE
+    compare = held is not None and scheme.algorithm != BASELINE and algorithm.rtn_baseline
     scale_dtype = parse_dtype(config.dtype)
 
     qweights: dict[str, QuantizedWeight] = {}

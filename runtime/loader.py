@@ -22,11 +22,12 @@ from ..errors import UserError
 from ..formats.codec import get_codec, quantized_tensor_names
 from ..formats.compressed_tensors import REPORT_NAME, is_quantized_folder, read_quantization
 from ..hub.loader import check_architecture, resolve_model
-from .layers.linear_methods import QuantSpec
+from .layers.linear_methods import DenseMethod, QuantSpec, unserved
 from .models.llama import BuildOptions
 from .models.registry import model_class
 
 _SKIPPED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+_DENSE = {"weight", "bias"}  # the tensors of an unquantized module
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,11 @@ def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSou
     quant = None
     if raw.get("quantization_config"):
         q = read_quantization(raw)
-        if q.input_activations is not None:
-            raise UserError(f"{folder}: quantized input activations ({q.format}) are not served yet")
+        why = unserved(q.weights, q.input_activations)
+        if why:
+            raise UserError(f"{folder}: {why} ({q.format})")
         scale_dtype = _dtype_of(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
-        quant = QuantSpec(q.weights, tuple(q.ignore), scale_dtype, quantized_linear, q.format)
+        quant = QuantSpec(q.weights, tuple(q.ignore), scale_dtype, quantized_linear, q.format, q.input_activations)
     clean = {k: v for k, v in raw.items() if k != "quantization_config"}
     if "model_type" not in clean:
         raise UserError(f"{folder / 'config.json'} has no model_type")
@@ -110,8 +112,8 @@ def load_weights(model, folder: Path) -> None:
     modules = dict(model.named_modules())
     pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized modules whose parts straddle files
     quant = _quant_of(model)
-    # a dense model's config: any format's tensor is a quantized module without a config
-    parts_of = quantized_tensor_names() if quant is None else set(get_codec(quant.format).tensor_names)
+    # a dense model's config: any format's tensor but a dense one is a quantized module without a config
+    parts_of = quantized_tensor_names() - _DENSE if quant is None else set(get_codec(quant.format).tensor_names)
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -119,7 +121,9 @@ def load_weights(model, folder: Path) -> None:
                     if name.endswith(_SKIPPED):
                         continue
                     module, _, leaf = name.rpartition(".")
-                    if leaf in parts_of:
+                    # a format's tensor named as a dense one (float-quantized's .weight) is a part
+                    # only of a linear the model quantizes
+                    if leaf in parts_of and (leaf not in _DENSE or _quantized_linear(modules, model, module)):
                         parts = pending.setdefault(module, {})
                         parts[leaf] = sf.get_tensor(name)
                         if _complete(parts, quant):
@@ -173,7 +177,14 @@ def _quant_of(model) -> QuantSpec | None:
 def _complete(parts: dict, quant: QuantSpec | None) -> bool:
     if quant is None:
         return True  # refused by _load_quantized at once
-    return get_codec(quant.format).required(quant.args) <= parts.keys()
+    codec = get_codec(quant.format)
+    return codec.required(quant.args) | codec.activation_tensors(quant.input_activations) <= parts.keys()
+
+
+def _quantized_linear(modules: dict, model, module: str) -> bool:
+    target, _ = _target(modules, model, module)
+    method = getattr(target, "method", None)
+    return method is not None and not isinstance(method, DenseMethod)
 
 
 def _target(modules: dict, model, module: str):
@@ -205,10 +216,17 @@ def _load_quantized(modules, model, module: str, parts: dict, quant: QuantSpec |
         qw = get_codec(quant.format).decode(parts, quant.args)
     except ValueError as e:
         raise UserError(f"{module}: {e}") from None
+    n = qw.shape[0]
     _load_one(modules, model, module, "qweight", qw.q)
-    _load_one(modules, model, module, "scales", qw.scale)
+    # one scale for the whole module (strategy "tensor"): each of its rows gets it, so the
+    # shards of a fused linear keep their own
+    _load_one(modules, model, module, "scales", qw.scale.reshape(1, 1).expand(n, 1)
+              if quant.args.strategy == "tensor" else qw.scale)
     if qw.zero is not None:
         _load_one(modules, model, module, "zeros", qw.zero)
+    input_scale = getattr(qw, "input_scale", None)  # static input activations (per tensor)
+    if input_scale is not None:
+        _load_one(modules, model, module, "input_scale", input_scale.reshape(1).expand(n))
 
 
 def _dtype_of(name: str) -> torch.dtype:

@@ -10,6 +10,12 @@
   quantized weight when the engine is asked to (quantized_linear="dequant"): dequantized
   once at load, exactly as compressed-tensors / vLLM dequantize ((q - zero) * scale in the
   scale's dtype), then dense.
+* FP8Method: compressed-tensors float-quantized W8A8 (E4M3 weights with a per-channel or
+  per-tensor scale; input activations per token at run time, or static per tensor): on
+  CUDA the FP8 GEMM and its activation quantizer (kernels/fp8.py); with the torch backend
+  (CPU) their reference: the activations quantized and dequantized exactly as the kernel's
+  quantizer does, times the dequantized weight, in float32. Activation quantization is part
+  of the scheme, so "dequant" mode runs FP8 checkpoints this way too.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from ...formats.args import QuantArgs
 from ...formats.compressed_tensors import matches
 from ...formats.grid import dequantize
+from ...kernels.fp8 import FP8_DTYPE, FP8Weight, fp8_linear, quantize_fp8_ref
 from ...kernels.gemv import linear as dense_linear
 from ...kernels.w4a16 import W4A16Weight, dequantize_w4a16, prepack_w4a16, w4a16_linear
 
@@ -112,6 +119,56 @@ class W4A16Method(_QuantizedMethod):
         return f"w4a16 g{self.group_size(layer)} ({self.backend})"
 
 
+class FP8Method:
+    """float8_e4m3fn weight [N, K] with a float32 scale per row (a per-tensor checkpoint scale
+    is given to each row of its module, so fused shards keep their own); static inputs: one
+    input scale, the largest of the fused shards' (as vLLM), else per token."""
+
+    def __init__(self, args: QuantArgs, input_activations: QuantArgs | None, scale_dtype: torch.dtype,
+                 backend: str) -> None:
+        self.args, self.scale_dtype, self.backend = args, scale_dtype, backend
+        self.static = input_activations is not None and not input_activations.dynamic
+
+    @staticmethod
+    def takes(args: QuantArgs) -> bool:
+        return args.type == "float" and args.num_bits == 8
+
+    def create_weights(self, layer, device) -> None:
+        n, k = layer.out_features, layer.in_features
+        layer.register_param("qweight", torch.empty(n, k, dtype=FP8_DTYPE, device=device), out_dim=0, in_dim=1)
+        # one scale per row: a row-parallel shard keeps all of them (in_dim None)
+        layer.register_param("scales", torch.empty(n, 1, dtype=self.scale_dtype, device=device), 0, None)
+        if self.static:
+            layer.register_param("input_scale", torch.empty(n, dtype=torch.float32, device=device), 0, None)
+
+    def process_after_loading(self, layer) -> None:
+        w, s = layer.qweight.data, layer.scales.data.float().reshape(-1)
+        xs = layer.input_scale.data.max().reshape(1).float() if self.static else None
+        for name in ("qweight", "scales", "input_scale"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        layer.register_buffer("fp8_weight", w.contiguous())
+        layer.register_buffer("fp8_scale", s.contiguous())
+        layer.register_buffer("fp8_input_scale", xs)
+        if self.backend == "torch":  # the kernels' reference weight: w * w_scale in float32, made once
+            layer.register_buffer("dense", w.float() * s.reshape(-1, 1), persistent=False)
+
+    def apply(self, layer, x, bias):
+        xs = layer.fp8_input_scale
+        if self.backend == "torch":  # = kernels.fp8.fp8_linear_ref, with the weight dequantized once
+            k = layer.in_features
+            xq, x_scale = quantize_fp8_ref(x.reshape(-1, k), xs)
+            y = (xq.float() * x_scale.reshape(-1, 1)) @ layer.dense.t()
+            if bias is not None:
+                y = y + bias.float()
+            return y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+        return fp8_linear(x, FP8Weight(layer.fp8_weight, layer.fp8_scale), xs, bias, backend="triton")
+
+    def describe(self, layer) -> str:
+        acts = "static per-tensor" if self.static else "dynamic per-token"
+        return f"fp8 w8a8 ({self.args.strategy} weights, {acts} activations, {self.backend})"
+
+
 def kernel_takes(args: QuantArgs, in_features: int) -> bool:
     """Whether the W4A16 kernels run this weight (else it is dequantized at load)."""
     g = args.group_size or in_features
@@ -122,17 +179,31 @@ def kernel_takes(args: QuantArgs, in_features: int) -> bool:
 class QuantSpec:
     """What a compressed-tensors checkpoint says about its linears: the weight args, the
     modules left unquantized (compressed-tensors ``ignore``), the dtype scales are stored
-    in, whether to run int4 on the kernels or dequantize everything at load, and the format
-    whose codec (formats/codec.py) reads the quantized tensors."""
+    in, whether to run int4 on the kernels or dequantize everything at load, the format
+    whose codec (formats/codec.py) reads the quantized tensors, and the input activations'
+    arguments (None: weight-only)."""
 
     args: QuantArgs
     ignore: tuple[str, ...]
     scale_dtype: torch.dtype
     mode: str = "kernel"
     format: str = "pack-quantized"
+    input_activations: QuantArgs | None = None  # None: weight-only
 
     def is_quantized(self, hf_name: str) -> bool:
         return not matches(hf_name, self.ignore)
+
+
+def unserved(weights: QuantArgs, input_activations: QuantArgs | None) -> str | None:
+    """None when the runtime runs linears quantized so, else why not (one sentence)."""
+    if FP8Method.takes(weights):
+        return None if input_activations is not None else "FP8 weight-only (W8A16) linears are not served yet"
+    if weights.type != "int":
+        return f"{weights.type} {weights.num_bits}-bit weights are not served yet"
+    if input_activations is not None:
+        return f"quantized input activations ({input_activations.type} {input_activations.num_bits}-bit) " \
+               "with integer weights are not served yet"
+    return None
 
 
 def linear_method(quant: QuantSpec | None, hf_names: list[str], in_features: int, backend: str):
@@ -144,6 +215,8 @@ def linear_method(quant: QuantSpec | None, hf_names: list[str], in_features: int
         raise ValueError(f"{', '.join(hf_names)} are fused into one linear but only some are quantized")
     if not flags.pop():
         return DenseMethod()
+    if FP8Method.takes(quant.args):
+        return FP8Method(quant.args, quant.input_activations, quant.scale_dtype, backend)
     if quant.mode == "kernel" and kernel_takes(quant.args, in_features):
         return W4A16Method(quant.args, quant.scale_dtype, backend)
     return DequantMethod(quant.args, quant.scale_dtype)

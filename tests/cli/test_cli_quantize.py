@@ -31,3 +31,15 @@ def test_quantize_recipe_null_group_size_is_one_line(tiny_llama, tmp_path):
     lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert lines[0].startswith("error: group_size: null is ambiguous; write 'channel'")
+
+
+def test_quantize_fp8_compares_with_the_float_model_only(tiny_llama, tmp_path):
+    """FP8 has no integer-RTN counterpart: its closing comparison is beside the float model
+    only, labelled with the scheme's own name, and the vLLM line names its format."""
+    r = run("quantize", str(tiny_llama), "--scheme", "fp8-dynamic", "--compare-windows", "1",
+            "--out", str(tmp_path / "q"))
+    assert r.returncode == 0, r.stderr
+    assert "fp8-dynamic (this checkpoint)" in r.stdout and "rtn" not in r.stdout.lower()
+    assert "vLLM: loads this checkpoint (compressed-tensors float-quantized)." in r.stdout
+    rows = json.loads((tmp_path / "q" / "optllm-report.json").read_text())["comparison"]["rows"]
+    assert [x["label"] for x in rows] == ["float", "fp8-dynamic (this checkpoint)"]

@@ -27,7 +27,7 @@ def _qweight(args: QuantArgs, n=16, k=64, seed=0) -> QuantizedWeight:
 
 def test_unknown_format_is_one_error_listing_the_registered_ones():
     assert "pack-quantized" in CODECS.names()
-    with pytest.raises(UserError, match=r"^unknown checkpoint format 'marlin-24'; allowed: pack-quantized"):
+    with pytest.raises(UserError, match=r"^unknown checkpoint format 'marlin-24'; allowed: .*pack-quantized"):
         get_codec("marlin-24")
     cfg = {"quantization_config": {**quantization_config(QuantArgs(4, 32), ["Linear"], []), "format": "marlin-24"}}
     with pytest.raises(UserError, match="unknown checkpoint format 'marlin-24'"):
