@@ -21,7 +21,7 @@ export OPTLLM_COMMIT=${OPTLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null |
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 [ "${TESTS:-1}" = 0 ] || timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider \
   ${TEST_PATHS:-tests/kernels/test_paged_attention.py tests/kernels/test_rmsnorm.py tests/kernels/test_rotary.py \
-  tests/kernels/test_activation.py tests/kernels/test_gemv.py tests/runtime} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  tests/kernels/test_activation.py tests/kernels/test_gemv.py tests/kernels/test_fp8.py tests/runtime tests/quant/test_fp8_scheme.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 # the dense decode GEMV against cuBLAS at M = 1 (fills kernels/gemv.py's table): TUNE_GEMV=1; the
 # cases below then run with the table it found (OPTLLM_GEMV_TABLE)
 if [ "${TUNE_GEMV:-0}" = 1 ]; then
