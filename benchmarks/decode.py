@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from optllm.benchmarks.common import BW, LLAMA3_8B, SMOLLM2, provenance, shape_folder
+from optllm.eval.speed import weight_bytes as step_bytes  # what one decode step reads
 
 
 def log(*a):
@@ -50,21 +51,6 @@ def hf_model(cfg: dict):
     for p in m.parameters():
         p.data.normal_(0, 0.02)
     return m
-
-
-def step_bytes(llm) -> int:
-    """Weight bytes one decode step reads (the embedding table only when tied to the LM head)."""
-    model = llm.engine.runner.model
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    seen, total = set(), 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or "cos_sin_cache" in name or name.endswith("locks"):
-            continue
-        seen.add(id(t))
-        if "embed_tokens" in name and not tied:
-            continue
-        total += t.numel() * t.element_size()
-    return total
 
 
 # ----------------------------------------------------------------------------- timing
