@@ -169,6 +169,8 @@ def eval_cmd(
     output_len: Optional[int] = typer.Option(None, help="--speed: output tokens per request [128; CPU 32]"),
     bandwidth: Optional[float] = typer.Option(None, help="--speed: memory bandwidth in GB/s for the roofline "
                                               "[known GPUs: H200 4270]"),
+    compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
+                                           "thresholds are marked as regressions"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),
 ) -> None:
     """Measure checkpoints side by side and write one report (the first model is the baseline)."""
@@ -177,6 +179,10 @@ def eval_cmd(
     from ..hub.loader import resolve_device
 
     try:
+        if compare is not None:
+            from ..eval.compare import load_report
+
+            old_rows = load_report(compare)
         want_ppl, task_names = (ppl if ppl is not None else not speed), []
         if tasks is not None:
             from ..eval.harness import parse_tasks
@@ -226,8 +232,16 @@ def eval_cmd(
         typer.echo(tasks_table(rows))
     if speed:
         typer.echo(speed_table(rows))
+    diffs, diffs_md = None, ""
+    if compare is not None:
+        from ..eval.compare import compare as compare_rows
+        from ..eval.compare import compare_table
+
+        diffs = compare_rows(rows, old_rows)
+        diffs_md = compare_table(diffs, str(compare))
+        typer.echo(diffs_md or f"nothing in common with {compare} (no model measured the same way)")
     if out is not None:
-        write_report(rows, out)
+        write_report(rows, out, comparison=diffs, comparison_md=diffs_md)
         typer.echo(f"report written to {out}")
 
 

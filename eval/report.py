@@ -108,9 +108,11 @@ def speed_intro(rows: list) -> str:
             f"token; TTFT: arrival to first token; ITL: between consecutive tokens of a request; {roof}.\n\n")
 
 
-def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval") -> Path:
+def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval", comparison: list | None = None,
+                 comparison_md: str = "") -> Path:
     """Write report.md, report.json and the plots whose data the rows carry (see the module
-    docstring) into out_dir (atomically, via a temp folder)."""
+    docstring) into out_dir (atomically, via a temp folder); with a comparison against an
+    earlier report (eval/compare.py), its table in report.md and its entries in compare.json."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -136,6 +138,9 @@ def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval") ->
         _plot_latency(rows, tmp / "latency.png")
         md += ("\n## Speed\n\n" + speed_intro(rows) + speed + "\n![tok/s against batch size](speed.png)\n\n"
                "![TTFT and ITL percentiles](latency.png)\n")
+    if comparison is not None:
+        md += "\n## Compared with an earlier run\n\n" + (comparison_md or "No measurement in common.\n")
+        (tmp / "compare.json").write_text(json.dumps(comparison, indent=2) + "\n")
     (tmp / "report.md").write_text(md)
     (tmp / "report.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     if out.exists():

@@ -227,3 +227,25 @@ def test_eval_bad_speed_options_are_one_line(tiny_llama):
     _one_clear_line(run("eval", str(tiny_llama), "--ppl", "--speed", "--output-len", "1", "--device", "cpu"),
                     "--output-len 1 is not allowed; allowed: an integer >= 2")
     _one_clear_line(run("eval", str(tiny_llama), "--speed", "--bandwidth", "-5", "--device", "cpu"), "--bandwidth")
+
+
+def test_eval_compare_marks_regressions_against_an_earlier_report(tiny_llama, tmp_path):
+    import json
+
+    args = ("eval", str(tiny_llama), "--ppl", "--kinds", "docs", "--seq-len", "32", "--max-windows", "1")
+    r = run(*args, "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    r = run(*args, "--compare", str(tmp_path / "a" / "report.json"), "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    assert "0 regression(s)" in r.stdout  # the same model, the same windows
+    assert "## Compared with an earlier run" in (tmp_path / "b" / "report.md").read_text()
+    # an earlier run that was better: marked
+    old = json.loads((tmp_path / "a" / "report.json").read_text())
+    old[0]["ppl_by_kind"]["docs"] *= 0.9
+    (tmp_path / "better.json").write_text(json.dumps(old))
+    r = run(*args, "--compare", str(tmp_path / "better.json"), "--out", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    assert "1 regression(s)" in r.stdout
+    (entry,) = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert entry["measure"] == "ppl docs" and entry["regression"] is True
+    _one_clear_line(run(*args, "--compare", str(tmp_path / "nope.json")), "no such file")
