@@ -174,7 +174,7 @@ def eval_cmd(
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),
 ) -> None:
     """Measure checkpoints side by side and write one report (the first model is the baseline)."""
-    from ..eval.evaluate import EvalRow, evaluate_ppl, parse_kinds, read_texts
+    from ..eval.evaluate import add_results, evaluate_ppl, parse_kinds, read_texts
     from ..eval.report import markdown_table, speed_table, tasks_table, write_report
     from ..hub.loader import resolve_device
 
@@ -195,11 +195,11 @@ def eval_cmd(
         texts = read_texts(text or [], taken=kind_list)
         dev = str(resolve_device(device))
         if speed:
-            from ..eval.speed import evaluate_speed, speed_shape
+            from ..eval.speed import check_bandwidth, evaluate_speed, speed_shape
 
-            if bandwidth is not None and not bandwidth > 0:
-                _fail(f"--bandwidth {bandwidth:g} is not allowed; allowed: a number of GB/s > 0")
-            shape = speed_shape(dev, batch_sizes, prompt_len, output_len)  # checked before any model loads
+            # checked before any model loads
+            bandwidth_bytes = check_bandwidth(None if bandwidth is None else bandwidth * 1e9)
+            shape = speed_shape(dev, batch_sizes, prompt_len, output_len)
         rows = []
         if want_ppl:
             rows = evaluate_ppl(models, kinds=kind_list, texts=texts, seq_len=seq_len, max_windows=max_windows,
@@ -209,21 +209,11 @@ def eval_cmd(
 
             results = evaluate_tasks(models, task_names, include_path or [], limit=limit, num_fewshot=num_fewshot,
                                      device=dev, dtype=dtype)
-            if not rows:
-                nan = float("nan")
-                rows = [EvalRow(m, r["scheme"], nan, nan, 0, 0, 0.0) for m, r in zip(models, results)]
-            for row, r in zip(rows, results):
-                row.tasks, row.task_main = r["tasks"], {t: list(mv) for t, mv in r["main"].items()}
-                row.seconds += r["seconds"]
+            rows = add_results(rows, models, results, lambda r: dict(
+                tasks=r["tasks"], task_main={t: list(mv) for t, mv in r["main"].items()}))
         if speed:
-            results = evaluate_speed(models, *shape, device=dev, dtype=dtype,
-                                     bandwidth=None if bandwidth is None else bandwidth * 1e9)
-            if not rows:
-                nan = float("nan")
-                rows = [EvalRow(m, r["scheme"], nan, nan, 0, 0, 0.0) for m, r in zip(models, results)]
-            for row, r in zip(rows, results):
-                row.speed = r["speed"]
-                row.seconds += r["seconds"]
+            results = evaluate_speed(models, *shape, device=dev, dtype=dtype, bandwidth=bandwidth_bytes)
+            rows = add_results(rows, models, results, lambda r: dict(speed=r["speed"]))
     except (UserError, ValueError) as e:
         _fail(str(e))
     if want_ppl:

@@ -50,6 +50,20 @@ class EvalRow:
     speed: list[dict] = field(default_factory=list)
 
 
+def add_results(rows: list[EvalRow], models: Sequence[str], results: Sequence[dict], fields) -> list[EvalRow]:
+    """rows (one per model, or [] when no perplexity was measured: then made here, from each
+    result's "scheme") with each model's result added: fields(result) -> {EvalRow field:
+    value}, and its "seconds" added to the row's."""
+    if not rows:
+        nan = float("nan")
+        rows = [EvalRow(m, r["scheme"], nan, nan, 0, 0, 0.0) for m, r in zip(models, results)]
+    for row, r in zip(rows, results):
+        for name, value in fields(r).items():
+            setattr(row, name, value)
+        row.seconds += r["seconds"]
+    return rows
+
+
 def parse_kinds(kinds: str | Sequence[str] | None) -> tuple[str, ...]:
     """Built-in text kinds from a comma-separated string or a sequence (None: all of KINDS);
     UserError naming the allowed kinds on an unknown one."""

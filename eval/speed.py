@@ -258,8 +258,7 @@ def evaluate_speed(models: Sequence[str], batch_sizes: Sequence[int] | str | Non
     measurement}]. Arguments are checked before any model loads."""
     sizes, prompt_len, output_len = speed_shape(device, batch_sizes, prompt_len, output_len)
     _check_int("reps", reps, 1)
-    if bandwidth is not None and not bandwidth > 0:
-        raise UserError(f"--bandwidth {bandwidth / 1e9:g} is not allowed; allowed: a number of GB/s > 0")
+    check_bandwidth(bandwidth)
     out = []
     for name in models:
         t0 = time.perf_counter()
@@ -273,6 +272,14 @@ def evaluate_speed(models: Sequence[str], batch_sizes: Sequence[int] | str | Non
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
+
+
+def check_bandwidth(bandwidth: float | None) -> float | None:
+    """bandwidth (bytes/s, None: not given) as given; UserError (in GB/s, as --bandwidth
+    takes it) unless it is > 0."""
+    if bandwidth is not None and not bandwidth > 0:
+        raise UserError(f"--bandwidth {bandwidth / 1e9:g} is not allowed; allowed: a number of GB/s > 0")
+    return bandwidth
 
 
 def _check_int(name: str, v, low: int) -> None:

@@ -73,14 +73,17 @@ def hf_greedy(folder, prompts, new, dtype=torch.float32):
     return outs
 
 
-def hf_prompt_logprobs(folder, prompt):
+def hf_prompt_logprobs(folder, prompts):
+    """Per prompt, HF's float32 log-prob of each token after the first (the model loaded once)."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    out = []
     with torch.no_grad():
-        logits = m(torch.tensor([prompt], device="cuda")).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    return torch.tensor([float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))])
+        for prompt in prompts:
+            lp = torch.log_softmax(m(torch.tensor([prompt], device="cuda")).logits[0].float(), -1)
+            out.append(torch.tensor([float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]))
+    return out
 
 
 @pytest.mark.parametrize("arch", ("llama", "qwen3"))
@@ -90,10 +93,10 @@ def test_greedy_equals_hf_on_cuda_float32(arch, tiny_models):
     outs = llm.generate(PROMPTS, greedy())
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, PROMPTS, 24)
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    for p in PROMPTS:
+    for p, ref in zip(PROMPTS, hf_prompt_logprobs(folder, PROMPTS)):
         out = llm.generate([p], sp)[0]
         lp = torch.tensor([out.prompt_logprobs[i][p[i]] for i in range(1, len(p))])
-        assert float((lp - hf_prompt_logprobs(folder, p)).abs().max()) < 1e-4
+        assert float((lp - ref).abs().max()) < 1e-4
 
 
 @pytest.fixture(scope="module")
