@@ -347,6 +347,8 @@ def serve(
     log_prompts: bool = typer.Option(False, "--log-prompts", help="put prompts in the request log"),
     max_body_mb: float = typer.Option(8.0, help="larger request bodies get 413"),
     shutdown_timeout: float = typer.Option(30.0, help="seconds in-flight requests get after SIGTERM"),
+    engine_process: bool = typer.Option(True, help="run the engine in a process of its own (--no-engine-process: "
+                                                   "on a thread of the server's, sharing its GIL: slower under load)"),
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
     kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, load_format: str = _LOAD,
     gpu_memory_utilization: float = _GPU_MEM,
@@ -362,7 +364,7 @@ def serve(
                                                                       enforce_eager, gpu_memory_utilization))
         server = ServerConfig(served_model_name or model, api_key or None, int(max_body_mb * 2**20), log_prompts,
                               shutdown_timeout)
-        run(engine, server, host, port, shutdown_timeout)
+        run(engine, server, host, port, shutdown_timeout, engine_process)
     except (UserError, ValueError) as e:
         _fail(str(e))
 

@@ -71,6 +71,14 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Finish what is in flight (abort it if `timeout` seconds pass), then stop the thread."""
         self._submit(("drain", timeout))

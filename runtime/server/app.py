@@ -123,7 +123,7 @@ def build_app(engine, cfg: ServerConfig):
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -133,7 +133,7 @@ def build_app(engine, cfg: ServerConfig):
     async def models(request: Request):
         authorize(request)
         card = {"id": cfg.served_model_name, "object": "model", "created": started, "owned_by": "optllm",
-                "max_model_len": engine.engine.max_model_len}
+                "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")

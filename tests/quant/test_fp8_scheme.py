@@ -138,8 +138,15 @@ def test_fp8_with_a_group_size_is_one_line(tiny_llama, tmp_path):
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8"])
 def test_gpu_kernels_match_the_cpu_reference(scheme, fp8_checkpoints):
     """On CUDA the checkpoint runs through the FP8 GEMM and its activation quantizer (float32
-    activations here, as on the CPU): prompt log-probs within 2e-3 of the CPU reference."""
+    activations here, as on the CPU): prompt log-probs close to the CPU reference. Not equal:
+    Hopper's FP8 MMA sums in its own order and precision, and a 1e-6 difference in one layer's
+    output can move an activation across an E4M3 rounding boundary in the next (one step is
+    1/16 relative), which shows downstream as up to ~5e-3 in a log-prob (H200, 2026-12-02: max
+    4.7e-3, mean about 1e-3 for fp8-dynamic, a fifth of that for fp8). The bounds still catch
+    wiring faults: every weight scale off by 10% moves the log-probs by 0.016 on average (the
+    module's note above); a wrong layout or a missing input scale, by far more."""
     outs = LLM(str(fp8_checkpoints / scheme), device="cuda", dtype="float32", num_kv_blocks=64).generate(PROMPTS,
                                                                                                           PARAMS)
     gpu = torch.tensor([next(iter(d.values())) for o in outs for d in o.prompt_logprobs[1:]])
-    assert (gpu - prompt_logprobs(fp8_checkpoints / scheme)).abs().max() < 2e-3
+    diff = (gpu - prompt_logprobs(fp8_checkpoints / scheme)).abs()
+    assert diff.mean() < 3e-3 and diff.max() < 1.5e-2, (diff.mean(), diff.max())

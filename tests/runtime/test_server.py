@@ -237,6 +237,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
 def test_sigterm_finishes_in_flight_work_and_exits_0(tiny_llama):
     proc, base = start(tiny_llama, "--log-prompts", key=None)
     try:
+        engine = engine_pid(proc.pid)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(post, base + "/v1/completions", {"prompt": "secret words", "max_tokens": 64,
                                                                "ignore_eos": True})
@@ -245,11 +246,73 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(tiny_llama):
             status, body = fut.result(timeout=60)
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
+        assert gone(engine, 10)
         err = proc.stderr.read()
         assert "POST /v1/completions 200" in err and "secret words" in err  # one line, with --log-prompts
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def engine_pid(pid: int) -> int:
+    """The pid of the server's engine process: its child that multiprocessing spawned (not
+    multiprocessing's resource tracker), from Linux's /proc."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as c:
+                    cmd = c.read()
+                if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                    found.append(int(child))
+    (engine,) = found
+    return engine
+
+
+def gone(pid: int, seconds: float) -> bool:
+    for _ in range(int(seconds * 10)):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie: exited, its parent has not reaped it yet
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_dead_engine_process_is_reported_and_the_server_still_stops_cleanly(tiny_llama):
+    """The engine runs in a child process: killed, /health says 503, requests get a JSON 500
+    (no traceback), and SIGTERM still exits 0."""
+    proc, base = start(tiny_llama, key=None)
+    try:
+        engine = engine_pid(proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        for _ in range(100):
+            if get(base + "/health")[0] == 503:
+                break
+            time.sleep(0.1)
+        assert get(base + "/health")[0] == 503
+        status, body = post(base + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 500 and set(body["error"]) == {"message", "type", "param", "code"}
+        assert "Traceback" not in json.dumps(body)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_engine_process_does_not_outlive_a_killed_server(tiny_llama):
+    proc, _ = start(tiny_llama, key=None)
+    engine = engine_pid(proc.pid)
+    proc.kill()
+    proc.wait()
+    assert gone(engine, 30), "the engine process kept running after its server was killed"
 
 
 def test_prompts_stay_out_of_the_log_by_default(server, client):
