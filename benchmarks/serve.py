@@ -13,6 +13,10 @@ the model's shape), sent as token-id prompts to /v1/completions with stream=true
 `--clients` concurrent clients (threads, http.client: the standard library only, so the
 GPU machine needs nothing installed). Reports output tok/s both ways and their ratio, TTFT
 and inter-token latency p50 / p99 seen by the clients, in a table, JSON and Markdown.
+--repeats R measures the same-concurrency offline run and the server R times, alternately
+(the ratio is taken per round: a slow spell of a shared machine then hits both sides);
+--profile-s S records S seconds of the first server run's two processes (server and
+engine) with py-spy, when it is installed, to profile_server.txt / profile_engine.txt.
 """
 
 from __future__ import annotations
@@ -96,7 +100,35 @@ def one_request(port: int, prompt: list[int], out_len: int) -> dict:
     return dict(ttft=first, gaps=gaps, tokens=tokens)
 
 
-def through_server(folder, prompts, outs, clients: int, engine_args: dict) -> dict:
+def engine_pid(server_pid: int) -> int | None:
+    """The server's engine process (the child multiprocessing spawned), from Linux's /proc."""
+    for task in os.listdir(f"/proc/{server_pid}/task"):
+        with open(f"/proc/{server_pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as c:
+                    cmd = c.read()
+                if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                    return int(child)
+    return None
+
+
+def profile(pids: dict, seconds: int, out: Path) -> list:
+    """py-spy (if installed) on each process for `seconds`, in the background: raw stacks
+    with idle time, per thread, to out/profile_NAME.txt."""
+    import shutil
+
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return []
+    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "200",
+                              "--format", "raw", "--idle", "--threads", "--nonblocking",
+                              "-o", str(out / f"profile_{name}.txt")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.STDOUT)
+            for name, pid in pids.items() if pid is not None]
+
+
+def through_server(folder, prompts, outs, clients: int, engine_args: dict, profile_s: int = 0,
+                   out: Path | None = None) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "optllm", "serve", str(folder), "--port", str(port), "--load-format", "dummy"]
     for k, v in engine_args.items():
@@ -132,12 +164,15 @@ def through_server(folder, prompts, outs, clients: int, engine_args: dict) -> di
                 results[i] = one_request(port, prompts[i], outs[i])
 
         threads = [threading.Thread(target=client) for _ in range(clients)]
+        spies = profile({"server": proc.pid, "engine": engine_pid(proc.pid)}, profile_s, out) if profile_s else []
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         dt = time.perf_counter() - t0
+        for spy in spies:
+            spy.wait(timeout=60)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -158,6 +193,11 @@ def main():
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--root", type=Path, default=Path("/tmp/optllm-bench"))
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure offline (same concurrency) and the server this many times, alternately")
+    ap.add_argument("--no-all-at-once", action="store_true", help="skip the offline run with max_num_seqs 256")
+    ap.add_argument("--profile-s", type=int, default=0,
+                    help="py-spy the server and engine processes for this many seconds of the first server run")
     a = ap.parse_args()
     cfg = LLAMA3_8B if a.model == "8b" else SMOLLM2
     folder = shape_folder(a.root, f"{a.model}-shape", cfg)
@@ -165,26 +205,32 @@ def main():
     engine_args = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048, device=a.device)
     info = provenance()
     print(json.dumps(info), flush=True)
-    off = offline(folder, prompts, outs, engine_args)
+    off = None if a.no_all_at_once else offline(folder, prompts, outs, engine_args)
     print(json.dumps(dict(offline=off)), flush=True)
-    matched = offline(folder, prompts, outs, {**engine_args, "max_num_seqs": a.clients})
-    print(json.dumps(dict(offline_matched=matched)), flush=True)
-    srv = through_server(folder, prompts, outs, a.clients, engine_args)
-    print(json.dumps(dict(server=srv)), flush=True)
-    ms = lambda v: "–" if v is None else f"{1000 * v:.1f}"  # noqa: E731
-    table = ("| path | requests | output tokens | s | tok/s | vs offline, same concurrency | TTFT p50 / p99 ms "
-             "| ITL p50 / p99 ms |\n"
-             "|---|---|---|---|---|---|---|---|\n"
-             f"| LLM.generate, all at once | {a.requests} | {off['tokens']} | {off['s']:.2f} | {off['tok_s']:.1f} | "
-             f"{off['tok_s'] / matched['tok_s']:.2f} | – | – |\n"
-             f"| LLM.generate, max_num_seqs {a.clients} | {a.requests} | {matched['tokens']} | {matched['s']:.2f} | "
-             f"{matched['tok_s']:.1f} | 1.00 | – | – |\n"
-             f"| optllm serve, {a.clients} clients | {a.requests} | {srv['tokens']} | {srv['s']:.2f} | "
-             f"{srv['tok_s']:.1f} | {srv['tok_s'] / matched['tok_s']:.2f} | "
-             f"{ms(srv['ttft_p50'])} / {ms(srv['ttft_p99'])} | {ms(srv['itl_p50'])} / {ms(srv['itl_p99'])} |\n")
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "serve.json").write_text(json.dumps(dict(info=info, offline=off, offline_matched=matched, server=srv),
-                                                  indent=1))
+    pairs = []
+    for r in range(a.repeats):  # alternately, so that a slow spell of the machine hits both sides
+        matched = offline(folder, prompts, outs, {**engine_args, "max_num_seqs": a.clients})
+        print(json.dumps(dict(offline_matched=matched)), flush=True)
+        srv = through_server(folder, prompts, outs, a.clients, engine_args, a.profile_s if r == 0 else 0, a.out)
+        print(json.dumps(dict(server=srv)), flush=True)
+        pairs.append((matched, srv))
+    ms = lambda v: "–" if v is None else f"{1000 * v:.1f}"  # noqa: E731
+    table = ("| path | run | requests | output tokens | s | tok/s | vs offline, same concurrency, same round "
+             "| TTFT p50 / p99 ms | ITL p50 / p99 ms |\n|---|---|---|---|---|---|---|---|---|\n")
+    if off is not None:
+        table += (f"| LLM.generate, all at once | – | {a.requests} | {off['tokens']} | {off['s']:.2f} | "
+                  f"{off['tok_s']:.1f} | {off['tok_s'] / pairs[0][0]['tok_s']:.2f} | – | – |\n")
+    for r, (matched, srv) in enumerate(pairs, 1):
+        table += (f"| LLM.generate, max_num_seqs {a.clients} | {r} | {a.requests} | {matched['tokens']} | "
+                  f"{matched['s']:.2f} | {matched['tok_s']:.1f} | 1.00 | – | – |\n"
+                  f"| optllm serve, {a.clients} clients | {r} | {a.requests} | {srv['tokens']} | {srv['s']:.2f} | "
+                  f"{srv['tok_s']:.1f} | {srv['tok_s'] / matched['tok_s']:.2f} | "
+                  f"{ms(srv['ttft_p50'])} / {ms(srv['ttft_p99'])} | {ms(srv['itl_p50'])} / {ms(srv['itl_p99'])} |\n")
+    ratios = sorted(s_['tok_s'] / m['tok_s'] for m, s_ in pairs)
+    table += f"\nserver / offline at the same concurrency, per round: {', '.join(f'{x:.3f}' for x in ratios)}\n"
+    (a.out / "serve.json").write_text(json.dumps(dict(info=info, offline=off, rounds=[
+        dict(offline_matched=m, server=s_) for m, s_ in pairs]), indent=1))
     md = "\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n\n" + table
     (a.out / "serve.md").write_text(md)
     print(md)

@@ -30,6 +30,7 @@ when the pipe closes, so it never outlives a server killed outright.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing as mp
 import queue
@@ -105,6 +106,10 @@ def _engine_main(config: EngineConfig, conn) -> None:
     except BaseException as e:  # noqa: BLE001 -- reported to the server, which raises it
         conn.send(("failed", "".join(traceback.format_exception(e)).strip(), False))
         return
+    # the model's and the libraries' objects live as long as the process: move them out of
+    # the collector's way, so the collections that a step's short-lived outputs trigger stay short
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", dict(folder=str(engine.source.folder), max_model_len=engine.max_model_len,
                              stats=engine.stats())))
     try:
