@@ -1,0 +1,399 @@
+"""Token trees for speculative decoding: static trees (Medusa) and EAGLE-2 dynamic trees.
+
+A tree of N nodes is its parent list. Node 0 is the root: the sequence's last token, already
+sampled, whose KV the verify step computes at position context_len (= num_computed_tokens).
+Nodes 1..N-1 are draft tokens, each a child of an earlier node (0 <= parents[i] < i, so index
+order is a topological order and a node's siblings are ordered by index). Node i sits at
+position context_len + depth(i); in the verify step its KV goes to the cache slot of position
+context_len + i (tree order; kernels/tree_attention.py reads it there), and the target's
+logits at node i score the token that follows node i.
+
+Attention mask: node i sees node j iff j is i or an ancestor of i (the context before the
+root is visible to every node). Retrieval indices: each root-to-leaf path as node indices.
+
+``TokenTree`` is one tree on the host (plain tuples); ``TreeBatch`` is B trees padded to one
+node count as tensors, built with tensor ops only (no host sync unless asked to validate),
+so an engine can build it on the device. ``StaticTree`` turns Medusa choices into a tree and
+fills its tokens from the heads' top-k; ``DynamicTreeBuilder`` grows EAGLE-2 trees from the
+draft's log-probabilities for a batch at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+# --------------------------------------------------------------------------- one tree
+@dataclass(frozen=True)
+class TokenTree:
+    """One tree's shape: parents[0] == -1 (the root), 0 <= parents[i] < i for i >= 1."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        p = tuple(self.parents)
+        if not p or p[0] != -1:
+            raise ValueError(f"parents={p!r} is not allowed; allowed: a non-empty sequence starting with -1 (the root)")
+        for i, x in enumerate(p[1:], 1):
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < i:
+                raise ValueError(f"parents[{i}]={x!r} is not allowed; allowed: an integer in 0..{i - 1} "
+                                 "(an earlier node)")
+        object.__setattr__(self, "parents", p)
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Edges from the root to each node (the root: 0)."""
+        d = [0] * self.size
+        for i in range(1, self.size):
+            d[i] = d[self.parents[i]] + 1
+        return tuple(d)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    @functools.cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Each node's children in index order."""
+        ch: list[list[int]] = [[] for _ in range(self.size)]
+        for i in range(1, self.size):
+            ch[self.parents[i]].append(i)
+        return tuple(tuple(c) for c in ch)
+
+    @property
+    def leaves(self) -> tuple[int, ...]:
+        """Nodes without children, ascending (the root alone is a leaf of a one-node tree)."""
+        return tuple(i for i, c in enumerate(self.children) if not c)
+
+    def path(self, node: int) -> tuple[int, ...]:
+        """Node indices from the root to ``node``, both included."""
+        out = [node]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return tuple(reversed(out))
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """The root-to-leaf paths, one per leaf in leaf order."""
+        return [self.path(leaf) for leaf in self.leaves]
+
+    def positions(self, context_len: int) -> list[int]:
+        """Each node's position: context_len + depth."""
+        return [context_len + d for d in self.depths]
+
+    def attention_mask(self, device=None) -> torch.Tensor:
+        """bool [N, N]: mask[i, j] iff j is i or an ancestor of i."""
+        m = torch.zeros(self.size, self.size, dtype=torch.bool)
+        for i in range(self.size):
+            m[i, list(self.path(i))] = True
+        return m.to(device) if device is not None else m
+
+    def retrieval_indices(self, device=None) -> torch.Tensor:
+        """int64 [num_leaves, max_depth + 1]: row r = the path to leaf r, padded with -1."""
+        paths = self.paths()
+        out = torch.full((len(paths), self.max_depth + 1), -1, dtype=torch.int64)
+        for r, p in enumerate(paths):
+            out[r, :len(p)] = torch.tensor(p)
+        return out.to(device) if device is not None else out
+
+
+# --------------------------------------------------------------------------- a batch of trees
+@dataclass(frozen=True)
+class TreeBatch:
+    """B trees padded to N nodes (N = the largest). Padding nodes (index >= sizes[b]) have
+    parent -1, depth 0, token 0, no mask entries, and are neither leaves nor children.
+
+    tokens int64 [B, N] (node 0: the root token); parents int64 [B, N]; sizes int64 [B];
+    depths int64 [B, N]; mask bool [B, N, N] (node i sees node j); paths int64 [B, N, N]:
+    paths[b, i, d] = the node at depth d on the root-to-i path, -1 past depth(i);
+    leaves bool [B, N]; first_child / next_sibling int64 [B, N] (-1: none), siblings in
+    index order.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    sizes: torch.Tensor
+    depths: torch.Tensor
+    mask: torch.Tensor
+    paths: torch.Tensor
+    leaves: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        """N, the padded node count."""
+        return self.tokens.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """bool [B, N]: real nodes."""
+        return torch.arange(self.num_nodes, device=self.sizes.device)[None, :] < self.sizes[:, None]
+
+    def positions(self, context_lens: torch.Tensor) -> torch.Tensor:
+        """int64 [B, N]: context_lens[b] + depth (padding nodes: context_lens[b])."""
+        return context_lens.to(self.depths.device, torch.int64)[:, None] + self.depths
+
+    def retrieval_indices(self, b: int) -> torch.Tensor:
+        """Tree b's root-to-leaf paths, int64 [num_leaves, max_depth + 1] padded with -1 (host sync)."""
+        rows = self.paths[b][self.leaves[b]]
+        width = int(self.depths[b].max()) + 1
+        return rows[:, :width]
+
+    @staticmethod
+    def build(tokens: torch.Tensor, parents: torch.Tensor, sizes: Optional[torch.Tensor] = None, *,
+              validate: bool = True) -> TreeBatch:
+        """A TreeBatch from tokens / parents int64 [B, N] (entries past sizes[b] are ignored;
+        sizes None: all N). Tensor ops only; validate=True checks the parents (one host sync):
+        parents[b, 0] == -1 and 0 <= parents[b, i] < i for 1 <= i < sizes[b]."""
+        if tokens.dim() != 2 or parents.shape != tokens.shape:
+            raise ValueError(f"tokens, parents: must be two [B, N] tensors, got {tuple(tokens.shape)} and "
+                             f"{tuple(parents.shape)}")
+        bsz, n = tokens.shape
+        dev = tokens.device
+        if n == 0:
+            raise ValueError("tokens: a tree has at least its root (N >= 1)")
+        if sizes is None:
+            sizes = torch.full((bsz,), n, dtype=torch.int64, device=dev)
+        sizes = sizes.to(dev, torch.int64)
+        if sizes.shape != (bsz,):
+            raise ValueError(f"sizes: must have shape ({bsz},), got {tuple(sizes.shape)}")
+        idx = torch.arange(n, device=dev)
+        valid = idx[None, :] < sizes[:, None]
+        parents = torch.where(valid, parents.to(torch.int64), -1)
+        parents[:, 0] = -1
+        if validate:
+            bad_size = bool(((sizes < 1) | (sizes > n)).any())
+            bad_parent = bool((valid[:, 1:] & ((parents[:, 1:] < 0) | (parents[:, 1:] >= idx[None, 1:]))).any())
+            if bad_size or bad_parent:
+                raise ValueError("sizes, parents: allowed: 1 <= sizes[b] <= N and 0 <= parents[b, i] < i "
+                                 "for 1 <= i < sizes[b]")
+        tokens = torch.where(valid, tokens.to(torch.int64), 0)
+        # ancestor-or-self: walk every node's ancestor chain up, N - 1 steps at most
+        eye = torch.eye(n, dtype=torch.bool, device=dev)
+        mask = eye[None] & valid[:, :, None]
+        anc = parents
+        for _ in range(n - 1):
+            has = anc >= 0
+            mask |= (idx[None, None, :] == anc[:, :, None]) & has[:, :, None]
+            anc = torch.where(has, parents.gather(1, anc.clamp_min(0)), -1)
+        depths = mask.sum(dim=-1) - valid.long()
+        # paths[b, i, depth(j)] = j for every j on i's path; the rest -1 (dumped into column N)
+        col = torch.where(mask, depths[:, None, :], n)
+        vals = torch.where(mask, idx[None, None, :], -1)
+        paths = torch.full((bsz, n, n + 1), -1, dtype=torch.int64, device=dev)
+        paths.scatter_(2, col, vals)
+        paths = paths[:, :, :n]
+        child_of = (parents[:, None, :] == idx[None, :, None]) & valid[:, None, :]  # [b, j, i]: i is j's child
+        has_child = child_of.any(dim=-1)
+        first = torch.where(child_of, idx[None, None, :], n).amin(dim=-1)
+        first_child = torch.where(first < n, first, -1)
+        same = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)
+        same &= (idx[None, None, :] > idx[None, :, None]) & valid[:, None, :]
+        nxt = torch.where(same, idx[None, None, :], n).amin(dim=-1)
+        next_sibling = torch.where(nxt < n, nxt, -1)
+        return TreeBatch(tokens, parents, sizes, depths, mask, paths, valid & ~has_child, first_child, next_sibling)
+
+    @staticmethod
+    def from_trees(trees: Sequence[TokenTree], tokens: Sequence[Sequence[int]], device=None) -> TreeBatch:
+        """B host trees (sizes may differ) with their node tokens (tokens[b] has trees[b].size
+        entries, the root's first), padded to the largest."""
+        if not trees or len(tokens) != len(trees):
+            raise ValueError(f"trees, tokens: need one token list per tree and at least one tree, got "
+                             f"{len(trees)} trees and {len(tokens)} token lists")
+        n = max(t.size for t in trees)
+        tok = torch.zeros(len(trees), n, dtype=torch.int64)
+        par = torch.full((len(trees), n), -1, dtype=torch.int64)
+        for b, (t, ids) in enumerate(zip(trees, tokens)):
+            ids = list(ids) if not isinstance(ids, torch.Tensor) else ids.tolist()
+            if len(ids) != t.size:
+                raise ValueError(f"tokens[{b}]: {len(ids)} tokens for a tree of {t.size} nodes")
+            tok[b, :t.size] = torch.tensor(ids, dtype=torch.int64)
+            par[b, :t.size] = torch.tensor(t.parents, dtype=torch.int64)
+        sizes = torch.tensor([t.size for t in trees], dtype=torch.int64)
+        if device is not None:
+            tok, par, sizes = tok.to(device), par.to(device), sizes.to(device)
+        return TreeBatch.build(tok, par, sizes, validate=False)
+
+
+# --------------------------------------------------------------------------- Medusa
+@dataclass(frozen=True)
+class StaticTree:
+    """A static tree from Medusa-style choices: each choice is a path of top-k ranks, element d
+    being the rank among head d's top-k (head d drafts depth d + 1). Nodes are the root plus
+    one per choice, sorted by (length, path) as Medusa orders them; every prefix of a choice
+    must be a choice too (its parent).
+
+    tree: the shape; choices: per node its path (the root: ())."""
+
+    tree: TokenTree
+    choices: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def from_choices(choices: Sequence[Sequence[int]]) -> StaticTree:
+        paths = []
+        for c in choices:
+            c = tuple(c)
+            if not c or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in c):
+                raise ValueError(f"choices: {c!r} is not allowed; allowed: a non-empty path of top-k ranks >= 0")
+            paths.append(c)
+        if len(set(paths)) != len(paths):
+            raise ValueError("choices: a path appears twice; allowed: distinct paths")
+        ordered = [()] + sorted(paths, key=lambda c: (len(c), c))
+        index = {c: i for i, c in enumerate(ordered)}
+        parents = [-1]
+        for c in ordered[1:]:
+            if c[:-1] not in index:
+                raise ValueError(f"choices: {c!r} has no parent {c[:-1]!r}; allowed: every prefix of a path is a path")
+            parents.append(index[c[:-1]])
+        return StaticTree(TokenTree(tuple(parents)), tuple(ordered))
+
+    @property
+    def num_heads(self) -> int:
+        """Heads the tree reads: its depth."""
+        return self.tree.max_depth
+
+    @property
+    def top_k(self) -> int:
+        """Top-k entries the tree reads per head: 1 + the largest rank."""
+        return 1 + max((r for c in self.choices for r in c), default=-1)
+
+    def tokens(self, root_tokens: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [B, N] node tokens: the root's from root_tokens [B], node i at depth d >= 1
+        from topk_ids [B, heads, K][:, d - 1, its last rank] (heads >= num_heads, K >= top_k)."""
+        if topk_ids.dim() != 3 or topk_ids.shape[0] != root_tokens.shape[0] \
+                or topk_ids.shape[1] < self.num_heads or topk_ids.shape[2] < self.top_k:
+            raise ValueError(f"topk_ids: must be [B={root_tokens.shape[0]}, heads >= {self.num_heads}, "
+                             f"K >= {self.top_k}], got {tuple(topk_ids.shape)}")
+        k = topk_ids.shape[2]
+        flat = torch.tensor([(len(c) - 1) * k + c[-1] for c in self.choices[1:]], dtype=torch.int64,
+                            device=topk_ids.device)
+        drafts = topk_ids.reshape(topk_ids.shape[0], -1).index_select(1, flat)
+        return torch.cat([root_tokens.to(topk_ids.device, torch.int64)[:, None], drafts.long()], dim=1)
+
+    def batch(self, root_tokens: torch.Tensor, topk_ids: torch.Tensor) -> TreeBatch:
+        """The TreeBatch of B copies of this tree with tokens as ``tokens`` gives them."""
+        tok = self.tokens(root_tokens, topk_ids)
+        par = torch.tensor(self.tree.parents, dtype=torch.int64, device=tok.device).expand_as(tok)
+        return TreeBatch.build(tok, par.contiguous(), validate=False)
+
+
+# --------------------------------------------------------------------------- EAGLE-2
+class DynamicTreeBuilder:
+    """EAGLE-2 dynamic trees for B sequences at once.
+
+    Scores are cumulative draft log-probabilities (the root: 0). Start: the root's top_k
+    children join the candidate pool and form the frontier. Each ``expand`` (depth - 1 of
+    them) takes the draft's log-probs at the frontier nodes, adds each frontier node's
+    top_k children to the pool (top_k^2 candidates), and makes the top_k of those, by
+    score, the next frontier. ``build`` keeps the root and the num_draft best candidates
+    of the whole pool. Log-probs are clamped to <= 0, so a child never outscores its parent,
+    and ties go to the earlier candidate (a parent always precedes its children): the kept
+    set is a tree. Kept nodes are in pool (creation) order, siblings by rank.
+
+    root_tokens int64 [B]; root_logprobs float [B, V]: the draft's log-probs after the root.
+    """
+
+    def __init__(self, root_tokens: torch.Tensor, root_logprobs: torch.Tensor, *, top_k: int, depth: int,
+                 num_draft: int) -> None:
+        for name, v in (("top_k", top_k), ("depth", depth), ("num_draft", num_draft)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
+        pool = top_k + (depth - 1) * top_k * top_k
+        if num_draft > pool:
+            raise ValueError(f"num_draft={num_draft} is not allowed; allowed: at most {pool} (the candidates "
+                             f"top_k={top_k}, depth={depth} produce)")
+        if root_logprobs.dim() != 2 or root_tokens.shape != (root_logprobs.shape[0],) \
+                or root_logprobs.shape[1] < top_k:
+            raise ValueError(f"root_tokens, root_logprobs: must be [B] and [B, V >= top_k={top_k}], got "
+                             f"{tuple(root_tokens.shape)} and {tuple(root_logprobs.shape)}")
+        self.top_k, self.depth, self.num_draft = top_k, depth, num_draft
+        bsz, dev = root_logprobs.shape[0], root_logprobs.device
+        s, t = _ranked_topk(root_logprobs.float().clamp_max(0.0), top_k)
+        self._tokens = [root_tokens.to(dev, torch.int64)[:, None], t]
+        self._scores = [torch.zeros(bsz, 1, device=dev), s]
+        self._parents = [torch.full((bsz, 1), -1, dtype=torch.int64, device=dev),
+                         torch.zeros(bsz, top_k, dtype=torch.int64, device=dev)]
+        self._size = 1 + top_k
+        self._frontier = torch.arange(1, 1 + top_k, device=dev).expand(bsz, top_k)
+        self._frontier_scores = s
+        self.steps = 1
+        self.kept_scores: Optional[torch.Tensor] = None  # float32 [B, num_draft + 1], set by build
+
+    @property
+    def frontier(self) -> torch.Tensor:
+        """int64 [B, top_k]: pool indices of the nodes the next ``expand`` needs log-probs for."""
+        return self._frontier
+
+    @property
+    def frontier_tokens(self) -> torch.Tensor:
+        """int64 [B, top_k]: their tokens (the draft's next input)."""
+        return self.pool_tokens.gather(1, self._frontier)
+
+    @property
+    def pool_tokens(self) -> torch.Tensor:
+        """int64 [B, pool]: every candidate's token (index 0: the root)."""
+        return torch.cat(self._tokens, dim=1)
+
+    @property
+    def pool_parents(self) -> torch.Tensor:
+        """int64 [B, pool]: every candidate's parent pool index (the root: -1)."""
+        return torch.cat(self._parents, dim=1)
+
+    @property
+    def pool_scores(self) -> torch.Tensor:
+        """float32 [B, pool]: cumulative log-probabilities (the root: 0)."""
+        return torch.cat(self._scores, dim=1)
+
+    def expand(self, logprobs: torch.Tensor) -> None:
+        """Grow one level from logprobs float [B, top_k, V]: the draft's log-probs after each
+        frontier node, in ``frontier`` order."""
+        k = self.top_k
+        if self.steps >= self.depth:
+            raise ValueError(f"expand: the tree already has depth={self.depth}")
+        bsz = self._frontier.shape[0]
+        if logprobs.dim() != 3 or logprobs.shape[:2] != (bsz, k) or logprobs.shape[2] < k:
+            raise ValueError(f"logprobs: must be [B={bsz}, top_k={k}, V >= {k}], got {tuple(logprobs.shape)}")
+        s, t = _ranked_topk(logprobs.float().clamp_max(0.0), k)  # [B, k, k]
+        cum = (self._frontier_scores[:, :, None] + s).reshape(bsz, k * k)
+        parents = self._frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
+        ids = self._size + torch.arange(k * k, device=cum.device)
+        self._tokens.append(t.reshape(bsz, k * k))
+        self._scores.append(cum)
+        self._parents.append(parents)
+        self._size += k * k
+        best = torch.sort(cum, dim=1, descending=True, stable=True).indices[:, :k]
+        self._frontier = ids[best]
+        self._frontier_scores = cum.gather(1, best)
+        self.steps += 1
+
+    def build(self) -> TreeBatch:
+        """The trees: root + the num_draft best candidates, each tree num_draft + 1 nodes."""
+        scores, tokens, parents = self.pool_scores, self.pool_tokens, self.pool_parents
+        n = self.num_draft + 1
+        # the root's 0 is the largest score and index 0 wins its ties: it is always kept
+        keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
+        keep = keep.sort(dim=1).values  # creation order: parents before children, root first
+        remap = torch.full_like(parents, -1)
+        remap.scatter_(1, keep, torch.arange(n, device=keep.device).expand_as(keep).contiguous())
+        par = parents.gather(1, keep)
+        tree_par = torch.where(par >= 0, remap.gather(1, par.clamp_min(0)), -1)
+        self.kept_scores = scores.gather(1, keep)
+        return TreeBatch.build(tokens.gather(1, keep), tree_par, validate=False)
+
+
+def _ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the vocabulary, descending (torch.topk: no full sort of V; the
+    order among exactly equal log-probs is its own, and nothing above depends on it)."""
+    return torch.topk(x, k, dim=-1, sorted=True)
