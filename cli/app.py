@@ -381,6 +381,45 @@ def models() -> None:
     typer.echo(f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+@app.command("train-draft")
+def train_draft(
+    target: str = typer.Argument(..., help="the model the draft serves: folder, built-in alias or hub id"),
+    method: str = typer.Option("medusa", help="medusa"),
+    out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
+    num_heads: int = typer.Option(4, help="Medusa heads (head k predicts the token k + 2 ahead)"),
+    num_prompts: int = typer.Option(256, help="prompts to write (Magpie) or read at most"),
+    prompts: Optional[Path] = typer.Option(None, help="FILE.jsonl: {\"prompt\": ...} or ShareGPT conversations "
+                                           "[default: the target writes its own]"),
+    max_steps: int = typer.Option(1000, help="optimizer steps"),
+    lr: float = typer.Option(1e-3, help="peak learning rate (cosine schedule with warmup)"),
+    batch_size: int = typer.Option(8, help="sequences per micro-batch"),
+    grad_accum: int = typer.Option(1, help="micro-batches per optimizer step"),
+    seq_len: int = typer.Option(512, help="tokens per sequence at most (prompt + answer)"),
+    answer_tokens: int = typer.Option(256, help="answer tokens the target writes per prompt at most"),
+    checkpoint_every: int = typer.Option(200, help="steps between checkpoints (OUT/checkpoint-STEP)"),
+    eval_every: int = typer.Option(50, help="steps between held-out accuracy measurements"),
+    resume: Optional[Path] = typer.Option(None, help="a checkpoint-STEP folder to continue from"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    seed: int = typer.Option(0, help="seed of the prompts, the data order and the heads"),
+    overwrite: bool = typer.Option(False, help="replace OUT (or an unfinished run of it) if it exists"),
+) -> None:
+    """Train a draft (Medusa heads) for TARGET on its own answers to its own prompts."""
+    from ..speculative.train import DraftConfig
+    from ..speculative.train import train_draft as run
+
+    try:
+        cfg = DraftConfig(target=target, out=out, method=method, num_heads=num_heads, num_prompts=num_prompts,
+                          prompts=prompts, max_steps=max_steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
+                          seq_len=seq_len, answer_tokens=answer_tokens, checkpoint_every=checkpoint_every,
+                          eval_every=eval_every, resume=resume, device=device, seed=seed, overwrite=overwrite)
+        result = run(cfg, log=typer.echo)
+    except (UserError, ValueError) as e:
+        _fail(str(e))
+    acc = " ".join(f"h{k} {a:.3f}" for k, a in enumerate(result.accuracy)) or "n/a"
+    typer.echo(f"trained {result.step} steps; final loss {result.losses[-1][1]:.4f}; held-out top-1 {acc}"
+               if result.losses else f"nothing to train (already at step {result.step})")
+
+
 def main() -> None:
     from transformers.utils import logging as hf_logging
 

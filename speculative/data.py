@@ -1,0 +1,222 @@
+"""Draft training data: prompts (the user's .jsonl, or written by the target itself with the
+Magpie method), then the target's own answers to them (self-distillation).
+
+A training sequence is prompt tokens + the target's answer tokens; only the answer tokens
+are trained on (``DraftSequence.num_prompt_tokens`` marks the boundary).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+from ..runtime.llm import LLM, render_chat
+from ..runtime.sampling_params import SamplingParams
+
+# A conversation in the chat-template form: [{"role": "user", "content": "..."}, ...]
+Conversation = list[dict]
+Prompt = str | Conversation  # plain text (no template) or a conversation up to the user's turn
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+          "bing": "assistant", "bard": "assistant", "system": "system"}
+_SENTINEL = "\x00OPTLLM-USER-TURN\x00"
+
+
+@dataclass
+class DraftSequence:
+    """token_ids: prompt + answer; the first num_prompt_tokens are the prompt (not trained on)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    def to_json(self) -> dict:
+        return {"token_ids": self.token_ids, "num_prompt_tokens": self.num_prompt_tokens}
+
+    @staticmethod
+    def from_json(d: dict) -> DraftSequence:
+        return DraftSequence([int(t) for t in d["token_ids"]], int(d["num_prompt_tokens"]))
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a .jsonl file: lines {"prompt": "..."} (plain text) or ShareGPT-style
+    {"conversations": [{"from"|"role": ..., "value"|"content": ...}, ...]} (kept up to the
+    first user turn, with any system turn before it: the target writes the answer itself).
+    UserError naming the line on anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"prompt file {path} not found")
+    prompts: list[Prompt] = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
+        prompt = _prompt_of(row)
+        if prompt is None:
+            raise UserError(f'{path}:{n}: expected {{"prompt": "..."}} or {{"conversations": [...]}} with a user turn')
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f"{path} holds no prompts")
+    return prompts
+
+
+def _prompt_of(row) -> Prompt | None:
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        return row["prompt"]
+    turns = row.get("conversations", row.get("messages"))
+    if not isinstance(turns, list):
+        return None
+    conv: Conversation = []
+    for t in turns:
+        if not isinstance(t, dict):
+            return None
+        role = _ROLES.get(str(t.get("from", t.get("role", ""))).lower())
+        content = t.get("value", t.get("content"))
+        if role is None or not isinstance(content, str):
+            return None
+        if role == "assistant":
+            break
+        conv.append({"role": role, "content": content})
+        if role == "user":
+            return conv
+    return None
+
+
+def user_prefix(tokenizer) -> tuple[str, str]:
+    """(text before, text after) the user's message in the chat template: the Magpie prefix
+    the target continues, and the end-of-turn marker that stops it. UserError without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the target has no chat template, so it cannot write its own prompts; "
+                        "give --prompts FILE.jsonl")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False)
+    if _SENTINEL not in text:
+        raise UserError("the target's chat template does not render the user's message; give --prompts FILE.jsonl")
+    before, after = text.split(_SENTINEL, 1)
+    return before, after.strip().split("\n")[0].strip()
+
+
+def magpie_prompts(llm: LLM, num_prompts: int, seed: int = 0, max_tokens: int = 64, temperature: float = 1.0,
+                   max_rounds: int = 4) -> list[Conversation]:
+    """num_prompts distinct user turns written by the target from its chat template's user
+    prefix alone (Magpie), sampled at `temperature` with per-request seeds (deterministic),
+    deduplicated (case and surrounding space ignored). Fewer when the model keeps repeating
+    itself after max_rounds rounds of sampling."""
+    tok = llm.tokenizer
+    before, end_of_turn = user_prefix(tok)
+    prefix_ids = tok(before, add_special_tokens=False)["input_ids"]
+    stop_ids = _stop_ids(tok, end_of_turn)
+    seen: set[str] = set()
+    prompts: list[Conversation] = []
+    next_seed = seed
+    for _ in range(max_rounds):
+        want = num_prompts - len(prompts)
+        if want <= 0:
+            break
+        ask = max(2 * want, 4)  # oversample: some come back empty or repeated
+        params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=next_seed + i,
+                                 stop=[end_of_turn] if end_of_turn else None, stop_token_ids=stop_ids)
+                  for i in range(ask)]
+        next_seed += ask
+        texts = [out.outputs[0].text for out in llm.generate([list(prefix_ids)] * ask, params)]
+        for text in distinct_texts(texts, seen)[:want]:
+            prompts.append([{"role": "user", "content": text}])
+    return prompts
+
+
+def distinct_texts(texts: list[str], seen: set[str] | None = None) -> list[str]:
+    """texts stripped, without empty ones and repeats (case and runs of whitespace ignored),
+    first occurrence kept; `seen` (keys already taken) is updated in place."""
+    seen = set() if seen is None else seen
+    kept = []
+    for text in texts:
+        text = text.strip()
+        key = " ".join(text.casefold().split())
+        if key and key not in seen:
+            seen.add(key)
+            kept.append(text)
+    return kept
+
+
+def _stop_ids(tokenizer, end_of_turn: str) -> list[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if end_of_turn:
+        t = tokenizer.convert_tokens_to_ids(end_of_turn)
+        if isinstance(t, int) and t != tokenizer.unk_token_id and t is not None:
+            ids.add(t)
+    return sorted(ids)
+
+
+def answer_prompts(llm: LLM, prompts: list[Prompt], max_tokens: int = 256, temperature: float = 0.0,
+                   seed: int = 0, max_len: int | None = None) -> list[DraftSequence]:
+    """The target answers every prompt in one batched call (conversations through its chat
+    template, plain strings as they are); each sequence is the prompt's tokens + the answer's,
+    cut to max_len tokens. Prompts that leave no room for an answer are dropped."""
+    tok = llm.tokenizer
+    ids: list[list[int]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids.append(list(tok(p)["input_ids"]))
+        else:
+            try:
+                ids.append(render_chat(tok, p))
+            except ValueError as e:
+                raise UserError(str(e)) from None
+    keep = [i for i, x in enumerate(ids) if max_len is None or len(x) < max_len]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in keep]
+    if not keep:
+        return []
+    outs = llm.generate([ids[i] for i in keep], params)
+    seqs = []
+    for i, out in zip(keep, outs):
+        answer = list(out.outputs[0].token_ids)
+        full = (ids[i] + answer)[:max_len] if max_len else ids[i] + answer
+        if len(full) > len(ids[i]):
+            seqs.append(DraftSequence(full, len(ids[i])))
+    return seqs
+
+
+def build_dataset(target: str, num_prompts: int, prompts_file: str | Path | None = None, seed: int = 0,
+                  device: str = "auto", max_len: int = 512, answer_tokens: int = 256,
+                  answer_temperature: float = 0.0, log: Callable[[str], None] = print) -> list[DraftSequence]:
+    """Self-distillation data for TARGET: prompts (from prompts_file, else Magpie) answered
+    by the target on the optllm runtime. num_prompts bounds the prompts either way."""
+    file_prompts = read_prompts(prompts_file)[:num_prompts] if prompts_file is not None else None
+    llm = LLM(target, device=device, max_model_len=max_len)
+    try:
+        if file_prompts is None:
+            # a written prompt leaves most of max_len to the answer
+            prompts: list[Prompt] = magpie_prompts(llm, num_prompts, seed=seed,
+                                                   max_tokens=max(4, min(128, max_len // 4)))
+            log(f"data: the target wrote {len(prompts)} distinct prompts (Magpie)")
+        else:
+            prompts = file_prompts
+            log(f"data: {len(prompts)} prompts from {prompts_file}")
+        if not prompts:
+            raise UserError("no prompts to train on")
+        seqs = answer_prompts(llm, prompts, max_tokens=answer_tokens, temperature=answer_temperature, seed=seed,
+                              max_len=max_len)
+    finally:
+        del llm
+    if not seqs:
+        raise UserError(f"no training sequences: every prompt is at least --seq-len ({max_len}) tokens long")
+    log(f"data: {len(seqs)} sequences, {sum(len(s.token_ids) - s.num_prompt_tokens for s in seqs)} answer tokens")
+    return seqs
+
+
+def write_dataset(seqs: list[DraftSequence], path: Path) -> None:
+    path.write_text("".join(json.dumps(s.to_json()) + "\n" for s in seqs), encoding="utf-8")
+
+
+def read_dataset(path: Path) -> list[DraftSequence]:
+    return [DraftSequence.from_json(json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]

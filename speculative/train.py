@@ -1,0 +1,354 @@
+"""train-draft: self-distillation data, then a training loop over the frozen target's hidden
+states (computed online), with accelerate (bf16 on CUDA, fp32 on CPU; several GPUs through
+``accelerate launch`` with no change), gradient accumulation, a cosine schedule with warmup,
+gradient clipping, checkpoints and an exact ``--resume``.
+
+The run lives in a hidden work folder beside OUT (``.OUT.partial``) and is renamed to OUT
+only when finished, so OUT is never half-written. OUT then holds:
+  model.safetensors        the draft's weights only
+  config.json              method, sizes, the target's identity (target.py), training summary
+  dataset.jsonl            the training sequences (token ids + prompt length)
+  checkpoint-STEP/         heads, optimizer, scheduler, RNG states, step and data position
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from .data import DraftSequence, build_dataset, read_dataset, write_dataset
+from .medusa import MedusaHeads, head_accuracy, medusa_loss
+from .target import last_hidden, lm_head_weight, load_target, target_identity
+
+METHODS = ("medusa",)  # EAGLE joins here (issue 15 part 3)
+_STATE = "trainer_state.json"
+
+
+@dataclass
+class DraftConfig:
+    """What train-draft does. target: folder, alias or hub id; out: the output folder.
+    num_prompts: prompts to generate or read at most; max_steps: optimizer steps;
+    batch_size: sequences per micro-batch (per process); grad_accum: micro-batches per step;
+    seq_len: tokens per sequence at most (prompt + answer); answer_tokens: answer tokens at
+    most; warmup_steps: None = 5% of max_steps; checkpoint_every / eval_every: in steps;
+    holdout: sequences kept out of training to measure each head's top-1 accuracy;
+    resume: a checkpoint-STEP folder to continue from (same data, schedule and RNG)."""
+
+    target: str
+    out: Path
+    method: str = "medusa"
+    num_heads: int = 4
+    num_prompts: int = 256
+    max_steps: int = 1000
+    prompts: Path | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 512
+    answer_tokens: int = 256
+    answer_temperature: float = 0.0
+    warmup_steps: int | None = None
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 200
+    eval_every: int = 50
+    holdout: int = 4
+    resume: Path | None = None
+    device: str = "auto"
+    seed: int = 0
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        self.prompts = Path(self.prompts) if self.prompts is not None else None
+        self.resume = Path(self.resume) if self.resume is not None else None
+        if self.method not in METHODS:
+            raise UserError(f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+        for name in ("num_heads", "num_prompts", "max_steps", "batch_size", "grad_accum", "answer_tokens",
+                     "checkpoint_every", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
+        if not isinstance(self.seq_len, int) or self.seq_len < self.num_heads + 3:
+            raise UserError(f"seq_len={self.seq_len!r} is not allowed; allowed: an integer >= num_heads + 3")
+        if not (self.lr > 0):
+            raise UserError(f"lr={self.lr!r} is not allowed; allowed: a number > 0")
+        if self.warmup_steps is not None and not (0 <= self.warmup_steps <= self.max_steps):
+            raise UserError(f"warmup_steps={self.warmup_steps!r} is not allowed; allowed: 0..max_steps")
+        if self.holdout < 0:
+            raise UserError(f"holdout={self.holdout!r} is not allowed; allowed: an integer >= 0")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise UserError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda")
+
+
+@dataclass
+class TrainResult:
+    """losses: (step, mean loss of that step) for every step this run took; accuracy: the
+    last held-out top-1 accuracy per head (empty without held-out sequences)."""
+
+    out: Path
+    step: int
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+
+
+def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainResult:
+    """Train a draft for cfg.target into cfg.out (see the module docstring for the layout)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    out = cfg.out
+    work = out.parent / f".{out.name}.partial"
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"{out} exists; pass --overwrite to replace it")
+    if cfg.prompts is not None and not cfg.prompts.is_file():
+        raise UserError(f"prompt file {cfg.prompts} not found")
+    if cfg.resume is not None and not (cfg.resume / _STATE).is_file():
+        raise UserError(f"--resume {cfg.resume}: not a checkpoint folder (no {_STATE})")
+    if cfg.resume is not None and not (cfg.resume.parent / "dataset.jsonl").is_file():
+        raise UserError(f"--resume {cfg.resume}: its run folder has no dataset.jsonl to continue on")
+    resuming_here = cfg.resume is not None and cfg.resume.resolve().parent == work.resolve()
+
+    use_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise UserError(f"device={cfg.device!r} was asked for but CUDA is not available; use --device cpu")
+    acc = Accelerator(cpu=not use_cuda, mixed_precision="bf16" if use_cuda else "no")
+    set_seed(cfg.seed)
+
+    if acc.is_main_process:
+        if work.exists() and not resuming_here:
+            if not cfg.overwrite:
+                raise UserError(f"an unfinished run is in {work}; continue it with --resume {_latest(work) or work} "
+                                "or start over with --overwrite")
+            shutil.rmtree(work)
+        work.mkdir(parents=True, exist_ok=True)
+        if cfg.resume is not None:
+            if not resuming_here:
+                shutil.copyfile(cfg.resume.parent / "dataset.jsonl", work / "dataset.jsonl")
+        else:
+            seqs = build_dataset(cfg.target, cfg.num_prompts, cfg.prompts, seed=cfg.seed,
+                                 device="cuda" if use_cuda else "cpu", max_len=cfg.seq_len,
+                                 answer_tokens=cfg.answer_tokens, answer_temperature=cfg.answer_temperature, log=log)
+            write_dataset(seqs, work / "dataset.jsonl")
+    acc.wait_for_everyone()
+    seqs = read_dataset(work / "dataset.jsonl")
+    train, held = _split(seqs, cfg.holdout, cfg.seed)
+
+    target, folder = load_target(cfg.target, "bfloat16" if use_cuda else "float32", acc.device)
+    w = lm_head_weight(target)
+    heads = MedusaHeads(cfg.num_heads, w.shape[1], w.shape[0], w.detach().float().cpu())
+    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.max_steps // 20
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(warmup, cfg.max_steps))
+
+    step, position = 0, 0
+    rng = None
+    if cfg.resume is not None:
+        step, position, rng = _load_checkpoint(cfg.resume, heads, opt, sched)
+        log(f"resumed from {cfg.resume} at step {step}")
+    # The scheduler stays ours: accelerate's wrapper would step it once per process.
+    heads, opt = acc.prepare(heads, opt)
+    if rng is not None:
+        _set_rng(rng)
+
+    result = TrainResult(out, step)
+    if step == 0 and held:
+        result.accuracy = _evaluate(acc, target, heads, held, cfg.batch_size)
+        log(f"step 0/{cfg.max_steps}  held-out top-1 {_fmt(result.accuracy)}")
+    while step < cfg.max_steps:
+        heads.train()
+        total = 0.0
+        for _ in range(cfg.grad_accum):
+            ids, attn, mask = _collate(_micro_batch(train, position * acc.num_processes + acc.process_index,
+                                                    cfg.batch_size, cfg.seed), acc.device)
+            position += 1
+            hidden = last_hidden(target, ids, attn)
+            with acc.autocast():
+                loss, _ = medusa_loss(heads(hidden.float()), ids, mask)
+            acc.backward(loss / cfg.grad_accum)
+            total += loss.item() / cfg.grad_accum
+        acc.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        result.losses.append((step, total))
+        if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            result.accuracy = _evaluate(acc, target, heads, held, cfg.batch_size)
+        line = f"step {step}/{cfg.max_steps}  loss {total:.4f}  lr {sched.get_last_lr()[0]:.2e}"
+        if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            line += f"  held-out top-1 {_fmt(result.accuracy)}"
+        log(line)
+        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                _save_checkpoint(work / f"checkpoint-{step}", acc.unwrap_model(heads), opt, sched, step, position)
+    result.step = step
+
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        model = acc.unwrap_model(heads)
+        _save_draft(work, model, cfg, folder, target, len(seqs), result, torch.bfloat16 if use_cuda else torch.float32)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(work, out)
+        log(f"draft written to {out}")
+    return result
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _split(seqs: list[DraftSequence], holdout: int, seed: int) -> tuple[list[DraftSequence], list[DraftSequence]]:
+    n_held = min(holdout, max(1, len(seqs) // 5)) if len(seqs) > 1 else 0
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = [seqs[i] for i in order[:n_held]]
+    return [seqs[i] for i in order[n_held:]], held
+
+
+def _micro_batch(seqs: list[DraftSequence], index: int, batch_size: int, seed: int) -> list[DraftSequence]:
+    """Micro-batch `index` of the stream: each epoch is a seeded permutation, so a position
+    (micro-batches taken so far) is all a resumed run needs to continue the same stream."""
+    bs = min(batch_size, len(seqs))
+    per_epoch = len(seqs) // bs
+    epoch, i = divmod(index, per_epoch)
+    perm = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
+    return [seqs[j] for j in perm[i * bs:(i + 1) * bs]]
+
+
+def _collate(batch: list[DraftSequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids [B, T], attention_mask [B, T], loss_mask [B, T] bool: answer tokens)."""
+    t = max(len(s.token_ids) for s in batch)
+    ids = torch.zeros(len(batch), t, dtype=torch.long)
+    attn = torch.zeros(len(batch), t, dtype=torch.long)
+    mask = torch.zeros(len(batch), t, dtype=torch.bool)
+    for b, s in enumerate(batch):
+        n = len(s.token_ids)
+        ids[b, :n] = torch.tensor(s.token_ids)
+        attn[b, :n] = 1
+        mask[b, s.num_prompt_tokens:n] = True
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+# --------------------------------------------------------------------------- schedule, eval
+
+
+def _cosine(warmup: int, total: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+@torch.no_grad()
+def _evaluate(acc, target, heads, held: list[DraftSequence], batch_size: int) -> list[float]:
+    heads.eval()
+    hits = counts = None
+    for i in range(0, len(held), batch_size):
+        ids, attn, mask = _collate(held[i:i + batch_size], acc.device)
+        with acc.autocast():
+            h, c = head_accuracy(heads(last_hidden(target, ids, attn).float()), ids, mask)
+        hits = h if hits is None else [a + b for a, b in zip(hits, h)]
+        counts = c if counts is None else [a + b for a, b in zip(counts, c)]
+    heads.train()
+    return [a / b if b else 0.0 for a, b in zip(hits, counts)]
+
+
+def _fmt(accuracy: list[float]) -> str:
+    return " ".join(f"h{k} {a:.3f}" for k, a in enumerate(accuracy))
+
+
+# --------------------------------------------------------------------------- checkpoints, output
+
+
+def _rng_state() -> dict:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng(state: dict) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save_checkpoint(path: Path, heads, opt, sched, step: int, position: int) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.parent / f".{path.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}, tmp / "heads.safetensors")
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()},
+               tmp / "training_state.pt")
+    (tmp / _STATE).write_text(json.dumps({"step": step, "data_position": position}))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, heads, opt, sched) -> tuple[int, int, dict]:
+    from safetensors.torch import load_file
+
+    try:
+        heads.load_state_dict(load_file(path / "heads.safetensors"))
+        state = torch.load(path / "training_state.pt", weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        meta = json.loads((path / _STATE).read_text())
+    except (OSError, RuntimeError, KeyError, ValueError) as e:
+        raise UserError(f"--resume {path}: cannot read the checkpoint ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return int(meta["step"]), int(meta["data_position"]), state["rng"]
+
+
+def _latest(work: Path) -> Path | None:
+    steps = [(int(p.name.split("-")[1]), p) for p in work.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    return max(steps)[1] if steps else None
+
+
+def _save_draft(work: Path, heads: MedusaHeads, cfg: DraftConfig, folder: Path, target, num_sequences: int,
+                result: TrainResult, dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in heads.state_dict().items()},
+              work / "model.safetensors", metadata={"format": "pt"})
+    training = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
+                if k not in ("target", "out", "overwrite", "resume")}
+    config = {
+        "method": cfg.method,
+        "num_heads": heads.num_heads,
+        "num_layers": 1,
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "target": {
+            "model": str(cfg.target),
+            "sha256": target_identity(folder),
+            "architectures": list(getattr(target.config, "architectures", None) or []),
+        },
+        "training": {**training, "steps": result.step, "num_sequences": num_sequences,
+                     "final_loss": result.losses[-1][1] if result.losses else None,
+                     "heldout_top1": result.accuracy},
+    }
+    (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")

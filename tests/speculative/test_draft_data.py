@@ -1,0 +1,107 @@
+"""Draft data: .jsonl and ShareGPT prompts, Magpie prompts written by the target itself
+(deterministic, deduplicated), and the target's answers as training sequences."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from optllm.errors import UserError
+from optllm.runtime.llm import LLM, render_chat
+from optllm.runtime.sampling_params import SamplingParams
+from optllm.speculative.data import answer_prompts, distinct_texts, magpie_prompts, read_prompts, user_prefix
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_plain_and_sharegpt_prompts(tmp_path):
+    f = _jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "Name three rivers."},
+        "",
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"},
+                           {"from": "gpt", "value": "Hello."}, {"from": "human", "value": "More?"}]},
+        {"conversations": [{"role": "user", "content": "Why is the sky blue?"},
+                           {"role": "assistant", "content": "Rayleigh."}]},
+    ])
+    assert read_prompts(f) == [
+        "Name three rivers.",
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
+        [{"role": "user", "content": "Why is the sky blue?"}],
+    ]
+
+
+@pytest.mark.parametrize("row, where", [
+    ("{not json", "p.jsonl:2: not JSON"),
+    ({"text": "no prompt key"}, "p.jsonl:2: expected"),
+    ({"conversations": [{"from": "gpt", "value": "an answer before any question"}]}, "p.jsonl:2: expected"),
+])
+def test_bad_prompt_lines_name_the_line(tmp_path, row, where):
+    f = _jsonl(tmp_path / "p.jsonl", [{"prompt": "fine"}, row])
+    with pytest.raises(UserError, match=where):
+        read_prompts(f)
+
+
+def test_missing_and_empty_prompt_files(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        read_prompts(tmp_path / "nope.jsonl")
+    with pytest.raises(UserError, match="no prompts"):
+        read_prompts(_jsonl(tmp_path / "e.jsonl", [""]))
+
+
+def test_no_chat_template_is_one_clear_error(tiny_llama):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(UserError, match="no chat template.*--prompts"):
+        user_prefix(AutoTokenizer.from_pretrained(tiny_llama))
+
+
+def test_user_prefix_of_a_template(tiny_chat):
+    from transformers import AutoTokenizer
+
+    assert user_prefix(AutoTokenizer.from_pretrained(tiny_chat)) == ("<|user|>\n", "</s>")
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tiny_chat):
+    return LLM(str(tiny_chat), device="cpu", max_model_len=128)
+
+
+def test_magpie_prompts_are_deterministic_distinct_and_non_empty(chat_llm):
+    a = magpie_prompts(chat_llm, 5, seed=3, max_tokens=8)
+    b = magpie_prompts(chat_llm, 5, seed=3, max_tokens=8)
+    assert a == b and len(a) == 5
+    texts = [c[0]["content"] for c in a]
+    assert all(c == [{"role": "user", "content": t}] and t.strip() for c, t in zip(a, texts))
+    assert len({" ".join(t.casefold().split()) for t in texts}) == 5
+    assert magpie_prompts(chat_llm, 5, seed=4, max_tokens=8) != a
+
+
+def test_distinct_texts():
+    seen = {"old one"}
+    assert distinct_texts(["  Old   ONE ", "a b", " A  b ", "", "   ", "c", "a b"], seen) == ["a b", "c"]
+    assert seen == {"old one", "a b", "c"}
+
+
+def test_magpie_drops_empty_turns(chat_llm):
+    # the tiny model's greedy user turn is empty (it ends the turn at once): nothing survives
+    assert magpie_prompts(chat_llm, 3, temperature=0.0, max_tokens=8) == []
+
+
+def test_answers_are_the_targets_own_continuations(chat_llm):
+    prompts = [[{"role": "user", "content": "Hello there"}], "Plain text prompt"]
+    seqs = answer_prompts(chat_llm, prompts, max_tokens=6, temperature=0.0, max_len=128)
+    assert len(seqs) == 2
+    rendered = render_chat(chat_llm.tokenizer, prompts[0])
+    plain = list(chat_llm.tokenizer("Plain text prompt")["input_ids"])
+    for s, ids in zip(seqs, [rendered, plain]):
+        assert s.num_prompt_tokens == len(ids) and s.token_ids[: len(ids)] == ids
+        greedy = chat_llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].token_ids
+        assert s.token_ids[len(ids):] == list(greedy)
+    # a prompt that leaves no room for an answer under max_len is dropped
+    assert answer_prompts(chat_llm, prompts, max_tokens=6, max_len=len(rendered)) == [] or \
+        all(len(s.token_ids) <= len(rendered) for s in answer_prompts(chat_llm, prompts, max_tokens=6,
+                                                                      max_len=len(rendered)))
