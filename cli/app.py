@@ -33,7 +33,8 @@ def _group(value: str) -> int | str:
 @app.command()
 def quantize(
     model: str = typer.Argument(..., help="HF model folder, built-in alias (see `optllm models`) or hub id"),
-    scheme: Optional[str] = typer.Option(None, help="w4a16-rtn | w4a16-awq | w4a16-gptq (w3a16-*, w8a16-* too)"),
+    scheme: Optional[str] = typer.Option(None, help="w4a16-rtn | w4a16-awq | w4a16-gptq (w3a16-*, w8a16-* too) | "
+                                         "w8a8-int8 | w8a8-int8-static | fp8 | fp8-dynamic"),
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
     group_size: Optional[str] = typer.Option(None, help="32, 64, 128 or 'channel' [default: the scheme's, 128]"),
     asym: Optional[bool] = typer.Option(None, "--asym/--sym", help="asymmetric grid with zero points [default sym]"),
@@ -58,6 +59,10 @@ def quantize(
                                           "block with RTN [default max(2, num_samples // 8)]"),
     fallback_rtn: Optional[bool] = typer.Option(None, "--fallback-rtn/--no-fallback-rtn",
                                                 help="keep RTN for blocks whose held-out error is lower with it"),
+    smooth: Optional[bool] = typer.Option(None, "--smooth/--no-smooth",
+                                          help="w8a8-int8: SmoothQuant smoothing before quantizing [default on]"),
+    smooth_alpha: Optional[str] = typer.Option(None, help="w8a8-int8: SmoothQuant migration strength in [0, 1], "
+                                               "or 'search' (per block, on a grid) [default 0.5]"),
     recipe: Optional[Path] = typer.Option(None, help="YAML file with any of these fields"),
     overwrite: bool = typer.Option(False, help="replace OUT if it exists"),
     compare: bool = typer.Option(True, "--compare/--no-compare",
@@ -79,6 +84,9 @@ def quantize(
         "ignore": tuple(ignore) if ignore else None,
         "dampening": dampening, "holdout": holdout, "fallback_rtn": fallback_rtn,
     }
+    smoothing = {k: v for k, v in (("smooth", smooth), ("alpha", _alpha(smooth_alpha))) if v is not None}
+    if smoothing:
+        overrides["smoothquant"] = smoothing
     try:
         if recipe is not None:
             cfg = QuantizeConfig.from_recipe(recipe, **overrides)
@@ -86,6 +94,8 @@ def quantize(
             cfg = QuantizeConfig.from_dict({k: v for k, v in overrides.items() if v is not None})
         if compare_windows < 1:
             raise UserError(f"--compare-windows {compare_windows} must be >= 1")
+        if smoothing and cfg.quant_scheme().algorithm != "smoothquant":
+            raise UserError(f"--smooth / --smooth-alpha apply to the w8a8-int8 schemes, not {cfg.scheme!r}")
         report = run(model, out, cfg, overwrite=overwrite)
     except UserError as e:
         _fail(str(e))
@@ -98,6 +108,14 @@ def quantize(
         cmp.record(out, comp)
         typer.echo(f"\nPerplexity on each text kind's held-out split ({compare_windows} windows of 512 tokens each; "
                    "none of it in any calibration set):\n" + cmp.markdown(comp))
+
+
+def _alpha(value: str | None) -> float | str | None:
+    """--smooth-alpha: a number, else the word as given (SmoothQuantOptions says what it allows)."""
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return value
 
 
 def _auto_device() -> str:

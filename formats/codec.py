@@ -62,7 +62,8 @@ class FormatCodec:
 
 
 CODECS: Registry[FormatCodec] = Registry("checkpoint format", builtins=("optllm.formats.pack_quantized",
-                                                                 "optllm.formats.float_quantized"))
+                                                                 "optllm.formats.float_quantized",
+                                                                 "optllm.formats.int_quantized"))
 
 
 def register_codec(codec: FormatCodec, replace: bool = False) -> FormatCodec:

@@ -1,4 +1,5 @@
-"""Which checkpoints vLLM loads: weight-only integer (pack-quantized) and FP8 (float-quantized).
+"""Which checkpoints vLLM loads: weight-only integer (pack-quantized), FP8 (float-quantized) and
+INT8 W8A8 (int-quantized).
 
 What vLLM's source says (read for this file; paths under
 vllm/model_executor/layers/quantization/):
@@ -31,6 +32,14 @@ weight_scale, input_scale for static inputs; fused QKV / gate-up shards with sta
 share the largest input_scale) on GPUs of compute capability 8.9 and up (Ada, Hopper); on
 older ones (8.0+) vLLM falls back to CompressedTensorsW8A16Fp8 (FP8 Marlin, weight-only:
 the input scales are ignored), so the checkpoint still loads.
+
+INT8 W8A8 (``int-quantized``), from compressed_tensors/compressed_tensors.py: `_is_static_tensor_w8a8`
+takes 8-bit int weights, static, symmetric, per channel or per tensor, with 8-bit int input
+activations static per tensor (symmetric or not); `_is_dynamic_token_w8a8` the same weights
+with inputs dynamic per token. Either is CompressedTensorsW8A8Int8
+(schemes/compressed_tensors_w8a8_int8.py: weight int8, weight_scale, input_scale for static
+inputs, fused shards with static inputs sharing the largest one), on GPUs of compute
+capability 7.5 and up (Turing onwards: CUTLASS int8 GEMM).
 """
 
 from __future__ import annotations
@@ -52,6 +61,22 @@ def vllm_fp8_incompatibility(weights: QuantArgs, input_activations: QuantArgs | 
         return None
     if input_activations.strategy != "tensor" or not input_activations.symmetric:
         return "vLLM takes static FP8 input activations only per tensor and symmetric."
+    return None
+
+
+def vllm_int8_incompatibility(weights: QuantArgs, input_activations: QuantArgs | None) -> str | None:
+    """None when vLLM loads an INT8 W8A8 checkpoint with these arguments, else why not."""
+    if weights.type != "int" or weights.num_bits != 8:
+        return f"vLLM's INT8 W8A8 path takes 8-bit int weights, not {weights.type} {weights.num_bits}-bit ones."
+    if weights.strategy not in ("tensor", "channel") or weights.dynamic or not weights.symmetric:
+        return "vLLM takes static symmetric INT8 weights per tensor or per channel."
+    if input_activations is None or input_activations.type != "int" or input_activations.num_bits != 8:
+        return "vLLM's INT8 W8A8 path takes 8-bit int input activations."
+    if input_activations.dynamic:
+        return None if input_activations.strategy == "token" else \
+            "vLLM takes dynamic INT8 input activations only per token."
+    if input_activations.strategy != "tensor":
+        return "vLLM takes static INT8 input activations only per tensor."
     return None
 
 

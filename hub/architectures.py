@@ -42,6 +42,11 @@ class BlockMapping:
     # GPTQ's "true sequential" order: each group's Hessians are taken with the groups before
     # it already quantized, so later layers see (and compensate) the earlier layers' error
     sequential: tuple[tuple[str, ...], ...] = ()
+    # SmoothQuant's pairs (a subset of `smooth`): the norms feeding the attention and MLP input
+    # linears, as the paper and llm-compressor's default mappings smooth them
+    smoothquant: tuple[SmoothMapping, ...] = ()
+    # pairs whose smooth layer is a linear (up_proj -> down_proj), folded only when asked
+    smoothquant_linear: tuple[SmoothMapping, ...] = ()
 
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -77,16 +82,22 @@ class Architecture:
         return self.layers.rpartition(".")[0]
 
 
+_ATTN_IN = SmoothMapping("input_layernorm", _QKV, "self_attn", needs_block_kwargs=True)
+_MLP_IN = SmoothMapping("post_attention_layernorm", _GATE_UP, "mlp")
+_UP_DOWN = SmoothMapping("mlp.up_proj", _DOWN, "mlp.down_proj")
+
 LLAMA_LIKE = BlockMapping(
     linears=_QKV + _O + _GATE_UP + _DOWN,
     smooth=(
-        SmoothMapping("input_layernorm", _QKV, "self_attn", needs_block_kwargs=True),
+        _ATTN_IN,
         SmoothMapping("self_attn.v_proj", _O, "self_attn.o_proj"),
-        SmoothMapping("post_attention_layernorm", _GATE_UP, "mlp"),
-        SmoothMapping("mlp.up_proj", _DOWN, "mlp.down_proj"),
+        _MLP_IN,
+        _UP_DOWN,
     ),
     no_clip=_QKV[:2],
     sequential=(_QKV, _O, _GATE_UP, _DOWN),
+    smoothquant=(_ATTN_IN, _MLP_IN),
+    smoothquant_linear=(_UP_DOWN,),
 )
 
 ARCHITECTURES: Registry[Architecture] = Registry("architecture")

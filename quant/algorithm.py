@@ -81,7 +81,8 @@ class Algorithm:
 
 
 ALGORITHMS: Registry[Algorithm] = Registry(
-    "algorithm", builtins=("optllm.quant.rtn", "optllm.quant.awq", "optllm.quant.gptq", "optllm.quant.fp8"))
+    "algorithm", builtins=("optllm.quant.rtn", "optllm.quant.awq", "optllm.quant.gptq", "optllm.quant.fp8",
+                           "optllm.quant.smoothquant"))
 
 
 def register_algorithm(algorithm: Algorithm, replace: bool = False) -> Algorithm:

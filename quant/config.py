@@ -16,6 +16,7 @@ from ..formats.args import CHANNEL, GROUP_SIZES
 from .algorithm import ALGORITHMS
 from .awq import AWQOptions
 from .scheme import QuantScheme, parse_scheme
+from .smoothquant import SmoothQuantOptions
 
 CHECKPOINT_DTYPES = ("bfloat16", "float16")
 OFFLOAD_MODES = ("auto", "always", "never")
@@ -65,6 +66,8 @@ class QuantizeConfig:
     holdout: int | str = "auto"
     fallback_rtn: bool = False  # keep RTN for a block whose held-out error is lower with it
     awq: AWQOptions = field(default_factory=AWQOptions)
+    # the w8a8-int8 schemes' smoothing and weight quantizer (smoothquant.SmoothQuantOptions)
+    smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
 
     def __post_init__(self) -> None:
         self._check_group_size()
@@ -132,7 +135,11 @@ class QuantizeConfig:
             raise UserError(f"recipe {p} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise UserError(f"recipe {p} must be a mapping of field: value")
-        data.update({k: v for k, v in overrides.items() if v is not None})
+        for k, v in overrides.items():
+            if isinstance(v, dict) and isinstance(data.get(k), dict):  # a nested options mapping: merged
+                data[k] = {**data[k], **v}
+            elif v is not None:
+                data[k] = v
         return cls.from_dict(data)
 
     @classmethod
@@ -151,6 +158,11 @@ class QuantizeConfig:
                 data["awq"] = AWQOptions(**data["awq"])
             except (TypeError, ValueError) as e:
                 raise UserError(f"awq options: {e}") from None
+        if isinstance(data.get("smoothquant"), dict):
+            try:
+                data["smoothquant"] = SmoothQuantOptions(**data["smoothquant"])
+            except (TypeError, ValueError) as e:
+                raise UserError(f"smoothquant options: {e}") from None
         if "ignore" in data:
             data["ignore"] = tuple(data["ignore"] or ())
         return cls(**data)

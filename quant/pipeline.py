@@ -48,6 +48,7 @@ class BlockStat:
     rel_error: float  # ‖block_q(x) − block(x)‖ / ‖block(x)‖ on the calibration inputs
     seconds: float
     awq_ratios: dict = field(default_factory=dict)
+    smoothquant: dict = field(default_factory=dict)  # w8a8-int8: the block's α (and its search), channel spreads
     # on the held-out windows, sqrt(mean over tokens of ‖out_t − ref_t‖² / ‖ref_t‖²) for the
     # algorithm's block and for RTN's (None: no held-out windows, or the algorithm is RTN), and
     # which of the two the checkpoint keeps

@@ -34,7 +34,7 @@ class QuantScheme:
     format: str = "pack-quantized"
 
 
-SCHEMES: Registry[QuantScheme] = Registry("scheme", builtins=("optllm.quant.fp8",))
+SCHEMES: Registry[QuantScheme] = Registry("scheme", builtins=("optllm.quant.fp8", "optllm.quant.smoothquant"))
 
 
 def register_scheme(scheme: QuantScheme, replace: bool = False) -> QuantScheme:

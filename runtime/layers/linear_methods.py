@@ -16,6 +16,14 @@
   (CPU) their reference: the activations quantized and dequantized exactly as the kernel's
   quantizer does, times the dequantized weight, in float32. Activation quantization is part
   of the scheme, so "dequant" mode runs FP8 checkpoints this way too.
+* W8A8Int8Method: compressed-tensors int-quantized W8A8 (int8 weights with a per-channel
+  scale; int8 input activations per token at run time, or static per tensor): on CUDA the
+  INT8 GEMM with its per-token quantizer (kernels/w8a8_int8.py; static inputs are quantized
+  with the checkpoint's input_scale by torch ops, then the same GEMM); with the torch backend
+  (CPU) its reference: activations quantized and dequantized exactly as the kernel's quantizer
+  does, times w * w_scale formed once in float32. In "dequant" mode the weights are
+  dequantized in the scale's dtype, as compressed-tensors / vLLM dequantize them, and the
+  activations still quantized (part of the scheme), on any device.
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ import torch.nn.functional as F
 from ...formats.args import QuantArgs
 from ...formats.compressed_tensors import matches
 from ...formats.grid import dequantize
+from ...formats.int_quantized import quantize_static_int8
 from ...kernels.fp8 import FP8_DTYPE, FP8Weight, fp8_linear, quantize_fp8_ref
 from ...kernels.gemv import linear as dense_linear
 from ...kernels.w4a16 import W4A16Weight, dequantize_w4a16, prepack_w4a16, w4a16_linear
+from ...kernels.w8a8_int8 import W8A8Weight, quantize_per_token_int8_ref, w8a8_int8_gemm, w8a8_int8_linear
 
 
 class DenseMethod:
@@ -169,6 +179,72 @@ class FP8Method:
         return f"fp8 w8a8 ({self.args.strategy} weights, {acts} activations, {self.backend})"
 
 
+class W8A8Int8Method:
+    """int8 weight [N, K] with a float32 scale per row; static inputs: one input scale, the
+    largest of the fused shards' (as vLLM), else per token. dequant: the weight is formed in the
+    scale's dtype (compressed-tensors' values) and run through the torch reference."""
+
+    def __init__(self, args: QuantArgs, input_activations: QuantArgs | None, scale_dtype: torch.dtype,
+                 backend: str, dequant: bool = False) -> None:
+        self.args, self.scale_dtype, self.dequant = args, scale_dtype, dequant
+        self.backend = "torch" if dequant else backend
+        self.static = input_activations is not None and not input_activations.dynamic
+
+    @staticmethod
+    def takes(args: QuantArgs, input_activations: QuantArgs | None) -> bool:
+        return (args.type == "int" and args.num_bits == 8 and args.symmetric and args.strategy in ("channel", "tensor")
+                and input_activations is not None and input_activations.type == "int"
+                and input_activations.num_bits == 8 and input_activations.symmetric
+                and (input_activations.strategy, input_activations.dynamic) in (("token", True), ("tensor", False)))
+
+    def create_weights(self, layer, device) -> None:
+        n, k = layer.out_features, layer.in_features
+        layer.register_param("qweight", torch.empty(n, k, dtype=torch.int8, device=device), out_dim=0, in_dim=1)
+        # one scale per row: a row-parallel shard keeps all of them (in_dim None)
+        layer.register_param("scales", torch.empty(n, 1, dtype=self.scale_dtype, device=device), 0, None)
+        if self.static:
+            layer.register_param("input_scale", torch.empty(n, dtype=torch.float32, device=device), 0, None)
+
+    def process_after_loading(self, layer) -> None:
+        w, s = layer.qweight.data, layer.scales.data
+        xs = layer.input_scale.data.max().reshape(1).float() if self.static else None
+        for name in ("qweight", "scales", "input_scale"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        layer.register_buffer("int8_weight", w.contiguous())
+        layer.register_buffer("int8_scale", s.float().reshape(-1).contiguous())
+        layer.register_buffer("int8_input_scale", xs)
+        if self.backend == "torch":  # the kernels' reference weight, made once
+            dense = dequantize(w, s, None, torch.float32) if self.dequant else w.float() * s.float().reshape(-1, 1)
+            layer.register_buffer("dense", dense, persistent=False)
+
+    def apply(self, layer, x, bias):
+        k, n = layer.in_features, layer.out_features
+        xs = layer.int8_input_scale
+        x2 = x.reshape(-1, k)
+        if self.backend == "torch":  # = kernels.w8a8_int8.w8a8_int8_linear_ref, with the weight dequantized once
+            if xs is None:
+                xq, x_scale = quantize_per_token_int8_ref(x2)
+                xd = xq.float() * x_scale
+            else:
+                xd = quantize_static_int8(x2, xs).float() * xs
+            y = xd @ layer.dense.t()
+            if bias is not None:
+                y = y + bias.float()
+            return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        if xs is None:
+            return w8a8_int8_linear(x, W8A8Weight(layer.int8_weight, layer.int8_scale), bias, backend="triton")
+        xq = quantize_static_int8(x2, xs)
+        y = w8a8_int8_gemm(xq, xs.expand(xq.shape[0], 1).contiguous(), layer.int8_weight, layer.int8_scale, bias,
+                           out_dtype=x.dtype, backend="triton")
+        return y.reshape(*x.shape[:-1], n)
+
+    def describe(self, layer) -> str:
+        acts = "static per-tensor" if self.static else "dynamic per-token"
+        how = "dequantized weights, torch" if self.dequant else self.backend
+        return f"int8 w8a8 ({self.args.strategy} weights, {acts} activations, {how})"
+
+
 def kernel_takes(args: QuantArgs, in_features: int) -> bool:
     """Whether the W4A16 kernels run this weight (else it is dequantized at load)."""
     g = args.group_size or in_features
@@ -200,9 +276,12 @@ def unserved(weights: QuantArgs, input_activations: QuantArgs | None) -> str | N
         return None if input_activations is not None else "FP8 weight-only (W8A16) linears are not served yet"
     if weights.type != "int":
         return f"{weights.type} {weights.num_bits}-bit weights are not served yet"
+    if W8A8Int8Method.takes(weights, input_activations):
+        return None
     if input_activations is not None:
         return f"quantized input activations ({input_activations.type} {input_activations.num_bits}-bit) " \
-               "with integer weights are not served yet"
+               "with integer weights are served only as symmetric int8 W8A8 (per-token dynamic or " \
+               "per-tensor static inputs)"
     return None
 
 
@@ -217,6 +296,9 @@ def linear_method(quant: QuantSpec | None, hf_names: list[str], in_features: int
         return DenseMethod()
     if FP8Method.takes(quant.args):
         return FP8Method(quant.args, quant.input_activations, quant.scale_dtype, backend)
+    if W8A8Int8Method.takes(quant.args, quant.input_activations):
+        return W8A8Int8Method(quant.args, quant.input_activations, quant.scale_dtype, backend,
+                              dequant=quant.mode == "dequant")
     if quant.mode == "kernel" and kernel_takes(quant.args, in_features):
         return W4A16Method(quant.args, quant.scale_dtype, backend)
     return DequantMethod(quant.args, quant.scale_dtype)
