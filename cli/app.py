@@ -402,9 +402,10 @@ def models() -> None:
 @app.command("train-draft")
 def train_draft(
     target: str = typer.Argument(..., help="the model the draft serves: folder, built-in alias or hub id"),
-    method: str = typer.Option("medusa", help="medusa"),
+    method: str = typer.Option("medusa", help="medusa (heads over the last hidden state) | eagle (one decoder "
+                                "layer over [next-token embedding, feature] -> next feature)"),
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
-    num_heads: int = typer.Option(4, help="Medusa heads (head k predicts the token k + 2 ahead)"),
+    num_heads: int = typer.Option(4, help="Medusa heads (head k predicts the token k + 2 ahead); unused by eagle"),
     num_prompts: int = typer.Option(256, help="prompts to write (Magpie) or read at most"),
     prompts: Optional[Path] = typer.Option(None, help="FILE.jsonl: {\"prompt\": ...} or ShareGPT conversations "
                                            "[default: the target writes its own]"),
@@ -421,7 +422,7 @@ def train_draft(
     seed: int = typer.Option(0, help="seed of the prompts, the data order and the heads"),
     overwrite: bool = typer.Option(False, help="replace OUT (or an unfinished run of it) if it exists"),
 ) -> None:
-    """Train a draft (Medusa heads) for TARGET on its own answers to its own prompts."""
+    """Train a draft (Medusa heads or an EAGLE layer) for TARGET on its own answers to its own prompts."""
     from ..speculative.train import DraftConfig
     from ..speculative.train import train_draft as run
 

@@ -26,16 +26,17 @@ import torch
 
 from ..errors import UserError
 from .data import DraftSequence, build_dataset, read_dataset, write_dataset
-from .medusa import MedusaHeads, head_accuracy, medusa_loss
-from .target import last_hidden, lm_head_weight, load_target, target_identity
+from .methods import DRAFT_METHODS
+from .target import last_hidden, load_target, target_identity
 
-METHODS = ("medusa",)  # EAGLE joins here (issue 15 part 3)
+METHODS = tuple(DRAFT_METHODS)
 _STATE = "trainer_state.json"
 
 
 @dataclass
 class DraftConfig:
-    """What train-draft does. target: folder, alias or hub id; out: the output folder.
+    """What train-draft does. target: folder, alias or hub id; out: the output folder;
+    method: medusa (num_heads heads) or eagle (one decoder layer over features; num_heads unused).
     num_prompts: prompts to generate or read at most; max_steps: optimizer steps;
     batch_size: sequences per micro-batch (per process); grad_accum: micro-batches per step;
     seq_len: tokens per sequence at most (prompt + answer); answer_tokens: answer tokens at
@@ -45,7 +46,7 @@ class DraftConfig:
 
     target: str
     out: Path
-    method: str = "medusa"
+    method: str = "medusa"  # or "eagle"
     num_heads: int = 4
     num_prompts: int = 256
     max_steps: int = 1000
@@ -78,8 +79,10 @@ class DraftConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UserError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
-        if not isinstance(self.seq_len, int) or self.seq_len < self.num_heads + 3:
-            raise UserError(f"seq_len={self.seq_len!r} is not allowed; allowed: an integer >= num_heads + 3")
+        # the farthest target a draft position learns: num_heads + 1 tokens ahead (Medusa), 2 (EAGLE)
+        least, least_text = (self.num_heads + 3, "num_heads + 3") if self.method == "medusa" else (3, "3")
+        if not isinstance(self.seq_len, int) or self.seq_len < least:
+            raise UserError(f"seq_len={self.seq_len!r} is not allowed; allowed: an integer >= {least_text}")
         if not (self.lr > 0):
             raise UserError(f"lr={self.lr!r} is not allowed; allowed: a number > 0")
         if self.warmup_steps is not None and not (0 <= self.warmup_steps <= self.max_steps):
@@ -144,8 +147,8 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
     train, held = _split(seqs, cfg.holdout, cfg.seed)
 
     target, folder = load_target(cfg.target, "bfloat16" if use_cuda else "float32", acc.device)
-    w = lm_head_weight(target)
-    heads = MedusaHeads(cfg.num_heads, w.shape[1], w.shape[0], w.detach().float().cpu())
+    method = DRAFT_METHODS[cfg.method]
+    heads = method.build(target, cfg.num_heads)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.max_steps // 20
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(warmup, cfg.max_steps))
@@ -162,7 +165,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
 
     result = TrainResult(out, step)
     if step == 0 and held:
-        result.accuracy = _evaluate(acc, target, heads, held, cfg.batch_size)
+        result.accuracy = _evaluate(acc, target, method, heads, held, cfg.batch_size)
         log(f"step 0/{cfg.max_steps}  held-out top-1 {_fmt(result.accuracy)}")
     while step < cfg.max_steps:
         heads.train()
@@ -173,7 +176,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
             position += 1
             hidden = last_hidden(target, ids, attn)
             with acc.autocast():
-                loss, _ = medusa_loss(heads(hidden.float()), ids, mask)
+                loss = method.loss(heads, hidden.float(), ids, mask)
             acc.backward(loss / cfg.grad_accum)
             total += loss.item() / cfg.grad_accum
         acc.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
@@ -183,7 +186,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         step += 1
         result.losses.append((step, total))
         if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            result.accuracy = _evaluate(acc, target, heads, held, cfg.batch_size)
+            result.accuracy = _evaluate(acc, target, method, heads, held, cfg.batch_size)
         line = f"step {step}/{cfg.max_steps}  loss {total:.4f}  lr {sched.get_last_lr()[0]:.2e}"
         if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             line += f"  held-out top-1 {_fmt(result.accuracy)}"
@@ -197,7 +200,8 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
     acc.wait_for_everyone()
     if acc.is_main_process:
         model = acc.unwrap_model(heads)
-        _save_draft(work, model, cfg, folder, target, len(seqs), result, torch.bfloat16 if use_cuda else torch.float32)
+        _save_draft(work, model, method.config(model), cfg, folder, target, len(seqs), result,
+                    torch.bfloat16 if use_cuda else torch.float32)
         if out.exists():
             shutil.rmtree(out)
         os.replace(work, out)
@@ -252,13 +256,13 @@ def _cosine(warmup: int, total: int) -> Callable[[int], float]:
 
 
 @torch.no_grad()
-def _evaluate(acc, target, heads, held: list[DraftSequence], batch_size: int) -> list[float]:
+def _evaluate(acc, target, method, heads, held: list[DraftSequence], batch_size: int) -> list[float]:
     heads.eval()
     hits = counts = None
     for i in range(0, len(held), batch_size):
         ids, attn, mask = _collate(held[i:i + batch_size], acc.device)
         with acc.autocast():
-            h, c = head_accuracy(heads(last_hidden(target, ids, attn).float()), ids, mask)
+            h, c = method.accuracy(heads, last_hidden(target, ids, attn).float(), ids, mask)
         hits = h if hits is None else [a + b for a, b in zip(hits, h)]
         counts = c if counts is None else [a + b for a, b in zip(counts, c)]
     heads.train()
@@ -327,8 +331,8 @@ def _latest(work: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def _save_draft(work: Path, heads: MedusaHeads, cfg: DraftConfig, folder: Path, target, num_sequences: int,
-                result: TrainResult, dtype: torch.dtype) -> None:
+def _save_draft(work: Path, heads: torch.nn.Module, sizes: dict, cfg: DraftConfig, folder: Path, target,
+                num_sequences: int, result: TrainResult, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in heads.state_dict().items()},
@@ -337,10 +341,7 @@ def _save_draft(work: Path, heads: MedusaHeads, cfg: DraftConfig, folder: Path, 
                 if k not in ("target", "out", "overwrite", "resume")}
     config = {
         "method": cfg.method,
-        "num_heads": heads.num_heads,
-        "num_layers": 1,
-        "hidden_size": heads.hidden_size,
-        "vocab_size": heads.vocab_size,
+        **sizes,
         "dtype": str(dtype).removeprefix("torch."),
         "target": {
             "model": str(cfg.target),
