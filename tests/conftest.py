@@ -91,3 +91,22 @@ def heavy_tailed_rows():
         x *= torch.exp2(torch.randint(-8, 8, (m, k), device="cuda", generator=g).float())
         return x, g
     return make
+
+
+SPEC_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tiny_llama, tmp_path_factory):
+    """A tiny random Llama with a chat template (speculative/: the Magpie path needs one)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-chat") / "llama-chat"
+    shutil.copytree(tiny_llama, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = SPEC_CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
