@@ -52,6 +52,10 @@ class EngineConfig:
     under TRITON_INTERPRET=1: slow, for tests), "torch".
     load_format: "auto" reads the checkpoint's weights; "dummy" fills the model's shape with
     random weights (benchmarks: speed does not depend on the values; vLLM's name for it).
+    draft: a folder `optllm train-draft` wrote (Medusa or EAGLE): speculative decoding with
+    it (None: off). spec_top_k / spec_depth / spec_num_draft: the EAGLE-2 dynamic tree (top-k
+    children per expanded node, longest path, nodes besides the root); medusa_choices: the
+    static tree of a Medusa draft (paths of top-k ranks; None: the built-in one).
     """
 
     model: str
@@ -72,6 +76,11 @@ class EngineConfig:
     kernels: str = "auto"
     load_format: str = "auto"
     seed: int = 0
+    draft: str | None = None
+    spec_top_k: int = 8
+    spec_depth: int = 6
+    spec_num_draft: int = 40
+    medusa_choices: tuple | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -98,6 +107,14 @@ class EngineConfig:
                              "allowed: an integer >= 0")
         if not self.device or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+        for name in ("spec_top_k", "spec_depth", "spec_num_draft"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
+        pool = self.spec_top_k + (self.spec_depth - 1) * self.spec_top_k ** 2
+        if self.spec_num_draft > pool:
+            raise ValueError(f"spec_num_draft={self.spec_num_draft} is not allowed; allowed: at most {pool} (the "
+                             f"candidates spec_top_k={self.spec_top_k} and spec_depth={self.spec_depth} produce)")
         # the scheduler's own checks, early
         self.scheduler_config(self.max_model_len or 1)
 

@@ -43,6 +43,7 @@ class EngineStats:
     num_free_blocks: int
     num_blocks: int
     prefix_cache_hit_rate: float
+    speculation: dict | None = None  # SpecStats.as_dict() when a draft is loaded
 
 
 class LLMEngine:
@@ -58,8 +59,10 @@ class LLMEngine:
                             f"max_position_embeddings={limit}")
         self.max_model_len = config.max_model_len or limit
         self.runner = ModelRunner(config, self.source, self.max_model_len, self.eos_token_ids)
+        spec = self.runner.spec
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.runner.num_blocks,
-                                   self.eos_token_ids)
+                                   self.eos_token_ids, speculate=None if spec is None else spec.eligible,
+                                   lookahead=0 if spec is None else spec.lookahead)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, _Request] = {}
         self._touched: dict[str, None] = {}  # requests to report after this step, in order
@@ -110,8 +113,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        spec = self.runner.spec
         return EngineStats(s.num_running, s.num_waiting, s.block_manager.num_free_blocks, self.runner.num_blocks,
-                           s.prefix_cache_hit_rate)
+                           s.prefix_cache_hit_rate, None if spec is None else spec.stats.as_dict())
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
@@ -126,6 +130,8 @@ class LLMEngine:
         for seq, tok in zip(batch.seqs, sampled):
             if tok is None:
                 continue
+            if isinstance(tok, list) and seq.params.logprobs is not None:
+                del seq.output_logprobs[seq.num_output_tokens:]  # entries of tokens a stop dropped
             req = self.requests[seq.request_id]
             if req.stream or seq.is_finished:
                 touched[req.request_id] = None
@@ -134,11 +140,27 @@ class LLMEngine:
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
             if req.params.detokenize:
                 items.append((seq, req.states[seq.index]))
-        for (seq, _st), stop in zip(items, self.detokenizer.update(items) if items else []):
+        multi = {seq.seq_id: len(tok) for seq, tok in zip(batch.seqs, sampled) if isinstance(tok, list)}
+        for (seq, st), stop in zip(items, self.detokenizer.update(items) if items else []):
             if stop is not None and not seq.is_finished:
+                if multi.get(seq.seq_id, 1) > 1:
+                    self._cut_at_stop(seq, stop)
                 self.scheduler.finish(seq, FinishReason.STOP, stop)
                 touched[seq.request_id] = None
         return self._collect()
+
+    def _cut_at_stop(self, seq: Sequence, stop: str) -> None:
+        """A speculative step appended several tokens and a stop string ended among them: drop
+        the tokens after the one that completed it, as a step-by-step decode would have stopped
+        there (the text is cut at the stop string either way)."""
+        skip = seq.params.skip_special_tokens
+        out = seq.output_token_ids
+        for j in range(1, len(out)):
+            if stop in self.tokenizer.decode(out[:j], skip_special_tokens=skip):
+                del seq.token_ids[seq.num_prompt_tokens + j:]
+                del seq.output_logprobs[j:]
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                return
 
     def _collect(self) -> list[RequestOutput]:
         out = []

@@ -51,6 +51,14 @@ class ModelRunner:
                 init_random_weights(self.model, config.seed)
             else:
                 load_weights(self.model, source.folder)
+        draft = None
+        if config.draft is not None:  # before sizing the KV cache: its weights, and EAGLE's cache layer
+            from .models.draft import load_draft
+
+            with torch.inference_mode():
+                draft = load_draft(config.draft, self.model, source.config, source.folder, dtype=self.dtype,
+                                   device=self.device, backend=self.backend, max_position=max_model_len)
+        self._extra_kv_layers = 1 if draft is not None and draft.method == "eagle" else 0
         hf = source.config
         self.vocab_size = hf.vocab_size
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
@@ -74,8 +82,15 @@ class ModelRunner:
         self.decode_splits = functools.partial(default_num_splits, num_kv_heads=self.num_kv_heads,
                                                max_blocks=self.max_blocks_per_seq, block_size=self.block_size,
                                                block_n=self.kv_spec.head_dim, device=self.device)
+        self.spec = None
+        if draft is not None:
+            from .spec_runner import SpecDecoder, SpecOptions
+
+            opts = SpecOptions(config.spec_top_k, config.spec_depth, config.spec_num_draft, config.medusa_choices)
+            self.spec = SpecDecoder(self, draft, opts, seed=config.seed)
         self.graphs = None
-        if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0:
+        # speculation needs every ordinary step's hidden states (the draft's state): those steps run eager
+        if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0 and self.spec is None:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, config.cuda_graph_max_batch),
                                        self.max_blocks_per_seq, self.vocab_size, self.device, self.decode_splits)
 
@@ -94,7 +109,8 @@ class ModelRunner:
 
     # ---- sizing
     def _blocks_that_fit(self) -> int:
-        per_block = self.kv_spec.bytes_per_block()
+        layers = self.kv_spec.num_layers
+        per_block = self.kv_spec.bytes_per_block() * (layers + self._extra_kv_layers) // layers
         if self.device.type != "cuda":
             return max(1, int(self.config.cpu_kv_cache_gib * 2**30) // per_block)
         gc.collect()  # an engine dropped earlier in this process gives its cache back first
@@ -145,13 +161,29 @@ class ModelRunner:
 
     # ---- one step
     @torch.inference_mode()
-    def execute(self, batch) -> list[int | None]:
+    def execute(self, batch) -> list:
         """Run one scheduled step; returns each sequence's sampled token id (None where the
-        step does not complete the sequence). Fills seq.output_logprobs / prompt_logprobs
-        for the sequences that asked for them."""
-        seqs = batch.seqs
-        hb = host_batch(seqs, batch.num_new_tokens, self.block_size, self.block_tables)
-        decode = batch.decode_only
+        step does not complete the sequence; for a speculative decode, the list of tokens it
+        emitted). Fills seq.output_logprobs / prompt_logprobs for the sequences that asked."""
+        if self.spec is None:
+            return self._execute(batch.seqs, batch.num_new_tokens, batch.decode_only)
+        result: list = [None] * len(batch.seqs)
+        plain = [i for i, s in enumerate(batch.speculate) if not s]
+        if plain:
+            seqs = [batch.seqs[i] for i in plain]
+            counts = [batch.num_new_tokens[i] for i in plain]
+            decode = all(k == 1 for k in counts) and all(batch.sampling[i] for i in plain)
+            for i, tok in zip(plain, self._execute(seqs, counts, decode, observe=True)):
+                result[i] = tok
+        spec = [i for i, s in enumerate(batch.speculate) if s]
+        if spec:
+            for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
+                result[i] = toks
+        return result
+
+    def _execute(self, seqs, num_new_tokens, decode: bool, observe: bool = False) -> list[int | None]:
+        hb = host_batch(seqs, num_new_tokens, self.block_size, self.block_tables)
+        hidden = inputs = None
         if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.replay(hb)
         else:
@@ -162,6 +194,8 @@ class ModelRunner:
             rows = inputs.logits_rows[[r for _, r in hb.sample]] if hb.prompt_lp else inputs.logits_rows
             logits = self.model.compute_logits(hidden[rows]) if hb.sample else None
         if not hb.sample:
+            if observe:
+                self.spec.observe(seqs, num_new_tokens, inputs, hidden, [None] * len(seqs))
             return [None] * len(seqs)
         sampling = [seqs[i] for i, _ in hb.sample]
         out = self.sampler(logits, sampling)
@@ -171,6 +205,8 @@ class ModelRunner:
         result: list[int | None] = [None] * len(seqs)
         for (i, _), tok in zip(hb.sample, ids):
             result[i] = tok
+        if observe:
+            self.spec.observe(seqs, num_new_tokens, inputs, hidden, result)
         return result
 
     def _record_logprobs(self, seqs, ids, out) -> None:

@@ -33,6 +33,9 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     sampling: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # seqs[i] decodes speculatively: its blocks also cover the speculator's lookahead slots,
+    # and update() takes the list of tokens the step emitted for it
+    speculate: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -66,8 +69,12 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, num_blocks: int,
-                 eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(), speculate=None, lookahead: int = 0) -> None:
+        """speculate: None, or a predicate telling which decoding sequences may take a
+        speculative step (runtime/spec_runner.py); such a step computes up to 1 + lookahead
+        tokens of KV, which its blocks and the step's token budget must cover."""
         self.config = config
+        self.speculate, self.lookahead = speculate, lookahead
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_seq_len = min(config.max_model_len, num_blocks * config.block_size)
@@ -132,7 +139,9 @@ class Scheduler:
             if n == 0:  # nothing to compute until update() gives it a token
                 i += 1
                 continue
-            while not bm.allocate(seq, n):
+            ahead = self.lookahead if (n == 1 == seq.num_uncomputed_tokens and self.speculate is not None
+                                       and budget >= 1 + self.lookahead and self.speculate(seq)) else 0
+            while not bm.allocate(seq, n, lookahead=ahead):
                 victim = self.running.pop()  # the most recently arrived
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -140,8 +149,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            self._add_to_batch(batch, seq, n)
-            budget -= n
+            self._add_to_batch(batch, seq, n, speculate=ahead > 0)
+            budget -= n + ahead
             i += 1
         # admitting right after a preemption would only thrash
         while (not batch.preempted and self.waiting and budget > 0
@@ -161,9 +170,12 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Apply a step's results: advance KV progress, append sampled tokens, check stops.
 
-        sampled[i]: the token seqs[i] sampled, None for those that did not sample. Sequences
-        finished meanwhile (abort) are skipped. Returns the sequences that finished here;
-        their blocks are already freed.
+        sampled[i]: the token seqs[i] sampled, None for those that did not sample; for a
+        speculative decode, the list of tokens the step emitted (the accepted draft tokens and
+        the target's own: the KV of as many tokens -- the root and the accepted nodes -- is
+        then computed). Tokens are appended one at a time under the stop rules, so a stop
+        drops what follows it. Sequences finished meanwhile (abort) are skipped. Returns the
+        sequences that finished here; their blocks are already freed.
         """
         if len(sampled) != len(batch.seqs):
             raise ValueError(f"sampled has {len(sampled)} entries; allowed: one per scheduled "
@@ -177,14 +189,23 @@ class Scheduler:
         for seq, k, tok in zip(batch.seqs, batch.num_new_tokens, sampled):
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += k
-            self.block_manager.commit(seq)
             if tok is None:
+                seq.num_computed_tokens += k
+                self.block_manager.commit(seq)
                 continue
-            seq.append_token(tok)
+            toks = tok if isinstance(tok, list) else [tok]
+            computed = len(toks) if isinstance(tok, list) else k
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
-            stop = self._stop(seq, tok)
+            stop = None
+            for t in toks:
+                seq.append_token(t)
+                stop = self._stop(seq, t)
+                if stop is not None:
+                    break
+            # the tokens first, then the KV progress: commit hashes the blocks' token ids
+            seq.num_computed_tokens = min(seq.num_computed_tokens + computed, seq.num_tokens)
+            self.block_manager.commit(seq)
             if stop is not None:
                 seq.finish(*stop)
                 self._release(seq)
@@ -218,10 +239,11 @@ class Scheduler:
     def _rank(self, seq: Sequence) -> int:
         return self._arrival[seq.seq_id]
 
-    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int, speculate: bool = False) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.sampling.append(seq.num_computed_tokens + n == seq.num_tokens)
+        batch.speculate.append(speculate)
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV and queue it again, before every later arrival."""

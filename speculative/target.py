@@ -3,14 +3,13 @@ its identity (a hash a served draft is checked against)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
-
 import torch
 
 from ..errors import UserError
+from ..hub.identity import target_identity
 from ..hub.loader import check_architecture, load_config, parse_dtype, resolve_model
+
+__all__ = ["last_hidden", "lm_head_weight", "load_target", "target_identity"]
 
 
 def load_target(model: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
@@ -39,25 +38,3 @@ def last_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 def lm_head_weight(model) -> torch.Tensor:
     """[vocab_size, hidden_size]: the LM head's weight (the embedding when tied)."""
     return model.get_output_embeddings().weight
-
-
-def target_identity(folder: str | Path) -> str:
-    """sha256 over the target's config.json bytes and its LM head's stored tensor bytes
-    (lm_head.weight, or the token embedding when tied): a draft trained on one target can
-    tell, when served, that it was given another."""
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    h = hashlib.sha256((folder / "config.json").read_bytes())
-    cfg = json.loads((folder / "config.json").read_text())
-    names = ["lm_head.weight"] if not cfg.get("tie_word_embeddings") else []
-    names += ["model.embed_tokens.weight"]
-    for name in names:
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(f, framework="pt") as st:
-                if name in st.keys():
-                    t = st.get_tensor(name).contiguous()
-                    h.update(name.encode())
-                    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-                    return h.hexdigest()
-    raise UserError(f"{folder}: no lm_head.weight or model.embed_tokens.weight in its safetensors files")

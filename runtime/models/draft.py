@@ -1,0 +1,202 @@
+"""Draft models the runtime runs for speculative decoding: Medusa heads and the EAGLE layer.
+
+Both read a folder ``optllm train-draft`` writes (config.json + model.safetensors, the
+parameter names of the Medusa and EAGLE reference checkpoints) and run beside a target
+``LlamaForCausalLM`` whose embedding and LM head they use.
+
+Medusa (``MedusaDraft``): head k reads the target's last hidden state at position t (the one
+that sampled x_{t+1}) and proposes x_{t+k+2}; a residual SiLU block then its own LM head.
+
+EAGLE (``EagleDraft``): at position p it reads the target's feature f_p and the embedding of
+x_{p+1}, fuses them (fc over [embedding, feature]), runs one decoder layer without input norm
+and predicts f_{p+1}, which the target's LM head reads out over x_{p+2}. Its attention keeps
+its own paged KV cache -- one more layer beside the target's, addressed by the same block
+tables and slots (position p's draft K/V sit in the slot of the target's position p) -- so the
+draft attends over the whole context at the cost of one layer. The engine keeps it filled:
+every target step runs the draft over the rows it computed (runtime/spec_runner.py), and a
+draft tree's scratch rows go to the slots past the context, where the target's verify step
+writes next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import UserError
+from ..layers.attention import Attention, AttentionMetadata
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+
+log = logging.getLogger("optllm.runtime")
+
+DRAFT_METHODS = ("medusa", "eagle")
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.silu(self.linear(h))
+
+
+class MedusaDraft(nn.Module):
+    """hidden [B, H] (the target's, at each sequence's last computed position) -> logits
+    [B, num_heads, V]: head k over the token k + 2 ahead."""
+
+    method = "medusa"
+
+    def __init__(self, num_heads: int, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.num_heads, self.hidden_size, self.vocab_size = num_heads, hidden_size, vocab_size
+        self.medusa_head = nn.ModuleList(
+            nn.Sequential(_ResBlock(hidden_size), nn.Linear(hidden_size, vocab_size, bias=False))
+            for _ in range(num_heads))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([head(hidden) for head in self.medusa_head], dim=1)
+
+
+class _EagleAttention(nn.Module):
+    def __init__(self, cfg: dict, max_position: int, device, backend: str) -> None:
+        super().__init__()
+        h, nh, nkv, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.q_size, self.kv_size = nh * d, nkv * d
+        self.q_proj = nn.Linear(h, nh * d, bias=False)
+        self.k_proj = nn.Linear(h, nkv * d, bias=False)
+        self.v_proj = nn.Linear(h, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        # the draft's rotary is plain RoPE with the target's base (EAGLE's training): no scaling
+        self.rotary_emb = RotaryEmbedding(SimpleNamespace(rope_theta=float(cfg["rope_theta"])), d, max_position,
+                                          device, backend)
+        self.attn = Attention(nh, nkv, d, d ** -0.5, 0, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class _EagleMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _EagleLayer(nn.Module):
+    def __init__(self, cfg: dict, max_position: int, dtype, device, backend: str) -> None:
+        super().__init__()
+        self.self_attn = _EagleAttention(cfg, max_position, device, backend)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], float(cfg["rms_norm_eps"]), dtype, device,
+                                                backend)
+        self.mlp = _EagleMLP(cfg["hidden_size"], cfg["intermediate_size"])
+
+    def forward(self, positions, x, meta):
+        x = x + self.self_attn(positions, x, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleDraft(nn.Module):
+    """forward(features [T, H] (f_p), next_ids [T] (x_{p+1}), positions [T] (p), meta) ->
+    predicted features [T, H] (f_{p+1}); the draft's K/V of each row go to meta.slot_mapping
+    in its own cache layer. ``embed`` / ``logits``: the target's embedding and LM head."""
+
+    method = "eagle"
+
+    def __init__(self, cfg: dict, target, max_position: int, dtype, device, backend: str) -> None:
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.hidden_size, self.vocab_size = h, cfg["vocab_size"]
+        self.num_kv_heads, self.head_dim = cfg["num_key_value_heads"], cfg["head_dim"]
+        self.fc = nn.Linear(2 * h, h, bias=bool(cfg.get("fc_bias", True)))
+        self.layers = nn.ModuleList([_EagleLayer(cfg, max_position, dtype, device, backend)])
+        self._target = [target]  # not a submodule: the target's weights are not the draft's
+
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        target = self._target[0]
+        emb = target.model.embed_tokens(next_ids).to(features.dtype)
+        x = self.fc(torch.cat([emb, features], dim=-1))
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return x
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+
+def read_draft_config(folder: str | Path) -> dict:
+    """The draft folder's config.json, checked for what the runtime needs; UserError otherwise."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.is_file() or not (folder / "model.safetensors").is_file():
+        raise UserError(f"--draft {folder}: not a draft folder (needs config.json and model.safetensors, as "
+                        "`optllm train-draft` writes)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"--draft {folder}: config.json is not valid JSON ({e})") from None
+    method = cfg.get("method")
+    if method not in DRAFT_METHODS:
+        raise UserError(f"--draft {folder}: method {method!r} is not supported; supported: {', '.join(DRAFT_METHODS)}")
+    if method == "eagle" and int(cfg.get("num_layers", 1)) != 1:
+        raise UserError(f"--draft {folder}: an EAGLE draft of {cfg.get('num_layers')} layers; supported: 1")
+    return cfg
+
+
+def load_draft(folder: str | Path, target, target_config, target_folder: Path | None, *, dtype: torch.dtype,
+               device: torch.device, backend: str, max_position: int) -> MedusaDraft | EagleDraft:
+    """The draft in ``folder`` for ``target`` (our LlamaForCausalLM), its weights loaded and
+    cast to dtype. UserError when its sizes do not fit the target; a warning when it was trained
+    for another target (by the hash train-draft recorded)."""
+    from safetensors.torch import load_file
+
+    cfg = read_draft_config(folder)
+    h, v = target_config.hidden_size, target_config.vocab_size
+    if cfg.get("hidden_size") != h or cfg.get("vocab_size") != v:
+        raise UserError(f"--draft {folder}: hidden_size={cfg.get('hidden_size')}, vocab_size={cfg.get('vocab_size')}; "
+                        f"the target has {h} and {v}")
+    want = (cfg.get("target") or {}).get("sha256")
+    if want and target_folder is not None:
+        from ...hub.identity import target_identity
+
+        try:
+            have = target_identity(target_folder)
+        except (UserError, OSError):
+            have = None
+        if have is not None and have != want:
+            log.warning("the draft in %s was trained for another target (%s, sha256 %s...); this one is %s... "
+                        "-- it runs, but expect fewer accepted tokens", folder,
+                        (cfg.get("target") or {}).get("model"), want[:12], have[:12])
+    if cfg["method"] == "medusa":
+        draft = MedusaDraft(int(cfg["num_heads"]), h, v)
+    else:
+        draft = EagleDraft(cfg, target, max_position, dtype, device, backend)
+    state = load_file(str(Path(folder) / "model.safetensors"))
+    params = dict(draft.named_parameters())
+    missing = sorted(set(params) - set(state))
+    extra = sorted(set(state) - set(params))
+    if missing or extra:
+        raise UserError(f"--draft {folder}: model.safetensors does not match a {cfg['method']} draft "
+                        f"(missing {missing[:4]}, unexpected {extra[:4]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            if tuple(state[name].shape) != tuple(p.shape):
+                raise UserError(f"--draft {folder}: {name} has shape {tuple(state[name].shape)}; "
+                                f"expected {tuple(p.shape)}")
+            p.data = state[name].to(device=device, dtype=dtype)
+    draft.requires_grad_(False).eval()
+    return draft.to(device)

@@ -1,0 +1,296 @@
+"""Speculative decoding inside the model runner: draft a token tree per sequence, verify every
+tree in one target forward under the tree mask over the paged KV, accept, and move the
+accepted path's KV into place.
+
+The engine's step splits its decodes in two: sequences that can speculate (``eligible``) go
+through ``SpecDecoder.step``; the rest (prefill chunks, requests with penalties or a seed,
+those still inside min_tokens or too near max_model_len) run the ordinary step, after which
+``observe`` brings the draft's state up to date from the rows that step computed.
+
+Per sequence with c = num_computed_tokens and root x_c (its last, sampled token):
+- the draft state ``seq.spec_state`` [H]: Medusa, the target's hidden state at c - 1 (the
+  row that sampled x_c); EAGLE, the draft's predicted feature at c (its output on (f_{c-1},
+  x_c)), its KV cache filled for every position < c.
+- propose: Medusa, the heads' top-k over the static tree's choices; EAGLE-2, a dynamic tree
+  grown ``depth - 1`` times from the top_k best frontier nodes (tree.py), each expansion one
+  draft forward over the frontier nodes so far under their ancestor mask, their K/V in the
+  draft's scratch slots c + row.
+- verify: the target over the N tree nodes at positions c + depth, K/V to slots c + i,
+  logits at every node; acceptance greedy (every row greedy) or by rejection sampling over the
+  tree (lossless, acceptance.py); the accepted path's KV moved to c .. c + k (kv_compact.py).
+- the sequence gains k accepted draft tokens and one token of the target's: k + 1 tokens of
+  KV computed (root + accepted nodes); the draft catches up on those rows (EAGLE: one draft
+  forward over them; Medusa: the hidden state at the last accepted node).
+Blocks: the scheduler allocates ``lookahead`` slots past the root for an eligible decode;
+what rejected nodes wrote past the new length is never read and is overwritten next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache, KVCacheSpec
+from .layers.attention import AttentionMetadata
+from .sampler import token_logprobs
+from .sampling_params import GREEDY_EPS
+from .spec.acceptance import greedy_accept, rejection_accept, target_probs
+from .spec.kv_compact import accepted_kv_slots, move_kv_slots
+from .spec.tree import DynamicTreeBuilder, StaticTree
+
+# Medusa's tree when none is given: ranks of the heads' top-k along each path, widest near the
+# root (where acceptance is likeliest), cut to the heads the draft has.
+DEFAULT_MEDUSA_CHOICES = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0),
+)
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """EAGLE: top_k children per expanded node, depth (draft tokens along a path at most),
+    num_draft (tree nodes besides the root). Medusa: choices (None: DEFAULT_MEDUSA_CHOICES cut
+    to the draft's heads)."""
+
+    top_k: int = 8
+    depth: int = 6
+    num_draft: int = 40
+    medusa_choices: tuple | None = None
+
+
+@dataclass
+class SpecStats:
+    """Counters over the engine's life: speculative steps and sequence-steps, draft tokens
+    proposed and accepted, and how many sequence-steps accepted k draft tokens (index k)."""
+
+    steps: int = 0
+    seq_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens emitted per sequence-step (accepted draft tokens + the target's own)."""
+        return (self.accepted + self.seq_steps) / self.seq_steps if self.seq_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted, "accepted": self.accepted,
+                "mean_accepted_length": self.mean_accepted_length, "histogram": list(self.histogram)}
+
+
+class SpecDecoder:
+    """The speculative half of a ModelRunner: ``runner`` gives the target model, its KV cache,
+    block size, block tables, device and max_model_len."""
+
+    def __init__(self, runner, draft, options: SpecOptions, seed: int = 0) -> None:
+        self.runner, self.draft, self.options = runner, draft, options
+        self.model = runner.model
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.eagle = draft.method == "eagle"
+        self.stats = SpecStats()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        if self.eagle:
+            o = options
+            DynamicTreeBuilder(torch.zeros(1, dtype=torch.int64), torch.zeros(1, max(o.top_k, 1)), top_k=o.top_k,
+                               depth=o.depth, num_draft=o.num_draft)  # checks the options now
+            self.num_nodes = o.num_draft + 1
+            scratch = (o.depth - 1) * o.top_k
+            spec = runner.kv_spec
+            self.draft_kv = KVCache(KVCacheSpec(1, draft.num_kv_heads, draft.head_dim, spec.block_size, spec.dtype),
+                                    runner.num_blocks, self.device)
+            self.draft_kv.bind(draft.attention_layers())
+        else:
+            choices = options.medusa_choices or tuple(c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= draft.num_heads)
+            self.tree = StaticTree.from_choices(choices)
+            if self.tree.num_heads > draft.num_heads:
+                raise ValueError(f"medusa_choices reach depth {self.tree.num_heads}; the draft has "
+                                 f"{draft.num_heads} heads")
+            self.num_nodes = self.tree.tree.size
+            scratch = 0
+        # slots past the root a speculative step writes (tree nodes; EAGLE's scratch rows)
+        self.lookahead = max(self.num_nodes, scratch) - 1
+
+    # ---- which sequences speculate
+    def eligible(self, seq) -> bool:
+        """Whether the sequence's next decode can be a speculative step."""
+        p = seq.params
+        return (getattr(seq, "spec_state", None) is not None and not p.uses_penalties
+                and (p.seed is None or p.temperature < GREEDY_EPS)
+                and seq.num_output_tokens >= p.min_tokens
+                and seq.num_tokens + self.lookahead <= self.runner.max_model_len)
+
+    # ---- the ordinary step's rows
+    @torch.inference_mode()
+    def observe(self, seqs, num_new_tokens, inputs, hidden: torch.Tensor, sampled: list) -> None:
+        """After an ordinary step: hidden [T, H] of its rows (seqs[i]'s rows in order, its
+        tokens [num_computed_tokens, + num_new_tokens[i])), sampled[i] the token it sampled
+        or None. Sets the sampling sequences' draft state; EAGLE also runs the draft over
+        every row (its KV for those positions)."""
+        if not self.eagle:
+            if inputs.sample:
+                rows = inputs.logits_rows[[r for _, r in inputs.sample]]
+                for (i, _), h in zip(inputs.sample, hidden[rows]):
+                    seqs[i].spec_state = h
+            return
+        next_ids, last_rows, row = [], [], 0
+        for seq, k, tok in zip(seqs, num_new_tokens, sampled):
+            start = seq.num_computed_tokens
+            nxt = seq.token_ids[start + 1: start + k + 1]
+            if len(nxt) < k:  # the last row's next token is the one just sampled
+                nxt = nxt + [tok]
+            next_ids += nxt
+            row += k
+            last_rows.append(row - 1)
+        ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
+        pred = self.draft(hidden, ids, inputs.positions, inputs.meta)
+        for seq, tok, r in zip(seqs, sampled, last_rows):
+            if tok is not None:
+                seq.spec_state = pred[r]
+
+    # ---- the speculative step
+    @torch.inference_mode()
+    def step(self, seqs) -> list[list[int]]:
+        """One speculative step for sequences that are all eligible decodes (their blocks cover
+        num_computed_tokens + lookahead); returns each one's new tokens (accepted + 1)."""
+        dev, bs = self.device, self.block_size
+        bsz = len(seqs)
+        ctx = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64, device=dev)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.from_numpy(self.runner.block_tables.gather(seqs, width)).to(dev)
+        roots = torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=dev)
+        states = torch.stack([s.spec_state for s in seqs])
+        tree = self._propose_eagle(roots, states, ctx, tables) if self.eagle else self._propose_medusa(roots, states)
+        n = tree.num_nodes
+        # verify: every node at once, K/V to slots c + i, positions c + depth
+        node = torch.arange(n, device=dev)
+        pos = ctx[:, None] + node[None, :]
+        slots = (tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables, seq_lens=(ctx + n).to(torch.int32), decode=False,
+            cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
+            mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
+        hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
+        logits = self.model.compute_logits(hidden).view(bsz, n, -1)
+        params = [s.params for s in seqs]
+        if all(p.temperature < GREEDY_EPS for p in params):
+            res = greedy_accept(tree, logits.argmax(dim=-1))
+        else:
+            res = rejection_accept(tree, target_probs(logits, params), None, generator=self.generator)
+        kv = self.runner.kv_cache
+        src, dst = accepted_kv_slots(tables, ctx, res.accepted, bs)
+        move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
+        num_acc = res.num_accepted.tolist()  # the step's host sync
+        tokens = res.tokens.tolist()
+        out = [tokens[b][:num_acc[b] + 1] for b in range(bsz)]
+        rows = torch.arange(bsz, device=dev)[:, None] * n + res.accepted.clamp_min(0)  # [B, N] hidden rows on the path
+        self._record_logprobs(seqs, out, logits.view(bsz * n, -1), rows)
+        if self.eagle:
+            self._catch_up(seqs, out, hidden, rows, ctx, tables)
+        else:
+            last = rows.gather(1, res.num_accepted[:, None])[:, 0]
+            for s, h in zip(seqs, hidden[last]):
+                s.spec_state = h
+        st = self.stats
+        st.steps += 1
+        st.seq_steps += bsz
+        st.drafted += bsz * (n - 1)
+        st.accepted += sum(num_acc)
+        for k in num_acc:
+            if k >= len(st.histogram):
+                st.histogram.extend([0] * (k + 1 - len(st.histogram)))
+            st.histogram[k] += 1
+        return out
+
+    def _propose_medusa(self, roots: torch.Tensor, states: torch.Tensor):
+        logits = self.draft(states)  # [B, heads, V]
+        topk = torch.topk(logits.float(), self.tree.top_k, dim=-1).indices
+        return self.tree.batch(roots, topk)
+
+    def _propose_eagle(self, roots, states, ctx, tables):
+        o, dev, bs = self.options, self.device, self.block_size
+        bsz, k = roots.shape[0], o.top_k
+        root_lp = torch.log_softmax(self.model.compute_logits(states).float(), dim=-1)
+        builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=o.depth, num_draft=o.num_draft)
+        feats_in, toks, masks = [], [], None
+        prev_nodes, prev_out = None, None
+        for d in range(1, o.depth):
+            front = builder.frontier  # [B, k] pool indices, all at depth d
+            tok = builder.frontier_tokens
+            if d == 1:
+                parent_feat = states[:, None, :].expand(bsz, k, states.shape[-1])
+                parent_row = None
+            else:
+                par = builder.pool_parents.gather(1, front)  # [B, k]: nodes of the previous frontier
+                j = (par[:, :, None] == prev_nodes[:, None, :]).float().argmax(dim=-1)  # their index there
+                parent_feat = prev_out.gather(1, j[:, :, None].expand(bsz, k, prev_out.shape[-1]))
+                parent_row = (d - 2) * k + j
+            feats_in.append(parent_feat)
+            toks.append(tok)
+            m = d * k
+            # ancestor-or-self mask over the rows so far (row r = frontier node r % k of depth r // k + 1)
+            new = torch.zeros(bsz, m, m, dtype=torch.bool, device=dev)
+            if masks is not None:
+                new[:, :m - k, :m - k] = masks
+                new[:, m - k:, :m - k] = masks.gather(1, parent_row[:, :, None].expand(bsz, k, m - k))
+            new[:, torch.arange(m - k, m), torch.arange(m - k, m)] = True
+            masks = new
+            rows_pos = ctx[:, None] + torch.arange(m, device=dev)[None, :]
+            slots = (tables.long().gather(1, rows_pos // bs) * bs + rows_pos % bs).reshape(-1)
+            positions = (ctx[:, None] + torch.arange(d, device=dev).repeat_interleave(k)[None, :]).reshape(-1)
+            meta = AttentionMetadata(
+                slot_mapping=slots, block_tables=tables, seq_lens=(ctx + m).to(torch.int32), decode=False,
+                cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * m).to(torch.int32), max_seqlen_q=m,
+                mask=masks.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (m * m))
+            f = torch.cat(feats_in, dim=1).reshape(bsz * m, -1)
+            ids = torch.cat(toks, dim=1).reshape(-1)
+            out = self.draft(f, ids, positions, meta).view(bsz, m, -1)[:, m - k:]
+            lp = torch.log_softmax(self.model.compute_logits(out.reshape(bsz * k, -1)).float(), dim=-1)
+            builder.expand(lp.view(bsz, k, -1))
+            prev_nodes, prev_out = front, out
+        return builder.build()
+
+    def _catch_up(self, seqs, out, hidden, rows, ctx, tables) -> None:
+        """EAGLE: the draft over the accepted rows (positions c .. c + k, each with the next
+        emitted token), its KV in place of the scratch; the last row is the new state."""
+        dev, bs = self.device, self.block_size
+        lens = [len(o) for o in out]
+        sel = torch.cat([rows[b, :lens[b]] for b in range(len(seqs))])
+        feats = hidden[sel]
+        ids = torch.tensor([t for o in out for t in o], dtype=torch.int64, device=dev)
+        offs = torch.tensor([i for n_ in lens for i in range(n_)], dtype=torch.int64, device=dev)
+        which = torch.tensor([b for b, n_ in enumerate(lens) for _ in range(n_)], dtype=torch.int64, device=dev)
+        pos = ctx[which] + offs
+        slots = tables.long()[which, pos // bs] * bs + pos % bs
+        cu = [0]
+        for n_ in lens:
+            cu.append(cu[-1] + n_)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(ctx + torch.tensor(
+            lens, device=dev)).to(torch.int32), decode=False, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32,
+                                                                                          device=dev),
+            max_seqlen_q=max(lens))
+        pred = self.draft(feats, ids, pos, meta)
+        for s, e in zip(seqs, cu[1:]):
+            s.spec_state = pred[e - 1]
+
+    def _record_logprobs(self, seqs, out, logits, rows) -> None:
+        """Raw log-probabilities of the emitted tokens, from the target's logits at the path's
+        nodes (node i of the path scores emitted token i), for sequences that asked."""
+        for b, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                continue
+            m = len(out[b])
+            targets = torch.tensor(out[b], dtype=torch.int64, device=logits.device)
+            lp, _rank, tids, tlp = token_logprobs(logits[rows[b, :m]], targets, k)
+            lp, tids, tlp = lp.tolist(), tids.tolist(), tlp.tolist()
+            for j in range(m):
+                entry = {out[b][j]: lp[j]}
+                for t, v in zip(tids[j], tlp[j]):
+                    entry.setdefault(t, v)
+                seq.output_logprobs.append(entry)

@@ -1,0 +1,244 @@
+"""Speculative decoding in the engine (runtime/spec_runner.py): the same tokens as ordinary
+decoding under greedy, for Medusa (static tree) and EAGLE (dynamic tree) drafts, batched,
+with preemption, prefix-cache hits and stop rules; the draft's bookkeeping exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from optllm.errors import UserError
+from optllm.hub.identity import target_identity
+from optllm.runtime.llm import LLM
+from optllm.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["The interpreter reads", "def main():\n    return", "In the beginning of the module the", "x = 1\ny"]
+
+
+def _hf(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: float = 0.02) -> Path:
+    """A draft as `optllm train-draft` writes it (config.json + model.safetensors) that proposes,
+    up to noise, the target's own next token again: Medusa's untrained heads (zero residual
+    blocks, the target's LM head), and an EAGLE layer that passes the feature through (fc picks
+    the feature half, attention and MLP outputs zero). Random tiny models repeat tokens often
+    enough for such drafts to be accepted, so the multi-token paths run."""
+    from safetensors.torch import save_file
+
+    from optllm.speculative.methods import DRAFT_METHODS
+
+    hf = _hf(target)
+    torch.manual_seed(seed)
+    m = DRAFT_METHODS[method]
+    draft = m.build(hf, 3)
+    with torch.no_grad():
+        if method == "eagle":
+            h = draft.hidden_size
+            draft.fc.weight.zero_()
+            draft.fc.weight[:, h:] = torch.eye(h)
+            draft.fc.bias.zero_()
+            draft.layers[0].self_attn.o_proj.weight.zero_()
+            draft.layers[0].mlp.down_proj.weight.zero_()
+        for p in draft.parameters():
+            p.add_(noise * torch.randn_like(p))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, folder / "model.safetensors")
+    cfg = {"method": method, **m.config(draft), "dtype": "float32",
+           "target": {"model": str(target), "sha256": target_identity(target), "architectures": []}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    return {m: write_draft(root / m, tiny_llama, m) for m in ("medusa", "eagle")}
+
+
+def _run(model, prompts, params, **kw):
+    llm = LLM(str(model), device="cpu", dtype="float32", **kw)
+    outs = llm.generate(prompts, params)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_speculative_greedy_equals_plain_greedy(tiny_llama, drafts, method):
+    want, _ = _run(tiny_llama, PROMPTS, GREEDY)
+    got, llm = _run(tiny_llama, PROMPTS, GREEDY, draft=str(drafts[method]), spec_top_k=3, spec_depth=4,
+                    spec_num_draft=10)
+    assert got == want
+    st = llm.engine.stats().speculation
+    assert st["seq_steps"] > 0 and st["drafted"] > 0
+    # the multi-token path ran: some steps accepted draft tokens
+    assert sum(st["histogram"][1:]) > 0, st
+    assert st["mean_accepted_length"] > 1.0
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_speculative_greedy_with_preemption_prefix_hits_and_chunked_prefill(tiny_llama, drafts, method):
+    """A KV cache too small for the batch (preemptions by recompute), prompts sharing a prefix
+    of whole blocks (prefix-cache hits), and a step budget that chunks the prompts."""
+    shared = "The module reads the configuration file and then the interpreter starts to run the code " * 2
+    prompts = [shared + p for p in PROMPTS] + PROMPTS
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    kw = dict(num_kv_blocks=24, block_size=8, max_num_batched_tokens=64, max_model_len=192)
+    want, plain = _run(tiny_llama, prompts, params, **kw)
+    got, llm = _run(tiny_llama, prompts, params, draft=str(drafts[method]), spec_top_k=3, spec_depth=4,
+                    spec_num_draft=10, **kw)
+    assert got == want
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0 and plain.engine.scheduler.num_preemptions > 0
+    assert sched.block_manager.num_hit_tokens > 0
+    assert sum(llm.engine.stats().speculation["histogram"][1:]) > 0
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks  # everything given back
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_speculative_stops_where_plain_decoding_stops(tiny_llama, drafts, method):
+    """max_tokens, a stop token id and a stop string that a multi-token step overshoots: the
+    tokens, text and finish reasons equal the ordinary decode's."""
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = LLM(str(tiny_llama), device="cpu", dtype="float32").generate(PROMPTS, free)
+    params = []
+    for o in ref:
+        ids, text = o.outputs[0].token_ids, o.outputs[0].text
+        stop_tok = ids[len(ids) // 2]
+        word = text[len(text) // 2: len(text) // 2 + 3]
+        params += [SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok]),
+                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[word] if word.strip() else None)]
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    plain = LLM(str(tiny_llama), device="cpu", dtype="float32").generate(prompts, params)
+    spec = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(drafts[method]), spec_top_k=3,
+               spec_depth=4, spec_num_draft=10).generate(prompts, params)
+    for a, b in zip(plain, spec):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.text, y.finish_reason, y.stop_reason) == (x.token_ids, x.text, x.finish_reason,
+                                                                         x.stop_reason)
+
+
+def test_speculative_logprobs_equal_plain_logprobs(tiny_llama, drafts):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    plain = LLM(str(tiny_llama), device="cpu", dtype="float32").generate(PROMPTS, params)
+    spec = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(drafts["medusa"])).generate(PROMPTS, params)
+    for a, b in zip(plain, spec):
+        x, y = a.outputs[0], b.outputs[0]
+        assert y.token_ids == x.token_ids and len(y.logprobs) == len(x.logprobs) == 24
+        for ex, ey in zip(x.logprobs, y.logprobs):
+            assert list(ey) == list(ex)  # same token, same top-3 in the same order
+            for t in ex:
+                assert ey[t] == pytest.approx(ex[t], abs=1e-4)
+
+
+def test_speculative_sampling_keeps_the_target_distribution(tiny_llama, drafts):
+    """Temperature 1, top_k 2, three tokens per completion: the first from the ordinary step,
+    the next two from speculative steps (rejection sampling over the tree). The joint counts of
+    the 8 possible continuations over 900 completions against the exact top-2 distribution of
+    the HF model: chi-square with 7 degrees of freedom, rejected at p < 0.001 (critical value
+    24.32), so an honest sampler fails this test once in a thousand runs; its seed is fixed."""
+    hf = _hf(tiny_llama)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(drafts["eagle"]), spec_top_k=2,
+              spec_depth=3, spec_num_draft=4, seed=1)
+    prompt = llm.tokenizer("The interpreter reads")["input_ids"]
+    n = 900
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True, n=n)
+    out = llm.generate([prompt], params)[0]
+    counts: dict[tuple, int] = {}
+    for c in out.outputs:
+        counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
+    st = llm.engine.stats().speculation
+    assert st["seq_steps"] >= n and sum(st["histogram"][1:]) > 0  # speculative steps ran and accepted
+
+    def top2(ids):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        v, i = torch.topk(logits, 2)
+        return list(zip(i.tolist(), torch.softmax(v, -1).tolist()))
+
+    expected = {}
+    for a, pa in top2(prompt):
+        for b, pb in top2(prompt + [a]):
+            for c, pc in top2(prompt + [a, b]):
+                expected[(a, b, c)] = pa * pb * pc * n
+    assert set(counts) <= set(expected)
+    chi2 = sum((counts.get(k, 0) - e) ** 2 / e for k, e in expected.items())
+    assert chi2 < 24.32, (chi2, counts, expected)
+
+
+def test_eagle_draft_state_and_cache_follow_the_sequence(tiny_llama, tmp_path):
+    """With a random (untrained) EAGLE layer, the draft state the engine keeps after several
+    speculative steps equals the training module's output at the last computed position over the
+    whole sequence (features from HF's last hidden states): the draft's paged KV for every
+    earlier position was written right, by prefill chunks, catch-ups and recomputes alike."""
+    from safetensors.torch import load_file
+
+    from optllm.speculative.eagle import EagleDraft
+    from optllm.speculative.target import last_hidden
+
+    folder = write_draft(tmp_path / "eagle", tiny_llama, "eagle", seed=3, noise=0.3)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(folder), spec_top_k=3, spec_depth=3,
+              spec_num_draft=6, max_num_batched_tokens=16)
+    eng = llm.engine
+    for p in PROMPTS:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for _ in range(12):
+        eng.step()
+    hf = _hf(tiny_llama)
+    ref = EagleDraft.from_target(hf)
+    ref.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 2]
+    assert seqs and eng.stats().speculation["steps"] > 0
+    for s in seqs:
+        c = s.num_computed_tokens
+        ids = torch.tensor([s.token_ids[: c + 1]])
+        feats = last_hidden(hf, ids[:, :c])
+        with torch.no_grad():
+            pred, _ = ref(feats, ids[:, 1:c + 1])
+        err = (s.spec_state - pred[0, -1]).abs().max()
+        assert torch.allclose(s.spec_state, pred[0, -1], atol=1e-4, rtol=1e-4), (s, err)
+
+
+def test_medusa_state_is_the_targets_last_hidden_state(tiny_llama, drafts):
+    from optllm.speculative.target import last_hidden
+
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(drafts["medusa"]))
+    eng = llm.engine
+    for p in PROMPTS:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    hf = _hf(tiny_llama)
+    for s in eng.scheduler.running:
+        c = s.num_computed_tokens
+        want = last_hidden(hf, torch.tensor([s.token_ids[:c]]))[0, -1]
+        assert torch.allclose(s.spec_state, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_drafts_are_one_line(tiny_llama, drafts, tmp_path, caplog):
+    with pytest.raises(UserError, match="not a draft folder"):
+        LLM(str(tiny_llama), device="cpu", draft=str(tmp_path))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("model.safetensors", "config.json"):
+        (bad / f).write_bytes((drafts["medusa"] / f).read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "method": "lookahead"}))
+    with pytest.raises(UserError, match="method 'lookahead' is not supported"):
+        LLM(str(tiny_llama), device="cpu", draft=str(bad))
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
+    with pytest.raises(UserError, match="hidden_size=32"):
+        LLM(str(tiny_llama), device="cpu", draft=str(bad))
+    (bad / "config.json").write_text(json.dumps({**cfg, "target": {"model": "x", "sha256": "0" * 64}}))
+    with caplog.at_level("WARNING", logger="optllm.runtime"):
+        LLM(str(tiny_llama), device="cpu", draft=str(bad))
+    assert "trained for another target" in caplog.text
