@@ -266,6 +266,15 @@ _EAGER = typer.Option(False, "--enforce-eager", help="no CUDA graphs")
 _GPU_MEM = typer.Option(0.9, "--gpu-memory-utilization",
                         help="share of the GPU's memory for weights, activations and the KV cache")
 _LOAD = typer.Option("auto", "--load-format", help="auto | dummy (random weights in the model's shape: benchmarks)")
+_DRAFT = typer.Option(None, "--draft", help="a draft folder `optllm train-draft` wrote (Medusa or EAGLE): "
+                                            "speculative decoding, same output")
+_SPEC_TOP_K = typer.Option(8, "--spec-top-k", help="EAGLE tree: children per expanded node")
+_SPEC_DEPTH = typer.Option(6, "--spec-depth", help="EAGLE tree: draft tokens along a path at most")
+_SPEC_TOKENS = typer.Option(40, "--spec-tokens", help="EAGLE tree: draft tokens verified per step at most")
+
+
+def _spec_args(draft, spec_top_k, spec_depth, spec_tokens) -> dict:
+    return dict(draft=draft, spec_top_k=spec_top_k, spec_depth=spec_depth, spec_num_draft=spec_tokens)
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed):
@@ -296,6 +305,8 @@ def generate(
     seed: Optional[int] = typer.Option(None),
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
     kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, gpu_memory_utilization: float = _GPU_MEM,
+    draft: Optional[str] = _DRAFT, spec_top_k: int = _SPEC_TOP_K, spec_depth: int = _SPEC_DEPTH,
+    spec_tokens: int = _SPEC_TOKENS,
 ) -> None:
     """Complete PROMPT with MODEL on the optllm runtime, streaming to the terminal."""
     from ..runtime.llm import LLM
@@ -303,7 +314,8 @@ def generate(
     try:
         params = _sampling(max_tokens, temperature, top_p, top_k, seed)
         llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager,
-                                        gpu_memory_utilization))
+                                        gpu_memory_utilization), **_spec_args(draft, spec_top_k, spec_depth,
+                                                                              spec_tokens))
         _stream_to_terminal(llm.stream(prompt, params))
     except (UserError, ValueError) as e:
         _fail(str(e))
@@ -320,6 +332,8 @@ def chat(
     seed: Optional[int] = typer.Option(None),
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
     kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, gpu_memory_utilization: float = _GPU_MEM,
+    draft: Optional[str] = _DRAFT, spec_top_k: int = _SPEC_TOP_K, spec_depth: int = _SPEC_DEPTH,
+    spec_tokens: int = _SPEC_TOKENS,
 ) -> None:
     """Multi-turn chat in the terminal with the model's chat template (empty line or Ctrl-D ends)."""
     from ..runtime.llm import LLM
@@ -327,7 +341,8 @@ def chat(
     try:
         params = _sampling(max_tokens, temperature, top_p, top_k, seed)
         llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager,
-                                        gpu_memory_utilization))
+                                        gpu_memory_utilization), **_spec_args(draft, spec_top_k, spec_depth,
+                                                                              spec_tokens))
         if not getattr(llm.tokenizer, "chat_template", None):
             _fail(f"{model} has no chat template; use `optllm generate` for plain completion")
         history = [{"role": "system", "content": system}] if system else []
@@ -370,6 +385,8 @@ def serve(
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
     kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, load_format: str = _LOAD,
     gpu_memory_utilization: float = _GPU_MEM,
+    draft: Optional[str] = _DRAFT, spec_top_k: int = _SPEC_TOP_K, spec_depth: int = _SPEC_DEPTH,
+    spec_tokens: int = _SPEC_TOKENS,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from ..runtime.config import EngineConfig
@@ -379,7 +396,8 @@ def serve(
     try:
         engine = EngineConfig(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               load_format=load_format, **_engine_args(device, dtype, max_model_len, kv_cache_dtype,
-                                                                      enforce_eager, gpu_memory_utilization))
+                                                                      enforce_eager, gpu_memory_utilization),
+                              **_spec_args(draft, spec_top_k, spec_depth, spec_tokens))
         server = ServerConfig(served_model_name or model, api_key or None, int(max_body_mb * 2**20), log_prompts,
                               shutdown_timeout)
         run(engine, server, host, port, shutdown_timeout, engine_process)

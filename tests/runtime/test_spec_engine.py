@@ -5,55 +5,17 @@ with preemption, prefix-cache hits and stop rules; the draft's bookkeeping exact
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import hf_float32 as _hf
+from conftest import write_draft
 
 from optllm.errors import UserError
-from optllm.hub.identity import target_identity
 from optllm.runtime.llm import LLM
 from optllm.runtime.sampling_params import SamplingParams
 
 PROMPTS = ["The interpreter reads", "def main():\n    return", "In the beginning of the module the", "x = 1\ny"]
-
-
-def _hf(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-
-
-def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: float = 0.02) -> Path:
-    """A draft as `optllm train-draft` writes it (config.json + model.safetensors) that proposes,
-    up to noise, the target's own next token again: Medusa's untrained heads (zero residual
-    blocks, the target's LM head), and an EAGLE layer that passes the feature through (fc picks
-    the feature half, attention and MLP outputs zero). Random tiny models repeat tokens often
-    enough for such drafts to be accepted, so the multi-token paths run."""
-    from safetensors.torch import save_file
-
-    from optllm.speculative.methods import DRAFT_METHODS
-
-    hf = _hf(target)
-    torch.manual_seed(seed)
-    m = DRAFT_METHODS[method]
-    draft = m.build(hf, 3)
-    with torch.no_grad():
-        if method == "eagle":
-            h = draft.hidden_size
-            draft.fc.weight.zero_()
-            draft.fc.weight[:, h:] = torch.eye(h)
-            draft.fc.bias.zero_()
-            draft.layers[0].self_attn.o_proj.weight.zero_()
-            draft.layers[0].mlp.down_proj.weight.zero_()
-        for p in draft.parameters():
-            p.add_(noise * torch.randn_like(p))
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, folder / "model.safetensors")
-    cfg = {"method": method, **m.config(draft), "dtype": "float32",
-           "target": {"model": str(target), "sha256": target_identity(target), "architectures": []}}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
 
 
 @pytest.fixture(scope="module")
