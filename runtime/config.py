@@ -55,7 +55,9 @@ class EngineConfig:
     draft: a folder `optllm train-draft` wrote (Medusa or EAGLE): speculative decoding with
     it (None: off). spec_top_k / spec_depth / spec_num_draft: the EAGLE-2 dynamic tree (top-k
     children per expanded node, longest path, nodes besides the root); medusa_choices: the
-    static tree of a Medusa draft (paths of top-k ranks; None: the built-in one).
+    static tree of a Medusa draft (paths of top-k ranks; None: the built-in one). spec_policy:
+    "adaptive" (a tree size per step, down to none, from acceptance and a start-up cost
+    profile), "fixed" (the whole tree at every eligible decode), "auto" (adaptive on CUDA).
     """
 
     model: str
@@ -81,6 +83,7 @@ class EngineConfig:
     spec_depth: int = 6
     spec_num_draft: int = 40
     medusa_choices: tuple | None = None
+    spec_policy: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -107,6 +110,8 @@ class EngineConfig:
                              "allowed: an integer >= 0")
         if not self.device or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+        if self.spec_policy not in ("auto", "adaptive", "fixed"):
+            raise ValueError(f"spec_policy={self.spec_policy!r} is not allowed; allowed: auto, adaptive, fixed")
         for name in ("spec_top_k", "spec_depth", "spec_num_draft"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

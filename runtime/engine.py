@@ -61,8 +61,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.source, self.max_model_len, self.eos_token_ids)
         spec = self.runner.spec
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.runner.num_blocks,
-                                   self.eos_token_ids, speculate=None if spec is None else spec.eligible,
-                                   lookahead=0 if spec is None else spec.lookahead)
+                                   self.eos_token_ids, speculator=spec)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, _Request] = {}
         self._touched: dict[str, None] = {}  # requests to report after this step, in order

@@ -86,7 +86,9 @@ class ModelRunner:
         if draft is not None:
             from .spec_runner import SpecDecoder, SpecOptions
 
-            opts = SpecOptions(config.spec_top_k, config.spec_depth, config.spec_num_draft, config.medusa_choices)
+            policy = config.spec_policy if config.spec_policy != "auto" else ("adaptive" if on_cuda else "fixed")
+            opts = SpecOptions(config.spec_top_k, config.spec_depth, config.spec_num_draft, config.medusa_choices,
+                               policy)
             self.spec = SpecDecoder(self, draft, opts, seed=config.seed)
         self.graphs = None
         # speculation needs every ordinary step's hidden states (the draft's state): those steps run eager

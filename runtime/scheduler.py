@@ -69,12 +69,13 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, num_blocks: int,
-                 eos_token_ids: set[int] | frozenset[int] = frozenset(), speculate=None, lookahead: int = 0) -> None:
-        """speculate: None, or a predicate telling which decoding sequences may take a
-        speculative step (runtime/spec_runner.py); such a step computes up to 1 + lookahead
-        tokens of KV, which its blocks and the step's token budget must cover."""
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(), speculator=None) -> None:
+        """speculator: None, or what decides speculation (runtime/spec_runner.py's SpecDecoder):
+        ``plan(running)`` before each step returns its lookahead (0: none this step), and
+        ``eligible(seq)`` which decoding sequences may speculate. Such a step computes up to
+        1 + lookahead tokens of KV, which their blocks and the step's token budget must cover."""
         self.config = config
-        self.speculate, self.lookahead = speculate, lookahead
+        self.speculator = speculator
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_seq_len = min(config.max_model_len, num_blocks * config.block_size)
@@ -132,6 +133,8 @@ class Scheduler:
         batch = ScheduledBatch()
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
+        spec = self.speculator
+        lookahead = spec.plan(self.running) if spec is not None and self.running else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -139,8 +142,8 @@ class Scheduler:
             if n == 0:  # nothing to compute until update() gives it a token
                 i += 1
                 continue
-            ahead = self.lookahead if (n == 1 == seq.num_uncomputed_tokens and self.speculate is not None
-                                       and budget >= 1 + self.lookahead and self.speculate(seq)) else 0
+            ahead = lookahead if (lookahead and n == 1 == seq.num_uncomputed_tokens and budget >= 1 + lookahead
+                                  and spec.eligible(seq)) else 0
             while not bm.allocate(seq, n, lookahead=ahead):
                 victim = self.running.pop()  # the most recently arrived
                 self._preempt(victim)

@@ -34,8 +34,8 @@ import torch
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import AttentionMetadata
 from .sampler import token_logprobs
-from .sampling_params import GREEDY_EPS
-from .spec.acceptance import greedy_accept, rejection_accept, target_probs
+from .sampling_params import GREEDY_EPS, SamplingParams
+from .spec.acceptance import accepted_per_size, greedy_accept, rejection_accept, target_probs
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import DynamicTreeBuilder, StaticTree
 
@@ -53,12 +53,15 @@ DEFAULT_MEDUSA_CHOICES = (
 class SpecOptions:
     """EAGLE: top_k children per expanded node, depth (draft tokens along a path at most),
     num_draft (tree nodes besides the root). Medusa: choices (None: DEFAULT_MEDUSA_CHOICES cut
-    to the draft's heads)."""
+    to the draft's heads). policy: "fixed" (every eligible decode verifies the whole tree) or
+    "adaptive" (spec/policy.py: a tree size per step, down to none, from the sequences'
+    acceptance and a cost profile measured at start-up)."""
 
     top_k: int = 8
     depth: int = 6
     num_draft: int = 40
     medusa_choices: tuple | None = None
+    policy: str = "fixed"
 
 
 @dataclass
@@ -82,6 +85,9 @@ class SpecStats:
                 "mean_accepted_length": self.mean_accepted_length, "histogram": list(self.histogram)}
 
 
+_GREEDY = SamplingParams(temperature=0)
+
+
 class SpecDecoder:
     """The speculative half of a ModelRunner: ``runner`` gives the target model, its KV cache,
     block size, block tables, device and max_model_len."""
@@ -95,26 +101,132 @@ class SpecDecoder:
         self.stats = SpecStats()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        if options.policy not in ("fixed", "adaptive"):
+            raise ValueError(f"policy={options.policy!r} is not allowed; allowed: fixed, adaptive")
         if self.eagle:
             o = options
             DynamicTreeBuilder(torch.zeros(1, dtype=torch.int64), torch.zeros(1, max(o.top_k, 1)), top_k=o.top_k,
                                depth=o.depth, num_draft=o.num_draft)  # checks the options now
             self.num_nodes = o.num_draft + 1
-            scratch = (o.depth - 1) * o.top_k
+            self.scratch = (o.depth - 1) * o.top_k
             spec = runner.kv_spec
             self.draft_kv = KVCache(KVCacheSpec(1, draft.num_kv_heads, draft.head_dim, spec.block_size, spec.dtype),
                                     runner.num_blocks, self.device)
             self.draft_kv.bind(draft.attention_layers())
         else:
             choices = options.medusa_choices or tuple(c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= draft.num_heads)
-            self.tree = StaticTree.from_choices(choices)
-            if self.tree.num_heads > draft.num_heads:
-                raise ValueError(f"medusa_choices reach depth {self.tree.num_heads}; the draft has "
+            full = StaticTree.from_choices(choices)
+            if full.num_heads > draft.num_heads:
+                raise ValueError(f"medusa_choices reach depth {full.num_heads}; the draft has "
                                  f"{draft.num_heads} heads")
-            self.num_nodes = self.tree.tree.size
-            scratch = 0
-        # slots past the root a speculative step writes (tree nodes; EAGLE's scratch rows)
-        self.lookahead = max(self.num_nodes, scratch) - 1
+            self.num_nodes = full.tree.size
+            # its first n nodes are a tree too (parents precede children): the smaller sizes
+            self.trees = {n: StaticTree.from_choices(full.choices[1:n]) for n in range(2, self.num_nodes + 1)}
+            self.scratch = 0
+        # the tree sizes a step may verify: the whole tree and, adaptively, about halves of it
+        self.sizes = sorted({self.num_nodes} | ({max(2, self.num_nodes >> i) for i in range(1, 5)}
+                                                if options.policy == "adaptive" else set()))
+        self.n = self.num_nodes  # this step's tree size (plan() sets it)
+        self.policy = None
+        if options.policy == "adaptive":
+            from .spec.policy import AdaptivePolicy
+
+            self.policy = AdaptivePolicy(self.sizes, self.measure())
+
+    @property
+    def lookahead(self) -> int:
+        """Slots past the root this step's speculative decodes write (tree nodes; EAGLE's scratch rows)."""
+        return max(self.n, self.scratch) - 1
+
+    def plan(self, running) -> int:
+        """Called by the scheduler before it schedules a step: picks this step's tree size from
+        the running sequences that would speculate; returns the lookahead (0: no speculation)."""
+        if self.policy is None:
+            self.n = self.num_nodes
+            return self.lookahead
+        ids = [s.seq_id for s in running if s.num_uncomputed_tokens == 1 and self.eligible(s)]
+        pol = self.policy
+        if len(pol._seq) > 2 * len(running) + 64:  # forget the sequences that left
+            live = {s.seq_id for s in running}
+            for sid in [k for k in pol._seq if k not in live]:
+                pol.forget(sid)
+        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens)
+        return self.lookahead if self.n > 1 else 0
+
+    # ---- the start-up cost profile
+    @torch.inference_mode()
+    def measure(self, batches: list[int] | None = None, repeats: int = 2):
+        """The policy's CostTable: milliseconds of a plain decode step (n = 1) and of a
+        speculative step of each menu size (draft proposal, verify, acceptance, KV move, and
+        EAGLE's catch-up over two rows a sequence), for batch sizes up to max_num_seqs whose
+        B * n fits the step budget, on the engine's own KV cache before any request (blocks
+        from 0, contexts of 32 tokens, random draft states). One warm-up run each (kernel
+        compilation), then the best of ``repeats``."""
+        import time
+
+        from .spec.policy import CostTable
+
+        cfg, dev, bs = self.runner.config, self.device, self.block_size
+        ctx_len = 32
+        if batches is None:
+            batches, b = [], 1
+            while b < cfg.max_num_seqs:
+                batches.append(b)
+                b *= 2
+            batches.append(cfg.max_num_seqs)
+        per_row = -(-(ctx_len + max(self.num_nodes, self.scratch + 1)) // bs)
+        batches = [b for b in batches if b * per_row <= self.runner.num_blocks] or [1]
+        h = self.draft.hidden_size
+        gen = torch.Generator(device=dev).manual_seed(0)
+
+        def sync():
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        def one(n: int, b: int) -> None:
+            tables = torch.arange(b * per_row, device=dev, dtype=torch.int32).view(b, per_row)
+            ctx = torch.full((b,), ctx_len, dtype=torch.int64, device=dev)
+            if n == 1:
+                pos = ctx.clone()
+                slots = tables.long()[:, ctx_len // bs] * bs + ctx_len % bs
+                meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                                         seq_lens=(ctx + 1).to(torch.int32), decode=True,
+                                         num_splits=self.runner.decode_splits(b))
+                hidden = self.model(torch.zeros(b, dtype=torch.int64, device=dev), pos, meta)
+                self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+                return
+            states = torch.randn(b, h, generator=gen, device=dev).to(self.runner.dtype)
+            roots = torch.zeros(b, dtype=torch.int64, device=dev)
+            _, hidden, _, res, _ = self._draft_and_verify(roots, states, ctx, tables, [_GREEDY] * b, n)
+            res.num_accepted.tolist()
+            if self.eagle:
+                rows = torch.arange(2 * b, device=dev)
+                pos = ctx.repeat_interleave(2) + rows % 2
+                slots = tables.long()[rows // 2, pos // bs] * bs + pos % bs
+                meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(ctx + 2).to(torch.int32),
+                                         decode=False, cu_seqlens_q=(torch.arange(b + 1, device=dev) * 2).to(
+                                             torch.int32), max_seqlen_q=2)
+                self.draft(hidden[:2 * b], torch.zeros(2 * b, dtype=torch.int64, device=dev), pos, meta)
+            sync()
+
+        ms: dict[int, list[float]] = {}
+        for n in [1, *self.sizes]:
+            row = []
+            for b in batches:
+                if n > 1 and b * n > cfg.max_num_batched_tokens:
+                    row.append(row[-1] * 2 if row else 1e9)  # never scheduled: priced out
+                    continue
+                one(n, b)
+                best = float("inf")
+                for _ in range(repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    one(n, b)
+                    best = min(best, (time.perf_counter() - t0) * 1e3)
+                row.append(max(best, 1e-3))
+            ms[n] = row
+        self.cost_table = CostTable(batches, ms)
+        return self.cost_table
 
     # ---- which sequences speculate
     def eligible(self, seq) -> bool:
@@ -123,7 +235,7 @@ class SpecDecoder:
         return (getattr(seq, "spec_state", None) is not None and not p.uses_penalties
                 and (p.seed is None or p.temperature < GREEDY_EPS)
                 and seq.num_output_tokens >= p.min_tokens
-                and seq.num_tokens + self.lookahead <= self.runner.max_model_len)
+                and seq.num_tokens + max(self.num_nodes, self.scratch) - 1 <= self.runner.max_model_len)
 
     # ---- the ordinary step's rows
     @torch.inference_mode()
@@ -158,36 +270,21 @@ class SpecDecoder:
     def step(self, seqs) -> list[list[int]]:
         """One speculative step for sequences that are all eligible decodes (their blocks cover
         num_computed_tokens + lookahead); returns each one's new tokens (accepted + 1)."""
-        dev, bs = self.device, self.block_size
+        dev = self.device
         bsz = len(seqs)
         ctx = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64, device=dev)
         width = max(len(s.block_table) for s in seqs)
         tables = torch.from_numpy(self.runner.block_tables.gather(seqs, width)).to(dev)
         roots = torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=dev)
         states = torch.stack([s.spec_state for s in seqs])
-        tree = self._propose_eagle(roots, states, ctx, tables) if self.eagle else self._propose_medusa(roots, states)
-        n = tree.num_nodes
-        # verify: every node at once, K/V to slots c + i, positions c + depth
-        node = torch.arange(n, device=dev)
-        pos = ctx[:, None] + node[None, :]
-        slots = (tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
-        meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=tables, seq_lens=(ctx + n).to(torch.int32), decode=False,
-            cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
-            mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
-        hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
-        logits = self.model.compute_logits(hidden).view(bsz, n, -1)
         params = [s.params for s in seqs]
-        if all(p.temperature < GREEDY_EPS for p in params):
-            res = greedy_accept(tree, logits.argmax(dim=-1))
-        else:
-            res = rejection_accept(tree, target_probs(logits, params), None, generator=self.generator)
-        kv = self.runner.kv_cache
-        src, dst = accepted_kv_slots(tables, ctx, res.accepted, bs)
-        move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
+        tree, hidden, logits, res, ranks = self._draft_and_verify(roots, states, ctx, tables, params, self.n)
+        n = tree.num_nodes
         num_acc = res.num_accepted.tolist()  # the step's host sync
         tokens = res.tokens.tolist()
         out = [tokens[b][:num_acc[b] + 1] for b in range(bsz)]
+        if self.policy is not None:
+            self._observe_sizes(seqs, res, ranks, n)
         rows = torch.arange(bsz, device=dev)[:, None] * n + res.accepted.clamp_min(0)  # [B, N] hidden rows on the path
         self._record_logprobs(seqs, out, logits.view(bsz * n, -1), rows)
         if self.eagle:
@@ -207,16 +304,55 @@ class SpecDecoder:
             st.histogram[k] += 1
         return out
 
-    def _propose_medusa(self, roots: torch.Tensor, states: torch.Tensor):
-        logits = self.draft(states)  # [B, heads, V]
-        topk = torch.topk(logits.float(), self.tree.top_k, dim=-1).indices
-        return self.tree.batch(roots, topk)
+    def _draft_and_verify(self, roots, states, ctx, tables, params, n):
+        """Propose trees of n nodes, verify them in one target forward, accept, and move the
+        accepted KV into place. Returns (tree, hidden [B * N, H], logits [B, N, V], the
+        AcceptResult, each node's rank int64 [B, N]: the trees of the first m ranks are the
+        smaller trees of the menu)."""
+        dev, bs = self.device, self.block_size
+        bsz = roots.shape[0]
+        if self.eagle:
+            tree, ranks = self._propose_eagle(roots, states, ctx, tables, n)
+        else:
+            tree = self._propose_medusa(roots, states, n)
+            ranks = torch.arange(tree.num_nodes, device=dev).expand(bsz, -1)
+        n = tree.num_nodes
+        # verify: every node at once, K/V to slots c + i, positions c + depth
+        pos = ctx[:, None] + torch.arange(n, device=dev)[None, :]
+        slots = (tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables, seq_lens=(ctx + n).to(torch.int32), decode=False,
+            cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
+            mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
+        hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
+        logits = self.model.compute_logits(hidden).view(bsz, n, -1)
+        if all(p.temperature < GREEDY_EPS for p in params):
+            res = greedy_accept(tree, logits.argmax(dim=-1))
+        else:
+            res = rejection_accept(tree, target_probs(logits, params), None, generator=self.generator)
+        kv = self.runner.kv_cache
+        src, dst = accepted_kv_slots(tables, ctx, res.accepted, bs)
+        move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
+        return tree, hidden, logits, res, ranks
 
-    def _propose_eagle(self, roots, states, ctx, tables):
+    def _observe_sizes(self, seqs, res, ranks, n) -> None:
+        """The policy's per-size acceptance: under each menu size m <= n, the accepted path cut at
+        its first node of rank >= m (exact under greedy acceptance)."""
+        sizes = [m for m in self.sizes if m <= n]
+        for s, row in zip(seqs, accepted_per_size(res.accepted, ranks, sizes).tolist()):
+            self.policy.observe(s.seq_id, dict(zip(sizes, row)))
+
+    def _propose_medusa(self, roots: torch.Tensor, states: torch.Tensor, n: int):
+        tree = self.trees[n]
+        logits = self.draft(states)  # [B, heads, V]
+        topk = torch.topk(logits.float(), tree.top_k, dim=-1).indices
+        return tree.batch(roots, topk)
+
+    def _propose_eagle(self, roots, states, ctx, tables, n):
         o, dev, bs = self.options, self.device, self.block_size
         bsz, k = roots.shape[0], o.top_k
         root_lp = torch.log_softmax(self.model.compute_logits(states).float(), dim=-1)
-        builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=o.depth, num_draft=o.num_draft)
+        builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=o.depth, num_draft=n - 1)
         feats_in, toks, masks = [], [], None
         prev_nodes, prev_out = None, None
         for d in range(1, o.depth):
@@ -253,7 +389,10 @@ class SpecDecoder:
             lp = torch.log_softmax(self.model.compute_logits(out.reshape(bsz * k, -1)).float(), dim=-1)
             builder.expand(lp.view(bsz, k, -1))
             prev_nodes, prev_out = front, out
-        return builder.build()
+        tree = builder.build()
+        # rank of each kept node by score, as build() chose them (stable, descending)
+        order = torch.sort(builder.kept_scores, dim=1, descending=True, stable=True).indices
+        return tree, torch.argsort(order, dim=1)
 
     def _catch_up(self, seqs, out, hidden, rows, ctx, tables) -> None:
         """EAGLE: the draft over the accepted rows (positions c .. c + k, each with the next

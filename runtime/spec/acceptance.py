@@ -212,3 +212,17 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
         probs = torch.where(g, hot, probs)
     return probs
+
+
+def accepted_per_size(accepted: torch.Tensor, ranks: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """int64 [B, len(sizes)]: the draft tokens a tree of the first m ranks would have accepted,
+    for each m in sizes, from one verify of the whole tree. accepted int64 [B, N]: the accepted
+    path (``AcceptResult.accepted``); ranks int64 [B, N]: each node's rank (the root 0), such
+    that the nodes of rank < m form a tree (every parent ranked before its children). Under
+    greedy acceptance this is exact -- at most one child of a node matches the target's argmax,
+    so the smaller tree accepts the same path cut at its first node of rank >= m; under
+    rejection sampling it is an estimate."""
+    path = accepted[:, 1:]
+    r = ranks.gather(1, path.clamp_min(0))
+    cols = [((path >= 0) & (r < m)).long().cumprod(dim=1).sum(dim=1) for m in sizes]
+    return torch.stack(cols, dim=1) if cols else torch.zeros(accepted.shape[0], 0, dtype=torch.int64)

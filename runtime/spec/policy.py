@@ -1,0 +1,137 @@
+"""Adaptive speculation: how big a token tree each step verifies -- down to none -- so that
+speculation never makes a busy engine slower.
+
+A step's choice is a tree size n from a menu (the configured tree and prefixes of it: the
+first n nodes of a static tree, the n - 1 best-scored nodes of an EAGLE-2 tree; both are
+trees, every parent kept before its children), or 1: no speculation. It maximises the
+expected tokens per second of the step's eligible decodes,
+
+    sum_i (1 + acc_i(n)) / cost(n, B)      against      B / cost(1, B)
+
+with B the eligible sequences, acc_i(n) sequence i's expected accepted draft tokens under a
+tree of n nodes, and cost(n, B) the measured time of a speculative step (draft proposal plus
+the target's verify forward over B * n tokens; cost(1, B) a plain decode) from the start-up
+profile (``CostTable``). Speculation must win by ``margin`` to be chosen.
+
+acc_i(n) for every menu size comes from each verify of the largest tree: under greedy
+acceptance the path a smaller prefix-tree accepts is the full tree's accepted path cut at its
+first node outside the prefix (only one child of a node can match the target's argmax), so
+one verify scores every smaller size exactly (sampling: the same count, an estimate). Each
+sequence keeps an exponential moving average per size, starting from the engine-wide average
+of the sequences seen so far. While speculation is off nothing is observed, so every
+``explore_every``-th step in a row without it verifies the smallest tree to keep the
+estimates fresh. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostTable:
+    """ms[n][j]: measured milliseconds of one step for batch sizes batches[j] and tree size n
+    (n = 1: a plain decode step). Linear interpolation in the batch size between measured
+    points, linear extrapolation past the last one (proportional below the first)."""
+
+    batches: list[int]
+    ms: dict[int, list[float]]
+
+    def __post_init__(self) -> None:
+        if not self.batches or sorted(set(self.batches)) != list(self.batches) or self.batches[0] < 1:
+            raise ValueError(f"batches={self.batches!r}: allowed: increasing batch sizes >= 1")
+        for n, row in self.ms.items():
+            if len(row) != len(self.batches) or any(not v > 0 for v in row):
+                raise ValueError(f"ms[{n}]: one positive time per batch size, got {row!r}")
+        if 1 not in self.ms:
+            raise ValueError("ms: the plain decode step (n = 1) must be measured")
+
+    def cost(self, n: int, batch: int) -> float:
+        row, xs = self.ms[n], self.batches
+        if batch <= xs[0]:
+            return row[0] * batch / xs[0] if batch < xs[0] else row[0]
+        j = bisect.bisect_left(xs, batch)
+        if j == len(xs):  # past the last point: the slope of the last segment (or proportional)
+            if len(xs) == 1:
+                return row[0] * batch / xs[0]
+            slope = (row[-1] - row[-2]) / (xs[-1] - xs[-2])
+            return row[-1] + max(slope, 0.0) * (batch - xs[-1])
+        if xs[j] == batch:
+            return row[j]
+        t = (batch - xs[j - 1]) / (xs[j] - xs[j - 1])
+        return row[j - 1] + t * (row[j] - row[j - 1])
+
+
+@dataclass
+class AdaptivePolicy:
+    """sizes: the menu of tree sizes (> 1), the largest being the configured tree; cost: the
+    start-up profile, measured for every size in the menu and for 1; prior: expected accepted
+    draft tokens per size before anything is observed."""
+
+    sizes: list[int]
+    cost: CostTable
+    prior: dict[int, float] | None = None
+    decay: float = 0.8  # weight of the past in each sequence's average
+    margin: float = 1.02  # speculation must be this much faster than a plain step
+    explore_every: int = 16
+    _seq: dict[int, dict[int, float]] = field(default_factory=dict)
+    _global: dict[int, float] = field(default_factory=dict)
+    _global_n: int = 0
+    _idle: int = 0
+    last_choice: int = 1
+
+    def __post_init__(self) -> None:
+        self.sizes = sorted(set(self.sizes))
+        if not self.sizes or self.sizes[0] < 2:
+            raise ValueError(f"sizes={self.sizes!r}: allowed: tree sizes >= 2")
+        missing = [n for n in [1, *self.sizes] if n not in self.cost.ms]
+        if missing:
+            raise ValueError(f"the cost table has no times for tree sizes {missing}")
+        base = self.prior or {n: 1.0 * (n - 1) / (self.sizes[-1] - 1) if self.sizes[-1] > 1 else 0.0
+                              for n in self.sizes}
+        self._global = {n: float(base.get(n, 0.0)) for n in self.sizes}
+
+    def expected(self, seq_id: int) -> dict[int, float]:
+        return self._seq.get(seq_id) or self._global
+
+    def choose(self, seq_ids: list[int], budget: int | None = None) -> int:
+        """The tree size for a step whose eligible decodes are seq_ids (1: no speculation);
+        budget: the step's token budget (sizes whose B * n exceeds it are not considered)."""
+        b = len(seq_ids)
+        if b == 0:
+            return 1
+        plain = b / self.cost.cost(1, b)
+        best, best_rate = 1, plain * self.margin
+        for n in self.sizes:
+            if budget is not None and b * n > budget:
+                continue
+            gain = sum(1.0 + self.expected(s)[n] for s in seq_ids)
+            rate = gain / self.cost.cost(n, b)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        if best == 1:
+            self._idle += 1
+            if self._idle >= self.explore_every and (budget is None or b * self.sizes[0] <= budget):
+                self._idle = 0
+                best = self.sizes[0]
+        else:
+            self._idle = 0
+        self.last_choice = best
+        return best
+
+    def observe(self, seq_id: int, accepted: dict[int, int]) -> None:
+        """One verify's accepted draft tokens for sequence seq_id, per tree size it scores."""
+        est = self._seq.get(seq_id)
+        if est is None:
+            est = self._seq[seq_id] = dict(self._global)
+        d = self.decay
+        self._global_n += 1
+        g = min(0.98, 1.0 - 1.0 / (self._global_n + 1))  # the prior counts as one observation
+        for n, k in accepted.items():
+            if n in est:
+                est[n] = d * est[n] + (1 - d) * k
+                self._global[n] = g * self._global[n] + (1 - g) * k
+
+    def forget(self, seq_id: int) -> None:
+        self._seq.pop(seq_id, None)

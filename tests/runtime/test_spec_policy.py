@@ -1,0 +1,151 @@
+"""Adaptive speculation (runtime/spec/policy.py and its use in the engine): the cost table, the
+choice of tree size against batch size and acceptance, exact per-size acceptance from one
+verify, and the engine's output unchanged under the policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import write_draft
+
+from optllm.runtime.llm import LLM
+from optllm.runtime.sampling_params import SamplingParams
+from optllm.runtime.spec.acceptance import accepted_per_size, greedy_accept
+from optllm.runtime.spec.policy import AdaptivePolicy, CostTable
+from optllm.runtime.spec.tree import DynamicTreeBuilder, StaticTree, TreeBatch
+from optllm.runtime.spec_runner import DEFAULT_MEDUSA_CHOICES
+
+
+def gpu_like_costs(sizes, batches=(1, 2, 4, 8, 16, 32, 64)):
+    """A decode step is launch-bound (1 ms) until the tokens it computes pass 64, then grows
+    linearly (1 ms per 64 tokens); a speculative step adds 0.4 ms of drafting."""
+    def step(tokens):
+        return max(1.0, tokens / 64)
+
+    ms = {1: [step(b) for b in batches]}
+    for n in sizes:
+        ms[n] = [step(b * n) + 0.4 for b in batches]
+    return CostTable(list(batches), ms)
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    t = CostTable([2, 4, 8], {1: [1.0, 2.0, 3.0], 5: [2.0, 3.0, 7.0]})
+    assert t.cost(1, 4) == 2.0 and t.cost(1, 3) == pytest.approx(1.5) and t.cost(1, 6) == pytest.approx(2.5)
+    assert t.cost(1, 1) == pytest.approx(0.5)  # proportional below the first point
+    assert t.cost(5, 16) == pytest.approx(7.0 + 1.0 * 8)  # the last segment's slope
+    with pytest.raises(ValueError, match="n = 1"):
+        CostTable([1], {5: [1.0]})
+    with pytest.raises(ValueError, match="increasing"):
+        CostTable([4, 2], {1: [1.0, 1.0]})
+
+
+def test_policy_speculates_when_it_pays_and_not_when_the_batch_is_busy():
+    sizes = [3, 6, 11]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 1.0, 6: 1.6, 11: 2.0})
+    assert pol.choose([0]) == 11  # bs 1: the widest tree, 3 tokens for 1.4 ms against 1 for 1 ms
+    assert pol.choose(list(range(8))) == 6  # bs 8: 88 tokens cost more than 48 for little gain
+    assert pol.choose(list(range(64))) == 1  # bs 64: verify costs 4-11x a decode step
+    assert pol.choose(list(range(8)), budget=40) == 3  # only B * n <= budget is possible
+    # a sequence that never has its drafts accepted is not worth speculating on
+    for _ in range(30):
+        pol.observe(7, {3: 0, 6: 0, 11: 0})
+    assert pol.expected(7)[11] < 0.01
+    assert pol.choose([7]) == 1
+
+
+def test_policy_explores_the_smallest_tree_while_off():
+    sizes = [3, 6]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4)
+    picks = [pol.choose(list(range(16))) for _ in range(12)]
+    assert picks == [1, 1, 1, 3] * 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_accepted_per_size_equals_verifying_the_smaller_trees(seed):
+    """Greedy acceptance of the first m nodes of a Medusa tree, and of an EAGLE-2 tree built with
+    m - 1 draft nodes, equals the full tree's accepted path cut at rank m."""
+    g = torch.Generator().manual_seed(seed)
+    bsz, v = 64, 5  # a small vocabulary: many paths match
+    full = StaticTree.from_choices(DEFAULT_MEDUSA_CHOICES)
+    n = full.tree.size
+    topk = torch.randint(0, v, (bsz, full.num_heads, full.top_k), generator=g)
+    roots = torch.randint(0, v, (bsz,), generator=g)
+    tree = full.batch(roots, topk)
+    target = torch.randint(0, v, (bsz, n), generator=g)
+    res = greedy_accept(tree, target)
+    sizes = [2, 4, 9, n]
+    got = accepted_per_size(res.accepted, torch.arange(n).expand(bsz, n), sizes)
+    for j, m in enumerate(sizes):
+        small = StaticTree.from_choices(full.choices[1:m]).batch(roots, topk)
+        want = greedy_accept(small, target[:, :m]).num_accepted
+        assert torch.equal(got[:, j], want), m
+    assert got[:, -1].sum() > 0
+
+    # EAGLE-2: the same pool, kept sizes m - 1
+    logp = torch.log_softmax(torch.randn(bsz, v, generator=g) * 2, dim=-1)
+    steps = [torch.log_softmax(torch.randn(bsz, 3, v, generator=g) * 2, dim=-1) for _ in range(2)]
+
+    def grow(num_draft):
+        b = DynamicTreeBuilder(roots, logp, top_k=3, depth=3, num_draft=num_draft)
+        for lp in steps:
+            b.expand(lp)
+        t = b.build()
+        order = torch.sort(b.kept_scores, dim=1, descending=True, stable=True).indices
+        return t, torch.argsort(order, dim=1)
+
+    big, ranks = grow(12)
+    # the target's choice after each node: a function of the node's path tokens, so every tree agrees
+    def target_of(t: TreeBatch):
+        h = torch.zeros_like(t.tokens)
+        for d in range(t.num_nodes):
+            node = t.paths[:, :, d]
+            tok = t.tokens.gather(1, node.clamp_min(0))
+            h = torch.where(node >= 0, h * 7 + tok + 1, h)
+        return h % v
+
+    res = greedy_accept(big, target_of(big))
+    sizes = [2, 5, 9, 13]
+    got = accepted_per_size(res.accepted, ranks, sizes)
+    for j, m in enumerate(sizes):
+        t, _ = grow(m - 1)
+        assert torch.equal(got[:, j], greedy_accept(t, target_of(t)).num_accepted), m
+    assert got[:, -1].sum() > 0
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_adaptive_engine_keeps_the_output(tiny_llama, tmp_path, method):
+    draft = write_draft(tmp_path / method, tiny_llama, method)
+    prompts = ["The interpreter reads", "def main():\n    return", "In the beginning", "x = 1\ny"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = LLM(str(tiny_llama), device="cpu", dtype="float32").generate(prompts, params)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
+              spec_top_k=3, spec_depth=4, spec_num_draft=10, max_num_seqs=8)
+    spec = llm.engine.runner.spec
+    table = spec.cost_table
+    assert table.batches == [1, 2, 4, 8] and set(table.ms) == {1, *spec.sizes} and len(spec.sizes) > 1
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_policy_turned_off_by_costs_only_explores(tiny_llama, tmp_path, monkeypatch):
+    """Costs that make every tree a loss: the engine decodes plainly but for the exploration
+    steps, with the same output."""
+    from optllm.runtime import spec_runner
+
+    draft = write_draft(tmp_path / "medusa", tiny_llama, "medusa")
+
+    def expensive(self, batches=None, repeats=2):
+        b = [1, 2, 4]
+        self.cost_table = CostTable(b, {1: [1.0, 1.0, 1.0], **{n: [50.0] * 3 for n in self.sizes}})
+        return self.cost_table
+
+    monkeypatch.setattr(spec_runner.SpecDecoder, "measure", expensive)
+    prompts = ["The interpreter reads", "def main():\n    return"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = LLM(str(tiny_llama), device="cpu", dtype="float32").generate(prompts, params)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive")
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    st = llm.engine.stats().speculation
+    explore = llm.engine.runner.spec.policy.explore_every
+    assert 0 < st["steps"] <= 40 // explore + 1
