@@ -204,3 +204,27 @@ def test_bad_drafts_are_one_line(tiny_llama, drafts, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="optllm.runtime"):
         LLM(str(tiny_llama), device="cpu", draft=str(bad))
     assert "trained for another target" in caplog.text
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_smollm2_speculative_greedy_equals_plain_greedy(method, tmp_path):
+    """The built-in model (real weights), a chat and a plain prompt, prefill chunked; small trees
+    (on CPU a verify costs its tokens, so this stays a correctness test)."""
+    pytest.importorskip("gguf")
+    from optllm.hub.loader import resolve_model
+
+    try:
+        folder = resolve_model("smollm2-135m")
+    except Exception as e:  # the package is not installed here
+        pytest.skip(str(e))
+    draft = write_draft(tmp_path / method, folder, method)
+    kw = dict(device="cpu", max_num_batched_tokens=32, max_model_len=512)
+    plain = LLM(folder, **kw)
+    prompts = [plain.tokenizer("def fibonacci(n):\n    ")["input_ids"],
+               plain.chat_prompt([{"role": "user", "content": "Write a haiku about the sea."}])]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(folder, draft=str(draft), spec_top_k=2, spec_depth=3, spec_num_draft=5, **kw)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.stats().speculation["seq_steps"] > 0
