@@ -187,6 +187,10 @@ def eval_cmd(
     output_len: Optional[int] = typer.Option(None, help="--speed: output tokens per request [128; CPU 32]"),
     bandwidth: Optional[float] = typer.Option(None, help="--speed: memory bandwidth in GB/s for the roofline "
                                               "[known GPUs: H200 4270]"),
+    draft: Optional[str] = typer.Option(None, "--draft", help="a draft folder (train-draft): tok/s without and with "
+                                        "speculative decoding, tau, acceptance per depth, on held-out chat prompts"),
+    temperatures: str = typer.Option("0,1", help="--draft: sampling temperatures, comma-separated"),
+    spec_policy: str = typer.Option("auto", help="--draft: auto (adaptive on CUDA) | adaptive | fixed"),
     compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
                                            "thresholds are marked as regressions"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),
@@ -201,14 +205,14 @@ def eval_cmd(
             from ..eval.compare import load_report
 
             old_rows = load_report(compare)
-        want_ppl, task_names = (ppl if ppl is not None else not speed), []
+        want_ppl, task_names = (ppl if ppl is not None else not (speed or draft)), []
         if tasks is not None:
             from ..eval.harness import parse_tasks
 
             in_tasks, task_names = parse_tasks(tasks)
             want_ppl = in_tasks or ppl is True  # --tasks says what to measure; ppl is one of its names
-        if not want_ppl and not task_names and not speed:
-            _fail("nothing to measure: give --ppl, --tasks (lm-eval task names, or ppl) or --speed")
+        if not want_ppl and not task_names and not speed and not draft:
+            _fail("nothing to measure: give --ppl, --tasks (lm-eval task names, or ppl), --speed or --draft")
         kind_list = parse_kinds(kinds)
         texts = read_texts(text or [], taken=kind_list)
         dev = str(resolve_device(device))
@@ -218,6 +222,15 @@ def eval_cmd(
             # checked before any model loads
             bandwidth_bytes = check_bandwidth(None if bandwidth is None else bandwidth * 1e9)
             shape = speed_shape(dev, batch_sizes, prompt_len, output_len)
+        if draft:
+            from ..eval.speed import speed_shape
+            from ..runtime.models.draft import read_draft_config
+
+            read_draft_config(draft)
+            spec_sizes, _, spec_len = speed_shape(dev, batch_sizes, prompt_len, output_len)
+            temps = _floats("--temperatures", temperatures)
+            if spec_policy not in ("auto", "adaptive", "fixed"):
+                _fail(f"--spec-policy {spec_policy!r} is not allowed; allowed: auto, adaptive, fixed")
         rows = []
         if want_ppl:
             rows = evaluate_ppl(models, kinds=kind_list, texts=texts, seq_len=seq_len, max_windows=max_windows,
@@ -232,6 +245,12 @@ def eval_cmd(
         if speed:
             results = evaluate_speed(models, *shape, device=dev, dtype=dtype, bandwidth=bandwidth_bytes)
             rows = add_results(rows, models, results, lambda r: dict(speed=r["speed"]))
+        if draft:
+            from ..eval.speculation import evaluate_speculation
+
+            results = evaluate_speculation(models, draft, spec_sizes, spec_len, device=dev, dtype="auto",
+                                           temperatures=temps, policy=spec_policy)
+            rows = add_results(rows, models, results, lambda r: dict(speculation=r["speculation"]))
     except (UserError, ValueError) as e:
         _fail(str(e))
     if want_ppl:
@@ -240,6 +259,10 @@ def eval_cmd(
         typer.echo(tasks_table(rows))
     if speed:
         typer.echo(speed_table(rows))
+    if draft:
+        from ..eval.report import speculation_table
+
+        typer.echo(speculation_table(rows))
     diffs, diffs_md = None, ""
     if compare is not None:
         from ..eval.compare import compare as compare_rows
@@ -251,6 +274,16 @@ def eval_cmd(
     if out is not None:
         write_report(rows, out, comparison=diffs, comparison_md=diffs_md)
         typer.echo(f"report written to {out}")
+
+
+def _floats(name: str, value: str) -> list[float]:
+    try:
+        out = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if not out or any(not v >= 0 for v in out):
+        _fail(f"{name} {value!r} is not allowed; allowed: comma-separated numbers >= 0, e.g. 0,1")
+    return out
 
 
 def _engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager, gpu_memory_utilization=0.9) -> dict:

@@ -48,6 +48,8 @@ class EvalRow:
     task_main: dict[str, list] = field(default_factory=dict)
     # speed (eval/speed.py): one dict per batch size, as measure_speed returns them
     speed: list[dict] = field(default_factory=list)
+    # speculation with a draft (eval/speculation.py): one dict per temperature and batch size
+    speculation: list[dict] = field(default_factory=list)
 
 
 def add_results(rows: list[EvalRow], models: Sequence[str], results: Sequence[dict], fields) -> list[EvalRow]:

@@ -93,6 +93,39 @@ def speed_table(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speculation_table(rows: list) -> str:
+    """Speculation: a row per model, temperature and batch size (plain and speculative output
+    tok/s, speedup, tau, the share of speculative sequence-steps accepting at least d draft
+    tokens for d = 1..4, greedy outputs identical); "" when no row has speculation."""
+    if not any(getattr(r, "speculation", None) for r in rows):
+        return ""
+    head = ["model", "scheme", "temp", "batch", "plain tok/s", "spec tok/s", "speedup", "τ", "≥1", "≥2", "≥3", "≥4",
+            "same tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    f = lambda v, fmt: "–" if v is None else fmt.format(v)  # noqa: E731
+    for r in rows:
+        for s in getattr(r, "speculation", None) or []:
+            depth = (list(s.get("accept_at_depth") or []) + [None] * 4)[:4]
+            same = {True: "yes", False: "**no**", None: "–"}[s.get("identical")]
+            lines.append("| " + " | ".join([
+                r.model, r.kind, f"{s['temperature']:g}", str(s["batch_size"]), f(s.get("plain_tok_s"), "{:.1f}"),
+                f(s.get("spec_tok_s"), "{:.1f}"), f(s.get("speedup"), "{:.2f}×"), f(s.get("tau"), "{:.2f}"),
+                *[f(None if d is None else 100 * d, "{:.0f}%") for d in depth], same]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def speculation_intro(rows: list) -> str:
+    s = next((s for r in rows for s in getattr(r, "speculation", None) or []), None)
+    if s is None:
+        return ""
+    return (f"Draft `{s['draft']}` ({s['draft_method']}, policy {s['policy']}) on held-out chat prompts (the "
+            f"built-in chat corpus's eval family, which no draft trains on), each request decoding exactly "
+            f"{s['output_len']} tokens, a batch arriving at once. tok/s: output tokens over the whole call, without "
+            "and with the draft (engines loaded one after the other, same shape); τ: tokens a speculative "
+            "sequence-step emits (accepted draft tokens + 1); ≥d: share of speculative sequence-steps that accepted "
+            "at least d draft tokens; same tokens: greedy outputs identical with and without the draft.\n\n")
+
+
 def speed_intro(rows: list) -> str:
     """One paragraph saying how the speed rows were measured (from the first row's first entry)."""
     s = next((s for r in rows for s in getattr(r, "speed", None) or []), None)
@@ -138,6 +171,11 @@ def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval", co
         _plot_latency(rows, tmp / "latency.png")
         md += ("\n## Speed\n\n" + speed_intro(rows) + speed + "\n![tok/s against batch size](speed.png)\n\n"
                "![TTFT and ITL percentiles](latency.png)\n")
+    spec = speculation_table(rows)
+    if spec:
+        _plot_acceptance(rows, tmp / "acceptance.png")
+        md += ("\n## Speculative decoding\n\n" + speculation_intro(rows) + spec
+               + "\n![accepted draft tokens per speculative step](acceptance.png)\n")
     if comparison is not None:
         md += "\n## Compared with an earlier run\n\n" + (comparison_md or "No measurement in common.\n")
         (tmp / "compare.json").write_text(json.dumps(comparison, indent=2) + "\n")
@@ -288,6 +326,42 @@ def _plot_latency(rows: list, path: Path) -> None:
         ax.set_ylabel("ms")
         _batch_axis(ax, shown)
     axes[-1].legend(fontsize=7)
+    _save(fig, path)
+
+
+def _plot_acceptance(rows: list, path: Path) -> None:
+    """Left: the histogram of accepted draft tokens per speculative sequence-step (share of steps),
+    a bar group per model at each temperature (batch sizes pooled). Right: speedup against batch
+    size, a line per model and temperature."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    shown = [r for r in rows if getattr(r, "speculation", None)]
+    series = []
+    for r in shown:
+        for t in sorted({s["temperature"] for s in r.speculation}):
+            ss = [s for s in r.speculation if s["temperature"] == t]
+            width = max(len(s["histogram"]) for s in ss)
+            hist = [sum(s["histogram"][k] if k < len(s["histogram"]) else 0 for s in ss) for k in range(width)]
+            series.append((f"{_label(r)} T={t:g}", hist, ss))
+    bar = 0.8 / max(1, len(series))
+    for i, (label, hist, ss) in enumerate(series):
+        total = sum(hist) or 1
+        xs = [k + (i - (len(series) - 1) / 2) * bar for k in range(len(hist))]
+        axes[0].bar(xs, [h / total for h in hist], width=bar, color=f"C{i % 10}", label=label)
+        sizes = [s["batch_size"] for s in ss]
+        axes[1].plot(sizes, [s["speedup"] if s.get("speedup") is not None else float("nan") for s in ss],
+                     marker="o", color=f"C{i % 10}", label=label)
+    axes[0].set_xlabel("draft tokens accepted in a step")
+    axes[0].set_ylabel("share of speculative steps")
+    axes[0].legend(fontsize=7)
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[1].set_xlabel("batch size")
+    axes[1].set_ylabel("speedup over no draft")
+    sizes = sorted({s["batch_size"] for _l, _h, ss in series for s in ss})
+    if len(sizes) > 1 and sizes[-1] / sizes[0] >= 4:
+        axes[1].set_xscale("log", base=2)
+    axes[1].set_xticks(sizes, [str(b) for b in sizes])
+    axes[1].grid(alpha=0.3)
     _save(fig, path)
 
 

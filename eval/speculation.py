@@ -1,0 +1,179 @@
+"""What a draft buys, for ``optllm eval MODEL... --draft DIR``: per checkpoint, batch size and
+temperature, the output tok/s without and with speculative decoding, the speedup, the mean
+accepted length tau (tokens a sequence-step emits: accepted draft tokens + 1), the
+histogram of accepted lengths and, per depth d, the share of speculative sequence-steps that
+accepted at least d draft tokens; under greedy decoding also whether both runs gave the same
+tokens (they must).
+
+Prompts are held out from every draft's training: the user turns of the built-in chat
+corpus's eval split (stories, letters, advice, role-play, poems, trips: hub/corpus.py), a
+family train-draft never sees (it writes its own prompts), rendered with the model's chat
+template (plain text when it has none). Each request decodes exactly ``output_len`` tokens
+(EOS ignored), all of a batch arriving at once; one warm-up batch, then ``reps`` measured
+ones. The plain and the speculative engine are loaded one after the other (never both), with
+the same shape; the speculative one runs the draft's tree under the given policy.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..hub.corpus import texts
+from ..hub.loader import resolve_model
+from ..runtime.llm import LLM
+from ..runtime.loader import checkpoint_kind
+from ..runtime.sampling_params import SamplingParams
+
+_USER = ("<|im_start|>user\n", "<|im_end|>")
+
+
+def heldout_user_prompts() -> list[str]:
+    """The user turns of the chat corpus's eval split, in file order."""
+    out = []
+    for doc in texts("chat", "eval"):
+        start = doc.find(_USER[0])
+        if start < 0:
+            continue
+        start += len(_USER[0])
+        end = doc.find(_USER[1], start)
+        if end > start:
+            out.append(doc[start:end].strip())
+    return out
+
+
+def render_prompts(llm: LLM, count: int, offset: int = 0) -> list[list[int]]:
+    """count held-out prompts (cycling, from offset) as token ids for llm's model."""
+    users = heldout_user_prompts()
+    chat = bool(getattr(llm.tokenizer, "chat_template", None))
+    out = []
+    for i in range(count):
+        u = users[(offset + i) % len(users)]
+        out.append(llm.chat_prompt([{"role": "user", "content": u}]) if chat else llm.tokenizer(u)["input_ids"])
+    return out
+
+
+def _batch(llm: LLM, prompts, params) -> tuple[float, int, list[list[int]]]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    ids = [o.outputs[0].token_ids for o in outs]
+    return seconds, sum(len(i) for i in ids), ids
+
+
+def _spec_counts(llm: LLM) -> dict:
+    st = llm.engine.stats().speculation
+    return {"seq_steps": st["seq_steps"], "drafted": st["drafted"], "accepted": st["accepted"],
+            "histogram": list(st["histogram"])}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    h = [a - (before["histogram"][i] if i < len(before["histogram"]) else 0) for i, a in enumerate(after["histogram"])]
+    return {k: after[k] - before[k] for k in ("seq_steps", "drafted", "accepted")} | {"histogram": h}
+
+
+def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
+    return dict(device=device, dtype=dtype, quantized_linear="kernel", max_num_seqs=max(batch_sizes),
+                max_model_len=max_prompt + output_len + 64)
+
+
+def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], output_len: int, device: str = "cpu",
+                        dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0), reps: int = 1,
+                        policy: str = "auto", spec_options: dict | None = None, progress: bool = False) -> list[dict]:
+    """One row per (temperature, batch size): plain_tok_s, spec_tok_s, speedup, tau, histogram,
+    accept_at_depth, identical (greedy) and the counts behind them (see the module docstring)."""
+    if not Path(draft).is_dir():
+        raise UserError(f"--draft {draft}: not a folder")
+    for t in temperatures:
+        if not t >= 0:
+            raise UserError(f"temperature {t!r} is not allowed; allowed: a number >= 0")
+    plain = LLM(str(model), **_engine_args(batch_sizes, output_len, device, dtype, 1))
+    prompts = {bs: render_prompts(plain, bs * (reps + 1), offset=17 * bs) for bs in batch_sizes}
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    del plain
+    _free()
+    cases = [(t, bs) for t in temperatures for bs in batch_sizes]
+    results: dict[tuple, dict] = {(t, bs): {} for t, bs in cases}
+    bar = _bar(2 * len(cases)) if progress else None
+    try:
+        for label in ("plain", "spec"):
+            extra = {} if label == "plain" else dict(draft=str(draft), spec_policy=policy, **(spec_options or {}))
+            llm = LLM(str(model), **_engine_args(batch_sizes, output_len, device, dtype, longest), **extra)
+            for t, bs in cases:
+                params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, detokenize=False)
+                batches = [prompts[bs][r * bs:(r + 1) * bs] for r in range(reps + 1)]
+                _batch(llm, batches[0], params)  # warm-up
+                before = _spec_counts(llm) if label == "spec" else None
+                seconds = tokens = 0
+                ids = []
+                for b in batches[1:]:
+                    s, n, out = _batch(llm, b, params)
+                    seconds, tokens = seconds + s, tokens + n
+                    ids += out
+                r = results[(t, bs)]
+                r[f"{label}_tok_s"] = tokens / seconds if seconds > 0 else None
+                r[f"{label}_ids"] = ids
+                if label == "spec":
+                    r["counts"] = _delta(_spec_counts(llm), before)
+                if bar is not None:
+                    bar.update(1)
+            del llm
+            _free()
+    finally:
+        if bar is not None:
+            bar.close()
+    rows = []
+    for t, bs in cases:
+        r = results[(t, bs)]
+        c = r["counts"]
+        steps, hist = c["seq_steps"], c["histogram"]
+        at_depth = [sum(hist[d:]) / steps if steps else None for d in range(1, len(hist))]
+        rows.append(dict(
+            batch_size=bs, temperature=t, output_len=output_len, requests=bs * reps,
+            plain_tok_s=r["plain_tok_s"], spec_tok_s=r["spec_tok_s"],
+            speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,
+            tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
+            accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth,
+            identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None,
+        ))
+    return rows
+
+
+def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequence[int], output_len: int,
+                         device: str = "cpu", dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0),
+                         reps: int = 1, policy: str = "auto", spec_options: dict | None = None,
+                         progress: bool = True) -> list[dict]:
+    """measure_speculation for each model with the one draft: [{"speculation": rows, "scheme",
+    "seconds"}], as eval's other measurements return them."""
+    from ..runtime.models.draft import read_draft_config
+
+    method = read_draft_config(draft)["method"]  # a bad folder is one line before anything loads
+    out = []
+    for name in models:
+        t0 = time.perf_counter()
+        rows = measure_speculation(name, draft, batch_sizes, output_len, device, dtype, temperatures, reps, policy,
+                                   spec_options, progress)
+        for r in rows:
+            r.update(draft=str(draft), draft_method=method, policy=policy)
+        out.append(dict(speculation=rows, scheme=checkpoint_kind(resolve_model(name)),
+                        seconds=time.perf_counter() - t0))
+    return out
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="speculation", unit="run")

@@ -1,0 +1,76 @@
+"""eval --draft (eval/speculation.py): speed with and without a draft on held-out prompts, tau,
+acceptance per depth, greedy outputs identical; the report's section and plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import write_draft
+
+from optllm.eval.evaluate import EvalRow
+from optllm.eval.report import speculation_table, write_report
+from optllm.eval.speculation import evaluate_speculation, heldout_user_prompts
+
+
+def test_heldout_prompts_are_the_chat_eval_family():
+    users = heldout_user_prompts()
+    assert len(users) == 62 and all(u and "<|im" not in u for u in users)
+    assert users[0].startswith("Write a short story")
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama, tmp_path_factory):
+    draft = write_draft(tmp_path_factory.mktemp("eval-draft") / "medusa", tiny_llama, "medusa")
+    res = evaluate_speculation([str(tiny_llama)], str(draft), [1, 3], 12, device="cpu", dtype="float32",
+                               temperatures=(0.0, 1.0), reps=1, policy="fixed", progress=False)
+    return res, draft
+
+
+def test_rows_count_every_step_and_greedy_is_identical(measured):
+    res, draft = measured
+    rows = res[0]["speculation"]
+    assert [(r["temperature"], r["batch_size"]) for r in rows] == [(0.0, 1), (0.0, 3), (1.0, 1), (1.0, 3)]
+    for r in rows:
+        hist, steps = r["histogram"], r["spec_seq_steps"]
+        assert steps > 0 and sum(hist) == steps
+        assert r["accepted"] == sum(k * n for k, n in enumerate(hist))
+        assert r["tau"] == pytest.approx((r["accepted"] + steps) / steps)
+        assert r["accept_at_depth"][0] == pytest.approx(sum(hist[1:]) / steps)
+        assert all(a >= b for a, b in zip(r["accept_at_depth"], r["accept_at_depth"][1:]))
+        assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
+        assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
+        assert r["draft_method"] == "medusa" and r["draft"] == str(draft)
+        assert r["identical"] is (True if r["temperature"] == 0 else None)
+    assert res[0]["scheme"] == "float"
+
+
+def test_report_has_the_speculation_section_and_plot(measured, tmp_path):
+    res, _ = measured
+    nan = float("nan")
+    row = EvalRow("tiny", "float", nan, nan, 0, 0, 0.0, speculation=res[0]["speculation"])
+    table = speculation_table([row])
+    assert table.count("\n") == 2 + 4 and "| tiny | float | 0 | 1 |" in table and "yes" in table
+    out = write_report([row], tmp_path / "rep")
+    md = (out / "report.md").read_text()
+    assert "## Speculative decoding" in md and "acceptance.png" in md
+    png = (out / "acceptance.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    saved = json.loads((out / "report.json").read_text())
+    assert saved[0]["speculation"][0]["histogram"] == res[0]["speculation"][0]["histogram"]
+
+
+def test_eval_draft_bad_input_is_one_line(tiny_llama, tmp_path, measured):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "optllm", "eval", str(tiny_llama), *args, "--device", "cpu"],
+                              capture_output=True, text=True)
+
+    draft = str(measured[1])
+    for args, pattern in ((("--draft", str(tmp_path)), "not a draft folder"),
+                          (("--draft", draft, "--temperatures", "0,x"), "--temperatures '0,x'"),
+                          (("--draft", draft, "--spec-policy", "greedy"), "--spec-policy 'greedy'")):
+        r = run(*args)
+        lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and pattern in lines[0], r.stderr
