@@ -129,16 +129,7 @@ class AsyncLLMEngine:
             self._wake.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: its readers are gone
-                pass
+        deliver(self._streams, outputs)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -154,6 +145,21 @@ class AsyncLLMEngine:
 def _put_all(items) -> None:
     for q, out in items:
         q.put_nowait(out)
+
+
+def deliver(streams: dict, outputs: list[RequestOutput]) -> None:
+    """Hand each output to its request's queue (streams: request id -> (event loop, queue)),
+    one call_soon_threadsafe per event loop for the whole batch, from any thread."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for out in outputs:
+        target = streams.get(out.request_id)
+        if target is not None:
+            by_loop.setdefault(target[0], []).append((target[1], out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that loop is closed: its readers are gone
+            pass
 
 
 class RequestStream:

@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from .async_engine import RequestStream, _put_all
+from .async_engine import RequestStream, deliver
 from .config import EngineConfig
 from .engine import EngineStats
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -350,16 +350,7 @@ class ProcessEngine:
         return RequestOutput(rid, acc.prompt, acc.prompt_token_ids, outs, finished, acc.prompt_logprobs, acc.metrics)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: its readers are gone
-                pass
+        deliver(self._streams, outputs)
 
     def _put(self, rid: str, item) -> None:
         target = self._streams.get(rid)
