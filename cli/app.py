@@ -472,17 +472,28 @@ def train_draft(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     seed: int = typer.Option(0, help="seed of the prompts, the data order and the heads"),
     overwrite: bool = typer.Option(False, help="replace OUT (or an unfinished run of it) if it exists"),
+    export: Optional[str] = typer.Option(None, help="vllm: also write OUT/vllm, the EAGLE draft in the layout vLLM "
+                                         "and SGLang load as a speculative model"),
 ) -> None:
     """Train a draft (Medusa heads or an EAGLE layer) for TARGET on its own answers to its own prompts."""
+    from ..speculative.export import EXPORT_FORMATS, export_vllm
     from ..speculative.train import DraftConfig
     from ..speculative.train import train_draft as run
 
+    if export is not None and export not in EXPORT_FORMATS:
+        _fail(f"--export {export!r} is not allowed; allowed: {', '.join(EXPORT_FORMATS)}")
+    if export is not None and method != "eagle":
+        _fail(f"--export {export} writes EAGLE drafts; --method {method} has no such layout")
     try:
         cfg = DraftConfig(target=target, out=out, method=method, num_heads=num_heads, num_prompts=num_prompts,
                           prompts=prompts, max_steps=max_steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                           seq_len=seq_len, answer_tokens=answer_tokens, checkpoint_every=checkpoint_every,
                           eval_every=eval_every, resume=resume, device=device, seed=seed, overwrite=overwrite)
         result = run(cfg, log=typer.echo)
+        if export == "vllm":
+            from ..hub.loader import resolve_model
+
+            typer.echo(f"vLLM / SGLang layout written to {export_vllm(out, resolve_model(target), out / 'vllm')}")
     except (UserError, ValueError) as e:
         _fail(str(e))
     acc = " ".join(f"h{k} {a:.3f}" for k, a in enumerate(result.accuracy)) or "n/a"

@@ -6,11 +6,12 @@ f_t (the last hidden state, after the final norm: what the LM head reads; target
 and the embedding of the token one ahead, x_{t+1} (the target's own embedding, frozen), fuses
 them with fc: Linear(2H -> H) over [embedding, feature] (EAGLE's order), runs one causal Llama
 decoder layer, and predicts f_{t+1}. The target's LM head (frozen) reads the prediction out as
-a distribution over x_{t+2}. As in EAGLE's checkpoints, fc has a bias and the layer has no
-input norm (the fc output goes straight into attention) and no final norm (the feature it
-predicts is already normed).
+a distribution over x_{t+2}. The layer has no input norm (the fc output goes straight into
+attention) and no final norm (the feature it predicts is already normed), and fc has no bias, as
+in the EAGLE-LLaMA3 checkpoints and the EAGLE layers vLLM and SGLang run (EAGLE's first Vicuna
+checkpoints had one: ``fc_bias=True``, which ``--export vllm`` then refuses).
 
-Parameter names follow EAGLE's checkpoints: ``fc.{weight,bias}``,
+Parameter names follow EAGLE's checkpoints: ``fc.weight`` (``fc.bias``),
 ``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
 ``layers.0.post_attention_layernorm.weight``. The frozen embedding and LM head are buffers
 outside the state dict: they are the target's, named by its hash in the draft's config.
@@ -112,7 +113,8 @@ class EagleDraft(nn.Module):
     (f_{t+1}), logits [B, T, V] over x_{t+2})."""
 
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 head_dim: int, intermediate_size: int, rms_norm_eps: float, rope_theta: float) -> None:
+                 head_dim: int, intermediate_size: int, rms_norm_eps: float, rope_theta: float,
+                 fc_bias: bool = False) -> None:
         super().__init__()
         vocab_size, hidden_size = lm_head_weight.shape
         if tuple(embed_weight.shape) != (vocab_size, hidden_size):
@@ -124,7 +126,7 @@ class EagleDraft(nn.Module):
         # frozen and not saved: the target's own tensors
         self.register_buffer("embed_tokens", embed_weight.detach().clone(), persistent=False)
         self.register_buffer("lm_head", lm_head_weight.detach().clone(), persistent=False)
-        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=True)
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([DecoderLayer(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
                                                   rms_norm_eps, rope_theta)])
 
@@ -148,7 +150,7 @@ class EagleDraft(nn.Module):
         return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
-                "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "fc_bias": True,
+                "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "fc_bias": self.fc.bias is not None,
                 "input_layernorm": False}
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

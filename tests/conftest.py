@@ -142,7 +142,6 @@ def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: f
             h = draft.hidden_size
             draft.fc.weight.zero_()
             draft.fc.weight[:, h:] = torch.eye(h)
-            draft.fc.bias.zero_()
             draft.layers[0].self_attn.o_proj.weight.zero_()
             draft.layers[0].mlp.down_proj.weight.zero_()
         for p in draft.parameters():

@@ -121,7 +121,7 @@ class EagleDraft(nn.Module):
         h = cfg["hidden_size"]
         self.hidden_size, self.vocab_size = h, cfg["vocab_size"]
         self.num_kv_heads, self.head_dim = cfg["num_key_value_heads"], cfg["head_dim"]
-        self.fc = nn.Linear(2 * h, h, bias=bool(cfg.get("fc_bias", True)))
+        self.fc = nn.Linear(2 * h, h, bias=bool(cfg.get("fc_bias", False)))
         self.layers = nn.ModuleList([_EagleLayer(cfg, max_position, dtype, device, backend)])
         self._target = [target]  # not a submodule: the target's weights are not the draft's
 

@@ -162,7 +162,7 @@ def test_draft_reads_the_target(tiny_llama):
         feats = last_hidden(target, ids)
         torch.testing.assert_close(feats @ draft.lm_head.T, target(input_ids=ids).logits, rtol=0, atol=1e-5)
     assert sorted(draft.state_dict()) == sorted(
-        ["fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight"]
+        ["fc.weight", "layers.0.post_attention_layernorm.weight"]
         + [f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
         + [f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")])
 
@@ -221,11 +221,12 @@ def test_cli_method_eagle_end_to_end(straight, tiny_chat, tmp_path):
     out = tmp_path / "cli"
     r = _cli(str(tiny_chat), "--method", "eagle", "--out", str(out), "--device", "cpu", "--max-steps", "4",
              "--batch-size", "2", "--grad-accum", "2", "--seq-len", "96", "--checkpoint-every", "2",
-             "--eval-every", "2", "--resume", str(a_out / "checkpoint-2"))
+             "--eval-every", "2", "--resume", str(a_out / "checkpoint-2"), "--export", "vllm")
     assert r.exit_code == 0, (r.output, r.exception)
     assert "resumed from" in r.output and "trained 4 steps" in r.output and "held-out top-1 h0" in r.output
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4", "config.json", "dataset.jsonl",
-                                                     "model.safetensors"]
+                                                     "model.safetensors", "vllm"]
+    assert sorted(p.name for p in (out / "vllm").iterdir()) == ["config.json", "model.safetensors"]
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["method"], cfg["training"]["method"], cfg["training"]["steps"]) == ("eagle", "eagle", 4)
     assert cfg["target"]["sha256"] == target_identity(tiny_chat)
@@ -239,3 +240,28 @@ def test_bad_method_is_one_line(tiny_chat, tmp_path):
     lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
     assert lines == ["error: unknown method 'eagle3'; allowed: medusa, eagle"], r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_export_needs_an_eagle_draft(tiny_chat, tmp_path):
+    for args, msg in ((("--method", "medusa", "--export", "vllm"), "--method medusa has no such layout"),
+                      (("--method", "eagle", "--export", "sglang"), "--export 'sglang' is not allowed")):
+        r = _cli(str(tiny_chat), *args, "--out", str(tmp_path / "o"))
+        lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and msg in lines[0], r.stderr
+        assert not (tmp_path / "o").exists()
+
+
+def test_trained_draft_serves_with_the_same_greedy_output(straight, tiny_chat):
+    """What train-draft writes loads in the runtime as a draft, and changes no token."""
+    from optllm import LLM, SamplingParams
+
+    _, out, _ = straight
+    prompts = ["The interpreter reads", "def main():"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = LLM(str(tiny_chat), device="cpu", dtype="float32").generate(prompts, params)
+    spec = LLM(str(tiny_chat), device="cpu", dtype="float32", draft=str(out), spec_top_k=3, spec_depth=3,
+               spec_num_draft=8)
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spec.engine.stats().speculation["seq_steps"] > 0
+
