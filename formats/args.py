@@ -4,7 +4,9 @@
 checkpoint's ``config.json`` and reads back from it: the number type and bits, the grid's
 symmetry, and the strategy that says which elements share a scale (compressed-tensors'
 spelling: "tensor", "channel" (per output row), "group" (``group_size`` columns of a row),
-"token" (per row of an activation)), static (calibrated) or dynamic (taken at run time).
+"token" (per row of an activation), "tensor_group" (NVFP4: ``group_size`` columns of a row under
+one per-tensor global scale)), static (calibrated) or dynamic (taken at run time; "local":
+NVFP4's activations, whose group scales are taken at run time under a calibrated global scale).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ WEIGHT_ONLY_BITS = (2, 3, 4, 8)
 FLOAT_BITS = (4, 8)  # E2M1 (NVFP4), E4M3 (FP8)
 GROUP_SIZES = (32, 64, 128)
 TYPES = ("int", "float")
-STRATEGIES = ("tensor", "channel", "group", "token")
+STRATEGIES = ("tensor", "channel", "group", "token", "tensor_group")
+GROUPED = ("group", "tensor_group")  # the strategies that take a group size
+LOCAL = "local"  # dynamic group scales under a static global scale (compressed-tensors' DynamicType.LOCAL)
+DYNAMICS = (False, True, LOCAL)
 
 
 @dataclass(frozen=True)
@@ -26,7 +31,8 @@ class QuantArgs:
     ``strategy`` defaults from ``group_size``: "group" with one, "channel" without, so
     ``group_size`` None means one scale per output channel (the group spans all of K), as
     compressed-tensors writes it (strategy "channel", group_size null). Strategies other
-    than "group" take no group size.
+    than "group" and "tensor_group" take no group size. ``dynamic`` "local" (only with
+    "tensor_group") is dynamic group scales under a static global scale.
     ``actorder`` "static": GPTQ visits columns by decreasing Hessian diagonal but the groups
     keep their natural column ranges, so no g_idx is needed (compressed-tensors "weight").
     """
@@ -37,7 +43,7 @@ class QuantArgs:
     actorder: str | None = None
     type: str = "int"
     strategy: str | None = None  # None: "group" when group_size is given, else "channel"
-    dynamic: bool = False
+    dynamic: bool | str = False  # False, True or LOCAL
 
     def __post_init__(self) -> None:
         if self.strategy is None:
@@ -51,7 +57,7 @@ class QuantArgs:
                              f"allowed: symmetric {' or '.join(map(str, FLOAT_BITS))} bits")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not supported; allowed: {', '.join(STRATEGIES)}")
-        if self.strategy == "group":
+        if self.strategy in GROUPED:
             if self.group_size is None or isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
                     or self.group_size <= 0 or self.group_size % 8:
                 raise ValueError(
@@ -60,6 +66,10 @@ class QuantArgs:
                 )
         elif self.group_size is not None:
             raise ValueError(f"group_size={self.group_size} needs strategy 'group', not {self.strategy!r}")
+        if self.dynamic not in DYNAMICS:
+            raise ValueError(f"dynamic={self.dynamic!r} is not supported; allowed: False, True, {LOCAL!r}")
+        if self.dynamic == LOCAL and self.strategy != "tensor_group":
+            raise ValueError(f"dynamic={LOCAL!r} needs strategy 'tensor_group', not {self.strategy!r}")
         if self.actorder not in (None, "static"):
             raise ValueError(f"actorder={self.actorder!r} is not supported; allowed: None, 'static'")
 
@@ -79,7 +89,7 @@ class QuantArgs:
 
     def groups(self, in_features: int) -> int:
         """Number of groups along K; raises ValueError if the group size does not divide K."""
-        if self.strategy != "group":
+        if self.strategy not in GROUPED:
             return 1
         if in_features % self.group_size:
             raise ValueError(
@@ -119,16 +129,18 @@ class QuantArgs:
             raise ValueError(f"actorder {d.get('actorder')!r} is not supported; allowed: None, 'weight' ('static'); "
                              "'group' ('dynamic') needs g_idx")
         dynamic = d.get("dynamic", False)
-        if dynamic not in (True, False):
-            raise ValueError(f"dynamic {dynamic!r} is not supported; allowed: true, false")
+        if isinstance(dynamic, str) and dynamic.lower() == LOCAL:
+            dynamic = LOCAL
+        elif dynamic not in (True, False):
+            raise ValueError(f"dynamic {dynamic!r} is not supported; allowed: true, false, {LOCAL!r}")
         return cls(
             num_bits=int(d["num_bits"]),
-            group_size=d.get("group_size") if strategy == "group" else None,
+            group_size=d.get("group_size") if strategy in GROUPED else None,
             symmetric=bool(d.get("symmetric", True)),
             actorder="static" if actorder == "weight" else None,
             type=kind,
             strategy=strategy,
-            dynamic=bool(dynamic),
+            dynamic=dynamic if dynamic == LOCAL else bool(dynamic),
         )
 
 

@@ -61,9 +61,68 @@ class FormatCodec:
         return f"vLLM has no reader for the {self.name!r} format."
 
 
+class StaticInputScaleCodec(FormatCodec):
+    """A format whose quantized linears also hold one calibrated per-tensor value for their
+    input activations unless those are wholly dynamic (``dynamic: true``): float-quantized's
+    and int-quantized's ``input_scale``, or nvfp4-pack-quantized's ``input_global_scale`` (the
+    ``input_tensor``). The QuantizedWeight carries it as the attribute of that name (None:
+    none stored). encode / decode add and check it around the subclass's weight tensors
+    (encode_weight / decode_weight), which are every tensor name but ``input_tensor``."""
+
+    input_tensor = "input_scale"
+
+    @staticmethod
+    def calibrated(input_activations: QuantArgs | None) -> bool:
+        """Whether these input activations store a value: given and not wholly dynamic (static,
+        or NVFP4's "local": dynamic group scales under a calibrated global scale)."""
+        return input_activations is not None and input_activations.dynamic is not True
+
+    def required(self, weights: QuantArgs) -> set[str]:
+        return set(self.tensor_names) - {self.input_tensor}
+
+    def activation_tensors(self, input_activations: QuantArgs | None) -> set[str]:
+        return {self.input_tensor} if self.calibrated(input_activations) else set()
+
+    def encode_weight(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        """The weight's tensors by tensor name (everything but the input value)."""
+        raise NotImplementedError
+
+    def decode_weight(self, parts: dict[str, torch.Tensor], weights: QuantArgs) -> QuantizedWeight:
+        """The QuantizedWeight of the weight's tensors (all present); ValueError when malformed."""
+        raise NotImplementedError
+
+    def encode(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        parts = self.encode_weight(qw)
+        value = getattr(qw, self.input_tensor, None)
+        if value is not None:
+            parts[self.input_tensor] = value.reshape(1).contiguous()
+        return parts
+
+    def decode(self, parts: dict[str, torch.Tensor], weights: QuantArgs) -> QuantizedWeight:
+        missing = sorted(self.required(weights) - parts.keys())
+        if missing:
+            raise ValueError(f"checkpoint lacks {missing[0]}")
+        qw = self.decode_weight(parts, weights)
+        value = parts.get(self.input_tensor)
+        if value is not None and (value.numel() != 1 or not value.is_floating_point()):
+            raise ValueError(f"{self.input_tensor} {value.dtype} {tuple(value.shape)} must be one float "
+                             "(per tensor)")
+        setattr(qw, self.input_tensor, value)
+        return qw
+
+    def config_group(self, targets: list[str], weights: QuantArgs, input_activations: QuantArgs | None) -> dict:
+        group = super().config_group(targets, weights, input_activations)
+        if self.calibrated(input_activations):
+            # a running absmax over every calibration batch (what quant/ measures), the observer
+            # compressed-tensors' presets name so; readers ignore it
+            group["input_activations"]["observer"] = "static_minmax"
+        return group
+
+
 CODECS: Registry[FormatCodec] = Registry("checkpoint format", builtins=("optllm.formats.pack_quantized",
                                                                  "optllm.formats.float_quantized",
-                                                                 "optllm.formats.int_quantized"))
+                                                                 "optllm.formats.int_quantized",
+                                                                 "optllm.formats.nvfp4_quantized"))
 
 
 def register_codec(codec: FormatCodec, replace: bool = False) -> FormatCodec:

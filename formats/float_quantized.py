@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .args import QuantArgs
-from .codec import FormatCodec, register_codec
+from .codec import StaticInputScaleCodec, register_codec
 from .qweight import QuantizedWeight
 from .vllm_compat import vllm_fp8_incompatibility
 
@@ -71,7 +71,7 @@ def _check_fp8(role: str, args: QuantArgs) -> None:
         raise ValueError(f"{role} {args.type} {args.num_bits}-bit is not supported here; allowed: float 8-bit (E4M3)")
 
 
-class FloatQuantizedCodec(FormatCodec):
+class FloatQuantizedCodec(StaticInputScaleCodec):
     name = "float-quantized"
     # weight_scale first: it marks a quantized linear (every linear, quantized or not, has a .weight)
     tensor_names = ("weight_scale", "weight", "input_scale")
@@ -93,25 +93,12 @@ class FloatQuantizedCodec(FormatCodec):
             raise ValueError(f"FP8 input activations with strategy {acts[0]!r} and dynamic {acts[1]} are not "
                              "supported; allowed: 'token' dynamic or 'tensor' static")
 
-    def required(self, weights: QuantArgs) -> set[str]:
-        return {"weight", "weight_scale"}
-
-    def activation_tensors(self, input_activations: QuantArgs | None) -> set[str]:
-        return {"input_scale"} if input_activations is not None and not input_activations.dynamic else set()
-
-    def encode(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    def encode_weight(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         if qw.q.dtype != E4M3:
             raise ValueError(f"float-quantized weights are {E4M3}, not {qw.q.dtype}")
-        parts = {"weight": qw.q.contiguous(), "weight_scale": qw.scale.contiguous()}
-        input_scale = getattr(qw, "input_scale", None)
-        if input_scale is not None:
-            parts["input_scale"] = input_scale.reshape(1).contiguous()
-        return parts
+        return {"weight": qw.q.contiguous(), "weight_scale": qw.scale.contiguous()}
 
-    def decode(self, parts: dict[str, torch.Tensor], weights: QuantArgs) -> FloatQuantizedWeight:
-        missing = sorted(self.required(weights) - parts.keys())
-        if missing:
-            raise ValueError(f"checkpoint lacks {missing[0]}")
+    def decode_weight(self, parts: dict[str, torch.Tensor], weights: QuantArgs) -> FloatQuantizedWeight:
         q, scale = parts["weight"], parts["weight_scale"]
         if q.dtype != E4M3 or q.dim() != 2:
             raise ValueError(f"weight is {q.dtype} {tuple(q.shape)}; float-quantized needs {E4M3} [N, K]")
@@ -119,19 +106,7 @@ class FloatQuantizedCodec(FormatCodec):
         if tuple(scale.shape) != want or not scale.is_floating_point():
             raise ValueError(f"weight_scale {scale.dtype} {tuple(scale.shape)} does not match a {weights.strategy} "
                              f"scale {want} of weight {tuple(q.shape)}")
-        input_scale = parts.get("input_scale")
-        if input_scale is not None and (input_scale.numel() != 1 or not input_scale.is_floating_point()):
-            raise ValueError(f"input_scale {input_scale.dtype} {tuple(input_scale.shape)} must be one float "
-                             "(per tensor)")
-        return FloatQuantizedWeight(q=q, scale=scale, zero=None, args=weights, input_scale=input_scale)
-
-    def config_group(self, targets: list[str], weights: QuantArgs, input_activations: QuantArgs | None) -> dict:
-        group = super().config_group(targets, weights, input_activations)
-        if input_activations is not None and not input_activations.dynamic:
-            # the observer compressed-tensors' FP8 preset names for static inputs (a running absmax over
-            # every calibration batch, which is what quant/fp8.py measures); readers ignore it
-            group["input_activations"]["observer"] = "static_minmax"
-        return group
+        return FloatQuantizedWeight(q=q, scale=scale, zero=None, args=weights)
 
     def vllm_incompatibility(self, weights: QuantArgs, input_activations: QuantArgs | None = None) -> str | None:
         return vllm_fp8_incompatibility(weights, input_activations)

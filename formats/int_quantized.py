@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .args import QuantArgs
-from .codec import FormatCodec, register_codec
+from .codec import StaticInputScaleCodec, register_codec
 from .qweight import QuantizedWeight
 from .vllm_compat import vllm_int8_incompatibility
 
@@ -72,7 +72,7 @@ def _check_int8(role: str, args: QuantArgs) -> None:
         raise ValueError(f"{role}: asymmetric int8 is not supported here; allowed: symmetric (no zero points)")
 
 
-class IntQuantizedCodec(FormatCodec):
+class IntQuantizedCodec(StaticInputScaleCodec):
     name = "int-quantized"
     # weight_scale first: it marks a quantized linear (every linear, quantized or not, has a .weight)
     tensor_names = ("weight_scale", "weight", "input_scale")
@@ -96,45 +96,20 @@ class IntQuantizedCodec(FormatCodec):
             raise ValueError(f"int8 input activations with strategy {acts[0]!r} and dynamic {acts[1]} are not "
                              "supported; allowed: 'token' dynamic or 'tensor' static")
 
-    def required(self, weights: QuantArgs) -> set[str]:
-        return {"weight", "weight_scale"}
-
-    def activation_tensors(self, input_activations: QuantArgs | None) -> set[str]:
-        return {"input_scale"} if input_activations is not None and not input_activations.dynamic else set()
-
-    def encode(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    def encode_weight(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         if qw.q.dtype != torch.int8 or qw.zero is not None:
             raise ValueError(f"int-quantized weights are symmetric torch.int8 codes, not {qw.q.dtype}"
                              f"{' with zero points' if qw.zero is not None else ''}")
-        parts = {"weight": qw.q.contiguous(), "weight_scale": qw.scale.reshape(-1, 1).contiguous()}
-        input_scale = getattr(qw, "input_scale", None)
-        if input_scale is not None:
-            parts["input_scale"] = input_scale.reshape(1).contiguous()
-        return parts
+        return {"weight": qw.q.contiguous(), "weight_scale": qw.scale.reshape(-1, 1).contiguous()}
 
-    def decode(self, parts: dict[str, torch.Tensor], weights: QuantArgs) -> IntQuantizedWeight:
-        missing = sorted(self.required(weights) - parts.keys())
-        if missing:
-            raise ValueError(f"checkpoint lacks {missing[0]}")
+    def decode_weight(self, parts: dict[str, torch.Tensor], weights: QuantArgs) -> IntQuantizedWeight:
         q, scale = parts["weight"], parts["weight_scale"]
         if q.dtype != torch.int8 or q.dim() != 2:
             raise ValueError(f"weight is {q.dtype} {tuple(q.shape)}; int-quantized needs torch.int8 [N, K]")
         if tuple(scale.shape) != (q.shape[0], 1) or not scale.is_floating_point():
             raise ValueError(f"weight_scale {scale.dtype} {tuple(scale.shape)} does not match a channel scale "
                              f"{(q.shape[0], 1)} of weight {tuple(q.shape)}")
-        input_scale = parts.get("input_scale")
-        if input_scale is not None and (input_scale.numel() != 1 or not input_scale.is_floating_point()):
-            raise ValueError(f"input_scale {input_scale.dtype} {tuple(input_scale.shape)} must be one float "
-                             "(per tensor)")
-        return IntQuantizedWeight(q=q, scale=scale, zero=None, args=weights, input_scale=input_scale)
-
-    def config_group(self, targets: list[str], weights: QuantArgs, input_activations: QuantArgs | None) -> dict:
-        group = super().config_group(targets, weights, input_activations)
-        if input_activations is not None and not input_activations.dynamic:
-            # a running absmax over every calibration batch (quant/smoothquant.py), the observer
-            # compressed-tensors names so; readers ignore it
-            group["input_activations"]["observer"] = "static_minmax"
-        return group
+        return IntQuantizedWeight(q=q, scale=scale, zero=None, args=weights)
 
     def vllm_incompatibility(self, weights: QuantArgs, input_activations: QuantArgs | None = None) -> str | None:
         return vllm_int8_incompatibility(weights, input_activations)

@@ -1,5 +1,5 @@
-"""NVFP4 format (compressed-tensors `nvfp4-pack-quantized`) in torch: quantize, dequantize
-and the W4A4 reference; the GEMM that consumes it is in kernels/nvfp4.py.
+"""NVFP4 format (compressed-tensors `nvfp4-pack-quantized`) in torch: quantize, dequantize,
+the activation quantizer and the W4A4 reference; the GEMM that consumes it is in kernels/nvfp4.py.
 
 Format, as compressed-tensors 0.20 writes and reads it, for W [N, K] (out, in):
 - ``weight_packed`` uint8 [N, K/2]: element k of a row sits in byte k // 2, even k in the
@@ -23,7 +23,6 @@ GROUP = 16
 FP4_MAX = 6.0
 FP8_MAX = 448.0
 _FP8_EPS = 0.125  # smallest scale compressed-tensors substitutes for a zero group
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Round-to-nearest-even decision points between consecutive E2M1 magnitudes: True means a tie
 # rounds up (the upper neighbour has the even mantissa).
 _E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
@@ -67,20 +66,26 @@ def _encode_e2m1(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tens
 
 
 def _decode_e2m1(code: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=code.device)
-    mag = lut[(code & 7).long()]
-    return torch.where((code & 8) != 0, -mag, mag)
+    """float32 values of E2M1 codes (0..15), by integer arithmetic rather than a lookup table:
+    a table would be copied from the host on every call, which a CUDA graph cannot capture."""
+    c = code.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << (e - 1).clamp(min=0)).float())  # 2^(e-1) (1 + m/2)
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def _unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
-def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(w: torch.Tensor, global_scale: Optional[torch.Tensor] = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize W [N, K] (float32/bf16/fp16, K % 16 == 0, finite) to NVFP4.
 
     Returns (packed uint8 [N, K/2], scales float8_e4m3fn [N, K/16], global_scale float32 [1]),
     exactly the compressed-tensors tensors weight_packed / weight_scale / weight_global_scale.
+    ``global_scale`` (one float): use it instead of W's own (``nvfp4_global_scale`` of its
+    absmax), e.g. the one that linears fused into one GEMM share (vLLM keeps one per fused layer).
     Maths is float32; E2M1 rounding is nearest-even. Per element, |w - dequant| <= scale/global
     (half the widest E2M1 step), and <= 0.25 * scale/global where |w| <= 1.75 * scale/global.
     """
@@ -88,7 +93,10 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     x = w.detach().float()
     if not bool(torch.isfinite(x).all()):
         raise ValueError("w: contains NaN or Inf")
-    g = nvfp4_global_scale(x.abs().amax() if x.numel() else torch.zeros(()))
+    if global_scale is None:
+        g = nvfp4_global_scale(x.abs().amax() if x.numel() else torch.zeros(()))
+    else:
+        g = global_scale.detach().float().reshape(1).to(x.device)
     scales = _group_scales(x, g)
     code = _encode_e2m1(x, scales, g)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)
@@ -122,6 +130,19 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
     return (_decode_e2m1(_unpack_codes(packed)) * eff).to(dtype)
 
 
+def quantize_nvfp4_activations_ref(x: torch.Tensor, input_global_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K % 16 == 0) quantized to NVFP4 along K, dynamic per-16 E4M3 scales under the
+    static ``input_global_scale``, as float32 [..., K] E2M1 value * its E4M3 group scale, i.e.
+    without the 1 / input_global_scale factor: at most 6 significant bits and |v| <= 2688, so
+    exact in bf16 and fp16 too. The activation side of ``nvfp4_w4a4_linear_ref``; no host sync."""
+    k = x.shape[-1]
+    x2 = x.detach().reshape(-1, k).float()
+    gx = input_global_scale.detach().float().reshape(1)
+    xs = _group_scales(x2, gx)
+    xq = _decode_e2m1(_encode_e2m1(x2, xs, gx)) * xs.float().repeat_interleave(GROUP, dim=-1)
+    return xq.reshape(x.shape)
+
+
 def nvfp4_w4a4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                           global_scale: torch.Tensor, input_global_scale: torch.Tensor,
                           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -135,10 +156,8 @@ def nvfp4_w4a4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
     k = packed.shape[1] * 2
     if x.shape[-1] != k:
         raise ValueError(f"x: last dim must be K = {k}, got {x.shape[-1]}")
-    x2 = x.detach().reshape(-1, k).float()
     gx = input_global_scale.detach().float().reshape(1)
-    xs = _group_scales(x2, gx)
-    xq = _decode_e2m1(_encode_e2m1(x2, xs, gx)) * xs.float().repeat_interleave(GROUP, dim=-1)
+    xq = quantize_nvfp4_activations_ref(x.reshape(-1, k), gx)
     wq = _decode_e2m1(_unpack_codes(packed)) * scales.float().repeat_interleave(GROUP, dim=-1)
     y = (xq @ wq.T) * (1.0 / (gx * global_scale.float().reshape(1)))
     if bias is not None:

@@ -82,7 +82,7 @@ class Algorithm:
 
 ALGORITHMS: Registry[Algorithm] = Registry(
     "algorithm", builtins=("optllm.quant.rtn", "optllm.quant.awq", "optllm.quant.gptq", "optllm.quant.fp8",
-                           "optllm.quant.smoothquant"))
+                           "optllm.quant.smoothquant", "optllm.quant.nvfp4"))
 
 
 def register_algorithm(algorithm: Algorithm, replace: bool = False) -> Algorithm:

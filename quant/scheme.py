@@ -34,7 +34,8 @@ class QuantScheme:
     format: str = "pack-quantized"
 
 
-SCHEMES: Registry[QuantScheme] = Registry("scheme", builtins=("optllm.quant.fp8", "optllm.quant.smoothquant"))
+SCHEMES: Registry[QuantScheme] = Registry("scheme", builtins=("optllm.quant.fp8", "optllm.quant.smoothquant",
+                                                                  "optllm.quant.nvfp4"))
 
 
 def register_scheme(scheme: QuantScheme, replace: bool = False) -> QuantScheme:

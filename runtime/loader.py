@@ -224,9 +224,12 @@ def _load_quantized(modules, model, module: str, parts: dict, quant: QuantSpec |
               if quant.args.strategy == "tensor" else qw.scale)
     if qw.zero is not None:
         _load_one(modules, model, module, "zeros", qw.zero)
-    input_scale = getattr(qw, "input_scale", None)  # static input activations (per tensor)
-    if input_scale is not None:
-        _load_one(modules, model, module, "input_scale", input_scale.reshape(1).expand(n))
+    # one value per module: a static input scale; NVFP4's weight and input global scales.
+    # Each row gets its module's, so the shards of a fused linear keep their own
+    for per_tensor in ("input_scale", "global_scale", "input_global_scale"):
+        value = getattr(qw, per_tensor, None)
+        if value is not None:
+            _load_one(modules, model, module, per_tensor, value.reshape(1).expand(n))
 
 
 def _dtype_of(name: str) -> torch.dtype:

@@ -24,6 +24,13 @@
   does, times w * w_scale formed once in float32. In "dequant" mode the weights are
   dequantized in the scale's dtype, as compressed-tensors / vLLM dequantize them, and the
   activations still quantized (part of the scheme), on any device.
+* NVFP4Method: compressed-tensors nvfp4-pack-quantized (E2M1 weights in groups of 16, E4M3 group
+  scales, a float32 global scale; W4A4 with activations quantized per call in groups of 16 under
+  a calibrated global scale, or W4A16): on CUDA the NVFP4 GEMM (kernels/nvfp4.py; W4A4: the
+  activations quantized and dequantized first, by torch ops, as Hopper has no FP4 tensor cores);
+  with the torch backend (CPU) its reference: W4A16 x @ the weight dequantized once in the
+  layer's dtype (compressed-tensors' values), W4A4 kernels/nvfp4_format.py's
+  nvfp4_w4a4_linear_ref with the weight decoded once. "dequant" mode runs the reference too.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ from ...formats.grid import dequantize
 from ...formats.int_quantized import quantize_static_int8
 from ...kernels.fp8 import FP8_DTYPE, FP8Weight, fp8_linear, quantize_fp8_ref
 from ...kernels.gemv import linear as dense_linear
+from ...kernels.nvfp4 import GROUP as NVFP4_GROUP
+from ...kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, nvfp4_linear, prepack_nvfp4
+from ...kernels.nvfp4_format import quantize_nvfp4_activations_ref
 from ...kernels.w4a16 import W4A16Weight, dequantize_w4a16, prepack_w4a16, w4a16_linear
 from ...kernels.w8a8_int8 import W8A8Weight, quantize_per_token_int8_ref, w8a8_int8_gemm, w8a8_int8_linear
 
@@ -245,6 +255,81 @@ class W8A8Int8Method:
         return f"int8 w8a8 ({self.args.strategy} weights, {acts} activations, {how})"
 
 
+class NVFP4Method:
+    """NVFP4 weight: packed E2M1 codes uint8 [N, K/2], E4M3 scales [N, K/16] and a float32 global
+    scale per row (each row gets its module's), run in runs of rows of one global scale: one run
+    when fused shards share it, as ours and llm-compressor's checkpoints do (vLLM needs that). W4A4:
+    one input global scale, the smallest of the fused shards' (the largest calibrated absmax, so
+    nothing saturates; shards of one input agree)."""
+
+    def __init__(self, args: QuantArgs, input_activations: QuantArgs | None, backend: str,
+                 dequant: bool = False) -> None:
+        self.args, self.w4a4 = args, input_activations is not None
+        self.backend = "torch" if dequant else backend
+        self.runs: list[tuple[int, int]] = []  # [start, end) rows of one global scale
+
+    @staticmethod
+    def takes(args: QuantArgs) -> bool:
+        return (args.type, args.num_bits, args.strategy, args.group_size) == ("float", 4, "tensor_group", NVFP4_GROUP)
+
+    def create_weights(self, layer, device) -> None:
+        n, k = layer.out_features, layer.in_features
+        if k % NVFP4_GROUP:
+            raise ValueError(f"NVFP4 groups of {NVFP4_GROUP} do not divide this rank's in_features {k}")
+        layer.register_param("qweight", torch.empty(n, k // 2, dtype=torch.uint8, device=device), 0, 1)
+        layer.register_param("scales", torch.empty(n, k // NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=device),
+                             0, 1)
+        layer.register_param("global_scale", torch.empty(n, dtype=torch.float32, device=device), 0, None)
+        if self.w4a4:
+            layer.register_param("input_global_scale", torch.empty(n, dtype=torch.float32, device=device), 0, None)
+
+    def process_after_loading(self, layer) -> None:
+        packed, scales, g = layer.qweight.data, layer.scales.data, layer.global_scale.data
+        gx = layer.input_global_scale.data.min().reshape(1) if self.w4a4 else None
+        for name in ("qweight", "scales", "global_scale", "input_global_scale"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        edges = [0, *(torch.nonzero(g[1:] != g[:-1]).flatten() + 1).tolist(), g.numel()]
+        self.runs = list(zip(edges[:-1], edges[1:]))
+        layer.register_buffer("nvfp4_input_global_scale", gx)
+        if self.backend == "torch" and self.w4a4:  # the reference's operands: e2m1 * scale, 1 / (gx * g) per row
+            layer.register_buffer("dense", dequantize_nvfp4(packed, scales, g.new_ones(1), torch.float32),
+                                  persistent=False)
+            layer.register_buffer("nvfp4_out_scale", 1.0 / (gx * g), persistent=False)
+        elif self.backend == "torch":  # dequantized once in the layer's dtype: compressed-tensors' values
+            dense = [dequantize_nvfp4(packed[a:b], scales[a:b], g[a:a + 1], layer.dtype) for a, b in self.runs]
+            layer.register_buffer("dense", torch.cat(dense), persistent=False)
+        else:
+            for i, (a, b) in enumerate(self.runs):
+                w = prepack_nvfp4(packed[a:b], scales[a:b], g[a:a + 1])
+                layer.register_buffer(f"nvfp4_packed_t{i}", w.packed_t)
+                layer.register_buffer(f"nvfp4_scales_t{i}", w.scales_t)
+                layer.register_buffer(f"nvfp4_global_scale{i}", w.global_scale)
+
+    def apply(self, layer, x, bias):
+        k, n = layer.in_features, layer.out_features
+        x2, gx = x.reshape(-1, k), layer.nvfp4_input_global_scale
+        if self.backend == "torch" and not self.w4a4:
+            return F.linear(x, layer.dense, bias)
+        if self.backend == "torch":  # = kernels.nvfp4_format.nvfp4_w4a4_linear_ref, the weight decoded once
+            y = (quantize_nvfp4_activations_ref(x2, gx) @ layer.dense.t()) * layer.nvfp4_out_scale
+            if bias is not None:
+                y = y + bias.float()
+            return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        if self.w4a4:  # e2m1 * group scale / global: the activations the FP4 GEMM would see, in x's dtype
+            x2 = (quantize_nvfp4_activations_ref(x2, gx) / gx).to(x.dtype)
+        one = len(self.runs) == 1
+        ys = [nvfp4_linear(x2, NVFP4Weight(getattr(layer, f"nvfp4_packed_t{i}"), getattr(layer, f"nvfp4_scales_t{i}"),
+                                           getattr(layer, f"nvfp4_global_scale{i}")), bias if one else None)
+              for i in range(len(self.runs))]
+        y = ys[0] if one else torch.cat(ys, -1) if bias is None else torch.cat(ys, -1) + bias
+        return y.reshape(*x.shape[:-1], n)
+
+    def describe(self, layer) -> str:
+        acts = "w4a4, activations per 16 at run time" if self.w4a4 else "w4a16"
+        return f"nvfp4 {acts} ({self.backend}{f', {len(self.runs)} global scales' if len(self.runs) > 1 else ''})"
+
+
 def kernel_takes(args: QuantArgs, in_features: int) -> bool:
     """Whether the W4A16 kernels run this weight (else it is dequantized at load)."""
     g = args.group_size or in_features
@@ -272,6 +357,8 @@ class QuantSpec:
 
 def unserved(weights: QuantArgs, input_activations: QuantArgs | None) -> str | None:
     """None when the runtime runs linears quantized so, else why not (one sentence)."""
+    if NVFP4Method.takes(weights):
+        return None  # weight-only or with NVFP4 activations: the codec admits nothing else
     if FP8Method.takes(weights):
         return None if input_activations is not None else "FP8 weight-only (W8A16) linears are not served yet"
     if weights.type != "int":
@@ -294,6 +381,8 @@ def linear_method(quant: QuantSpec | None, hf_names: list[str], in_features: int
         raise ValueError(f"{', '.join(hf_names)} are fused into one linear but only some are quantized")
     if not flags.pop():
         return DenseMethod()
+    if NVFP4Method.takes(quant.args):
+        return NVFP4Method(quant.args, quant.input_activations, backend, dequant=quant.mode == "dequant")
     if FP8Method.takes(quant.args):
         return FP8Method(quant.args, quant.input_activations, quant.scale_dtype, backend)
     if W8A8Int8Method.takes(quant.args, quant.input_activations):
