@@ -63,6 +63,8 @@ def quantize(
                                           help="w8a8-int8: SmoothQuant smoothing before quantizing [default on]"),
     smooth_alpha: Optional[str] = typer.Option(None, help="w8a8-int8: SmoothQuant migration strength in [0, 1], "
                                                "or 'search' (per block, on a grid) [default 0.5]"),
+    kv_cache: Optional[str] = typer.Option(None, help="none | fp8 (E4M3 KV cache, one calibrated scale per layer "
+                                           "for K and V) | fp8-head (one per KV head) [default none]"),
     recipe: Optional[Path] = typer.Option(None, help="YAML file with any of these fields"),
     overwrite: bool = typer.Option(False, help="replace OUT if it exists"),
     compare: bool = typer.Option(True, "--compare/--no-compare",
@@ -82,7 +84,7 @@ def quantize(
         "symmetric": None if asym is None else not asym,
         "actorder": None if actorder is None else ("static" if actorder else "none"),
         "ignore": tuple(ignore) if ignore else None,
-        "dampening": dampening, "holdout": holdout, "fallback_rtn": fallback_rtn,
+        "dampening": dampening, "holdout": holdout, "fallback_rtn": fallback_rtn, "kv_cache": kv_cache,
     }
     smoothing = {k: v for k, v in (("smooth", smooth), ("alpha", _alpha(smooth_alpha))) if v is not None}
     if smoothing:

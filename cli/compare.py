@@ -53,8 +53,9 @@ def compare_checkpoint(model: str, out: Path, config, *, other_symmetry: bool, m
         extra = []
         for a, sym in plan:
             fields = {**config.to_dict(), "scheme": f"w{bits}a16-{a}", "symmetric": sym}
-            if a == "rtn":  # weights independent of the data: the smallest calibration will do
-                fields.update(num_samples=1, seq_len=8, holdout=0, fallback_rtn=False)
+            if a == "rtn":  # weights independent of the data: the smallest calibration will do (and no
+                # calibrated KV cache, whose scales 8 tokens would set)
+                fields.update(num_samples=1, seq_len=8, holdout=0, fallback_rtn=False, kv_cache=None)
             cfg = type(config).from_dict({**fields, "awq": config.awq})
             folder = tmp / f"{a}-{'sym' if sym else 'asym'}"
             if progress:

@@ -1,9 +1,11 @@
 """compressed-tensors checkpoints: write (atomically) and read back.
 
 Layout of a folder: config.json with `quantization_config` (quant_method compressed-tensors,
-config_groups, ignore, format), model*.safetensors where each quantized linear holds the
-tensors its format's codec gives it (formats/codec.py; `pack-quantized`: X.weight_packed,
-X.weight_scale, X.weight_shape, X.weight_zero_point) and every other tensor is stored as is.
+config_groups, ignore, format, and kv_cache_scheme for an FP8 KV cache: formats/kv_cache_scheme.py),
+model*.safetensors where each quantized linear holds the tensors its format's codec gives it
+(formats/codec.py; `pack-quantized`: X.weight_packed, X.weight_scale, X.weight_shape,
+X.weight_zero_point), each attention module its KV cache scales (X.k_scale, X.v_scale) when
+the KV cache is quantized, and every other tensor is stored as is.
 Tokenizer and generation config are copied from the source folder. Writing and reading go
 through the codec the format names, so this file knows no format's tensors.
 """
@@ -29,6 +31,7 @@ from ..errors import UserError
 from .args import QuantArgs
 from .codec import FormatCodec, get_codec
 from .folder_swap import recover, replacing
+from .kv_cache_scheme import KV_SCALE_NAMES, KVCacheScheme
 from .qweight import QuantizedWeight
 
 SIDE_FILES = (
@@ -46,8 +49,10 @@ def quantization_config(
     ignore: list[str],
     fmt: str = "pack-quantized",
     input_activations: QuantArgs | None = None,
+    kv_cache: KVCacheScheme | None = None,
 ) -> dict:
-    """config.json's quantization_config: one config group of FMT's codec."""
+    """config.json's quantization_config: one config group of FMT's codec (and the KV cache's
+    quantization, None: the cache stays in the model's dtype)."""
     from .. import __version__
 
     codec = get_codec(fmt)
@@ -58,7 +63,7 @@ def quantization_config(
         "quantization_status": "compressed",
         "config_groups": {"group_0": codec.config_group(targets, args, input_activations)},
         "ignore": ignore,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": None if kv_cache is None else kv_cache.to_compressed_tensors(),
         "global_compression_ratio": None,
         "producer": {"name": "optllm", "version": __version__},
     }
@@ -67,13 +72,15 @@ def quantization_config(
 @dataclass(frozen=True)
 class CheckpointQuant:
     """What a checkpoint's quantization_config says: its format, the arguments of its
-    weights and input activations (None: weight-only), its targets and ignored modules."""
+    weights and input activations (None: weight-only), its targets and ignored modules, and
+    its KV cache's quantization (None: not quantized)."""
 
     format: str
     weights: QuantArgs
     input_activations: QuantArgs | None
     targets: list[str]
     ignore: list[str]
+    kv_cache: KVCacheScheme | None = None
 
     @property
     def codec(self) -> FormatCodec:
@@ -146,17 +153,25 @@ def save_quantized(
     fmt: str = "pack-quantized",
     input_activations: QuantArgs | None = None,
     omit: Collection[str] = (),
+    kv_cache: KVCacheScheme | None = None,
+    kv_scales: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the checkpoint into a temp folder beside OUT, then swap it in (folder_swap).
 
     Quantized linears are written by FMT's codec; `omit` names state-dict tensors not written
-    (a tied LM head, whose weight is the embedding's). Folders and files get the modes the
-    user's umask gives any other file. The report (if given) is written as
+    (a tied LM head, whose weight is the embedding's). kv_cache: the KV cache's scheme, whose
+    scales kv_scales holds by tensor name ("model.layers.0.self_attn.k_scale", ...), written in
+    float32 (a scale rounded down to bf16 would clip the calibrated amax). Folders and files get
+    the modes the user's umask gives any other file. The report (if given) is written as
     optllm-report.json with `vllm_loadable` and `vllm_note` added.
     """
     out = Path(out)
     codec = get_codec(fmt)
     codec.check(args, input_activations)
+    kv_scales = dict(kv_scales or {})
+    if (kv_cache is None) != (not kv_scales) or any(k.rpartition(".")[2] not in KV_SCALE_NAMES for k in kv_scales):
+        raise ValueError(f"kv_scales: {KV_SCALE_NAMES} tensors go with a kv_cache scheme, and only they; got "
+                         f"kv_cache={kv_cache}, {len(kv_scales)} tensors")
     check_writable(out, overwrite, source)
     with replacing(out) as tmp:
         tensors: dict[str, torch.Tensor] = {}
@@ -168,10 +183,11 @@ def save_quantized(
         for name, qw in qweights.items():
             for k, v in codec.encode(qw).items():
                 tensors[f"{name}.{k}"] = v.detach().cpu().contiguous()
+        tensors.update({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in kv_scales.items()})
         _write_shards(tensors, tmp)
         cfg = model.config.to_dict()
         cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
-        cfg["quantization_config"] = quantization_config(args, ["Linear"], ignore, fmt, input_activations)
+        cfg["quantization_config"] = quantization_config(args, ["Linear"], ignore, fmt, input_activations, kv_cache)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         for f in SIDE_FILES:
             if (Path(source) / f).is_file():
@@ -252,7 +268,13 @@ def read_quantization(config: dict) -> CheckpointQuant:
         codec.check(weights, acts)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"unsupported weight quantization in config.json: {e}") from None
-    return CheckpointQuant(codec.name, weights, acts, list(group.get("targets", [])), list(qc.get("ignore") or []))
+    kv = qc.get("kv_cache_scheme")
+    try:
+        kv = None if kv is None else KVCacheScheme.from_compressed_tensors(kv)
+    except ValueError as e:
+        raise UserError(f"unsupported KV cache quantization in config.json: {e}") from None
+    return CheckpointQuant(codec.name, weights, acts, list(group.get("targets", [])), list(qc.get("ignore") or []),
+                           kv)
 
 
 def quantized_modules(sd: dict[str, torch.Tensor], codec: FormatCodec) -> list[str]:

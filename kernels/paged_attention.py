@@ -5,10 +5,13 @@ same cache is kernels/extend_attention.py; it shares the tile helpers and checks
 Layout (one layer)
     ``k_cache``, ``v_cache``: [num_blocks, num_kv_heads, BLOCK_SIZE, head_dim], bf16/fp16/fp32
     or float8_e4m3fn; BLOCK_SIZE a power of two. fp8 caches carry ``k_scale``, ``v_scale``:
-    float32 [num_blocks, num_kv_heads, BLOCK_SIZE], one scale per (token, head):
-    scale = max(amax|row| / 448, SCALE_EPS), stored = RN_e4m3(clamp(row / scale, +-448)),
-    dequantized = stored * scale. Token slot = block_id * BLOCK_SIZE + offset; token j of
-    sequence b lives in block block_tables[b, j // BLOCK_SIZE] at offset j % BLOCK_SIZE.
+    float32 [num_blocks, num_kv_heads, BLOCK_SIZE], one scale per (token, head): dynamic,
+    scale = max(amax|row| / 448, SCALE_EPS), or static, the head's calibrated scale (a
+    checkpoint's kv_cache_scheme; per tensor: the same for every head) written beside each row
+    so the attention kernels read both alike; stored = RN_e4m3(clamp(row / scale, +-448))
+    (saturating: a row past the calibrated range clips, never NaN), dequantized = stored * scale.
+    Token slot = block_id * BLOCK_SIZE + offset; token j of sequence b lives in block
+    block_tables[b, j // BLOCK_SIZE] at offset j % BLOCK_SIZE.
     Table entries past a sequence's blocks are never read.
 Attention tiles
     Keys are gathered per token (block id from the table, then the row), so a key tile of
@@ -163,11 +166,12 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
 
 # --------------------------------------------------------------------------- store
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, H, stride_kt, stride_kh, stride_vt,
-                     stride_vh, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, D: tl.constexpr,
-                     BS: tl.constexpr, FP8: tl.constexpr, EPS: tl.constexpr, INTERPRET: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """grid (T, head tiles): token t's heads [BLOCK_H, BLOCK_D] into its slot."""
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, sk_ptr, sv_ptr, slot_ptr, H, stride_kt, stride_kh,
+                     stride_vt, stride_vh, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, D: tl.constexpr,
+                     BS: tl.constexpr, FP8: tl.constexpr, STATIC: tl.constexpr, EPS: tl.constexpr,
+                     INTERPRET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """grid (T, head tiles): token t's heads [BLOCK_H, BLOCK_D] into its slot. STATIC: the fp8
+    scales are the heads' calibrated ones (sk_ptr, sv_ptr: float32 [H]), not the rows' amax."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -181,8 +185,12 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, H, 
     dst = blk * stride_cb + offs_h[:, None] * stride_ch + off * stride_ct + offs_d[None, :]
     if FP8:
         k, v = k.to(tl.float32), v.to(tl.float32)
-        k_s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(k), axis=1), 448.0), EPS)
-        v_s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), EPS)
+        if STATIC:
+            k_s = tl.load(sk_ptr + offs_h, mask=offs_h < H, other=1.0)
+            v_s = tl.load(sv_ptr + offs_h, mask=offs_h < H, other=1.0)
+        else:
+            k_s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(k), axis=1), 448.0), EPS)
+            v_s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), EPS)
         k_inv, v_inv = tl.math.div_rn(1.0, k_s), tl.math.div_rn(1.0, v_s)
         tl.store(kc_ptr + dst, _to_e4m3(div_rn(k, k_s[:, None], k_inv[:, None], INTERPRET), INTERPRET), mask=m2)
         tl.store(vc_ptr + dst, _to_e4m3(div_rn(v, v_s[:, None], v_inv[:, None], INTERPRET), INTERPRET), mask=m2)
@@ -194,33 +202,59 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, H, 
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=m2)
 
 
-def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (float8_e4m3fn values, float32 scales [...]) as the cache stores them."""
+def quantize_kv_ref(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., num_kv_heads, head_dim] -> (float8_e4m3fn values, float32 scales [..., num_kv_heads])
+    as the cache stores them: dynamic per (token, head), or static_scale (float32 [num_kv_heads])."""
     x = x.float()
-    amax = x.abs().amax(dim=-1)
-    # a tensor divisor: CUDA torch turns division by a Python scalar into a reciprocal multiply
-    s = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_EPS)
+    if static_scale is None:
+        amax = x.abs().amax(dim=-1)
+        # a tensor divisor: CUDA torch turns division by a Python scalar into a reciprocal multiply
+        s = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_EPS)
+    else:
+        s = static_scale.float().expand(x.shape[:-1])
     return (x / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
 
 
-def store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, static_k_scale=None,
+                       static_v_scale=None) -> None:
     """In-place torch version of ``store_kv_cache``."""
     keep = slot_mapping >= 0
     blk, off = slot_mapping[keep] // k_cache.shape[2], slot_mapping[keep] % k_cache.shape[2]
-    for x, cache, sc in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
+    for x, cache, sc, static in ((k[keep], k_cache, k_scale, static_k_scale),
+                                 (v[keep], v_cache, v_scale, static_v_scale)):
         if sc is None:
             cache[blk, :, off] = x.to(cache.dtype)
         else:
-            cache[blk, :, off], sc[blk, :, off] = quantize_kv_ref(x)
+            cache[blk, :, off], sc[blk, :, off] = quantize_kv_ref(x, static)
+
+
+def check_static_scales(static_k_scale: Optional[torch.Tensor], static_v_scale: Optional[torch.Tensor],
+                        num_kv_heads: int, fp8: bool, device: torch.device) -> bool:
+    """Validate the calibrated per-head scales of an fp8 cache (both or neither); True when given."""
+    if static_k_scale is None and static_v_scale is None:
+        return False
+    if not fp8:
+        raise ValueError("static_k_scale / static_v_scale: only float8_e4m3fn caches take static scales")
+    for name, s in (("static_k_scale", static_k_scale), ("static_v_scale", static_v_scale)):
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != (num_kv_heads,) or s.stride(0) != 1 \
+                or s.device != device:
+            raise ValueError(f"{name}: must be a contiguous float32 [{num_kv_heads}] tensor on {device} (both static "
+                             f"scales or neither), got {None if s is None else (s.dtype, tuple(s.shape), s.device)}")
+    return True
 
 
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
-                   v_scale: Optional[torch.Tensor] = None, backend: str = "auto") -> None:
+                   v_scale: Optional[torch.Tensor] = None, backend: str = "auto", *,
+                   static_k_scale: Optional[torch.Tensor] = None,
+                   static_v_scale: Optional[torch.Tensor] = None) -> None:
     """Write k, v [T, num_kv_heads, head_dim] (any strides along T and heads) into the caches at
     ``slot_mapping`` (int64 [T], slot = block * block_size + offset; negative: skip the token).
-    fp8 caches quantize per (token, head) and write the scales into k_scale / v_scale."""
-    h, bs, d, _ = check_cache(k_cache, v_cache, k_scale, v_scale)
+    fp8 caches quantize per (token, head) and write the scales into k_scale / v_scale: each
+    row's own amax / 448, or with static_k_scale / static_v_scale (float32 [num_kv_heads], > 0:
+    calibrated scales, a per-tensor one repeated per head) those, saturating at +-448."""
+    h, bs, d, fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
+    static = check_static_scales(static_k_scale, static_v_scale, h, fp8, k_cache.device)
     for name, x in (("k", k), ("v", v)):
         if x.dim() != 3 or tuple(x.shape[1:]) != (h, d) or not x.is_floating_point() \
                 or x.device != k_cache.device or x.shape[0] != k.shape[0]:
@@ -228,18 +262,19 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
     check_index("slot_mapping", slot_mapping, 1, torch.int64, k_cache.device, k.shape[0])
     if not use_triton(backend, k_cache):
-        return store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, static_k_scale,
+                                  static_v_scale)
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
     if k.shape[0] == 0:
         return None
     block_d = max(16, triton.next_power_of_2(d))
     block_h = min(triton.next_power_of_2(h), max(1, 4096 // block_d))
-    fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    sk, sv = (static_k_scale, static_v_scale) if static else (ks, vs)  # unread placeholders when dynamic
     _store_kv_kernel[(k.shape[0], triton.cdiv(h, block_h))](
-        k, v, k_cache, v_cache, ks, vs, slot_mapping, h, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], ks.stride(0), ks.stride(1), D=d, BS=bs, FP8=fp8, EPS=SCALE_EPS,
+        k, v, k_cache, v_cache, ks, vs, sk, sv, slot_mapping, h, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], ks.stride(0), ks.stride(1), D=d, BS=bs, FP8=fp8, STATIC=static, EPS=SCALE_EPS,
         INTERPRET=interpreting(), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return None
 

@@ -15,6 +15,7 @@ from ..errors import UserError
 from ..formats.args import CHANNEL, GROUP_SIZES
 from .algorithm import ALGORITHMS
 from .awq import AWQOptions
+from .kv_cache import kv_cache_scheme
 from .scheme import QuantScheme, parse_scheme
 from .smoothquant import SmoothQuantOptions
 
@@ -65,6 +66,10 @@ class QuantizeConfig:
     # report ("auto": max(2, num_samples // 8); 0: none)
     holdout: int | str = "auto"
     fallback_rtn: bool = False  # keep RTN for a block whose held-out error is lower with it
+    # the KV cache's quantization, calibrated with the weights (quant/kv_cache.py): None (not
+    # quantized), "fp8" (E4M3, one static scale per layer for K and one for V) or "fp8-head"
+    # (one per KV head); written as the checkpoint's kv_cache_scheme, which the runtime honours
+    kv_cache: str | None = None
     awq: AWQOptions = field(default_factory=AWQOptions)
     # the w8a8-int8 schemes' smoothing and weight quantizer (smoothquant.SmoothQuantOptions)
     smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
@@ -93,6 +98,12 @@ class QuantizeConfig:
             raise UserError(f"holdout={self.holdout!r} is not allowed; allowed: auto or a number of windows >= 0")
         if self.fallback_rtn and self.holdout == 0:
             raise UserError("fallback_rtn needs held-out windows (holdout > 0)")
+        if self.kv_cache == "none":
+            object.__setattr__(self, "kv_cache", None)
+        try:
+            kv_cache_scheme(self.kv_cache)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         if self.offload not in OFFLOAD_MODES:
             raise UserError(f"offload={self.offload!r} is not allowed; allowed: {', '.join(OFFLOAD_MODES)}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

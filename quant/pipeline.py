@@ -28,6 +28,7 @@ from ..hub.loader import load_config, load_model, parse_dtype, resolve_device, r
 from .algorithm import BlockContext, get_algorithm, install
 from .calib_data import load_calibration, token_hash
 from .config import OFFLOAD_AUTO_BYTES, QuantizeConfig
+from .kv_cache import KVCalibration, KVObserver, kv_cache_scheme
 from .rtn import rtn_quantize
 from .sequential import advance_block, block_linears, capture_block_inputs, decoder_layers, on_device, run_block
 
@@ -72,6 +73,7 @@ class QuantizeReport:
     # bytes of one copy of the calibration activations, and the device they were kept on
     activations: dict = field(default_factory=dict)
     vllm_note: str | None = None  # why vLLM will not load the checkpoint (None: it loads); save_quantized records it
+    kv_cache: dict | None = None  # the FP8 KV cache's calibrated scales per layer (None: the cache is not quantized)
 
     def holdout_summary(self) -> dict:
         """Blocks whose held-out error was higher than RTN's, and those that kept RTN."""
@@ -94,6 +96,7 @@ class QuantizeReport:
             "peak_memory_kind": self.peak_memory_kind,
             "activations": self.activations,
             "holdout": self.holdout_summary(),
+            "kv_cache": self.kv_cache,
             "layers": [vars(s) for s in self.layers],
             "blocks": [vars(b) for b in self.blocks],
             "out": self.out,
@@ -225,6 +228,8 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
     held = capture_block_inputs(hf_model, held_ids, config.batch_size, device, store=store) if n_hold else None
     compare = held is not None and scheme.algorithm != BASELINE and algorithm.rtn_baseline
     scale_dtype = parse_dtype(config.dtype)
+    kv_scheme = kv_cache_scheme(config.kv_cache)
+    kv_calib = None if kv_scheme is None else KVCalibration(kv_scheme, arch)
 
     qweights: dict[str, QuantizedWeight] = {}
     layer_stats: list[LayerStat] = []
@@ -261,7 +266,12 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
                     del original, chosen
                 qweights.update({prefix + n: qw for n, qw in qws.items()})
                 layer_stats += [LayerStat(prefix + n, e) for n, e in result.errors]
-                block_err = advance_block(layer, inputs, ref)  # inputs become the next block's
+                # inputs become the next block's; the KV cache scales are observed on this pass, the
+                # block quantized and its inputs from the quantized blocks before it, as served
+                observer = None if kv_calib is None else KVObserver()
+                block_err = advance_block(layer, inputs, ref, kv_cache=observer)
+                if observer is not None:
+                    kv_calib.add(i, observer)
                 if held is not None:
                     advance_block(layer, held, held_ref)
             block_stats.append(BlockStat(i, block_err, time.perf_counter() - tb, holdout_error=hold_err,
@@ -278,11 +288,12 @@ def quantize(model: str | Path, out: str | Path, config: QuantizeConfig, overwri
         seconds={"load": t_load - t0, "calibration_data": t_calib - t_load, "quantize": t_quant - t_calib},
         peak_memory_bytes=int(peak), peak_memory_kind=kind, out=str(out),
         activations={"bytes_per_copy": int(inputs.nbytes()), "device": str(store)},
-        vllm_note=vllm_note,
+        vllm_note=vllm_note, kv_cache=None if kv_calib is None else kv_calib.report(config.kv_cache),
     )
     report.seconds["total"] = t_quant - t0  # up to the write, which the report travels with
     tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
     save_quantized(hf_model, qweights, scheme.weights, out, folder, scale_dtype,
                    ignored, report=report.to_dict(), overwrite=overwrite, fmt=scheme.format,
-                   input_activations=scheme.input_activations, omit=[f"{arch.lm_head}.weight"] if tied else [])
+                   input_activations=scheme.input_activations, omit=[f"{arch.lm_head}.weight"] if tied else [],
+                   kv_cache=kv_scheme, kv_scales=None if kv_calib is None else kv_calib.tensors)
     return report

@@ -14,6 +14,7 @@ at once: two copies of the calibration activations, on the store device, at most
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ import torch
 from torch import nn
 
 from ..hub.architectures import Architecture, BlockMapping, architecture_of
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # the cache argument's names, newest first
 
 
 class _Captured(Exception):
@@ -107,7 +110,7 @@ def capture_block_inputs(
     def hook(_module, args, kw):
         hidden.append((args[0] if args else kw.pop("hidden_states")).detach().to(store))
         kw = {k: v for k, v in kw.items() if k != "hidden_states"}
-        for key in ("past_key_values", "past_key_value", "cache"):  # the name moved across versions
+        for key in _CACHE_KWARGS:  # the name moved across versions
             if key in kw:
                 kw[key] = None
         if "use_cache" in kw:
@@ -144,8 +147,23 @@ def _optional(model: nn.Module, name: str) -> list[nn.Module]:
         return []
 
 
-def _forward(layer: nn.Module, h: torch.Tensor, kw: dict, device: torch.device) -> torch.Tensor:
-    out = layer(h.to(device), **_to(kw, device))
+def _cache_kwarg(layer: nn.Module, kw: dict) -> str:
+    """The name under which the block takes its KV cache (renamed across transformers versions)."""
+    for key in _CACHE_KWARGS:
+        if key in kw:
+            return key
+    params = inspect.signature(layer.forward).parameters
+    for key in _CACHE_KWARGS:
+        if key in params:
+            return key
+    raise ValueError(f"{type(layer).__name__}.forward takes no KV cache ({' / '.join(_CACHE_KWARGS)})")
+
+
+def _forward(layer: nn.Module, h: torch.Tensor, kw: dict, device: torch.device, cache=None) -> torch.Tensor:
+    kw = _to(kw, device)
+    if cache is not None:
+        kw[_cache_kwarg(layer, kw)] = cache
+    out = layer(h.to(device), **kw)
     return (out[0] if isinstance(out, tuple) else out).detach()
 
 
@@ -165,18 +183,21 @@ def run_block(layer: nn.Module, inputs: BlockInputs, keep: bool = True) -> list[
     return outs
 
 
-def advance_block(layer: nn.Module, inputs: BlockInputs, ref: list[torch.Tensor]) -> float:
+def advance_block(layer: nn.Module, inputs: BlockInputs, ref: list[torch.Tensor], kv_cache=None) -> float:
     """Replace each batch of `inputs` by the block's output on it (the next block's inputs),
     consuming `ref` (the float block's outputs) batch by batch on the way; returns the block's
     relative output error ‖out − ref‖ / ‖ref‖ over all batches.
 
-    One batch at a time is both input and output, so no third copy of the activations exists.
+    kv_cache: an object passed to the block as its KV cache (transformers' Cache interface:
+    the attention calls its update(keys, values, ...) and uses what it returns), e.g. the
+    KV cache calibration's observer. One batch at a time is both input and output, so no
+    third copy of the activations exists.
     """
     device = next(layer.parameters()).device
     num = den = 0.0
     with torch.no_grad():
         for i, (h, kw) in enumerate(zip(inputs.hidden, inputs.kwargs)):
-            out = _forward(layer, h, kw, device)
+            out = _forward(layer, h, kw, device, kv_cache)
             r = ref[i].to(device).float()
             num += float((out.float() - r).pow(2).sum())
             den += float(r.pow(2).sum())

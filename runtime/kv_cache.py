@@ -1,11 +1,24 @@
 """The paged KV cache: one key and one value tensor per layer, [num_blocks, Hkv, block_size, D],
-plus per-(token, head) float32 scales when the cache is FP8 (E4M3)."""
+plus per-(token, head) float32 scales when the cache is FP8 (E4M3): each row's own (dynamic),
+or, for a checkpoint whose kv_cache_scheme calibrated them, its layer's static per-head scales
+written beside every row (the attention kernels read both alike)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from ..formats.kv_cache_scheme import KVCacheScheme
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, checkpoint: KVCacheScheme | None) -> torch.dtype:
+    """The cache's element type: "fp8" is E4M3 (with the checkpoint's static scales when it has
+    them, else dynamic ones); "auto" follows the checkpoint: E4M3 when its kv_cache_scheme
+    quantizes the cache, else the model's dtype."""
+    if kv_cache_dtype == "fp8" or (kv_cache_dtype == "auto" and checkpoint is not None):
+        return torch.float8_e4m3fn
+    return model_dtype
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ safetensors file at a time; each goes to the layer that owns it, whose weight lo
 its tensor-parallel shard and places it (fused QKV / gate-up shards included), so this file
 only maps names. Quantized linears arrive as the tensors of the checkpoint's format, which its
 codec (formats/codec.py, chosen by the format's name) turns into integer codes, scales and
-zero points; each linear's method then repacks or dequantizes them.
+zero points; each linear's method then repacks or dequantizes them. A checkpoint whose
+kv_cache_scheme quantizes the KV cache carries each attention's calibrated K and V scales
+(``{block}.self_attn.k_scale``, ``.v_scale``); they go to the runtime's attention layers, whose
+FP8 cache then stores with them (formats/kv_cache_scheme.py, runtime/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from safetensors import SafetensorError, safe_open
 from ..errors import UserError
 from ..formats.codec import get_codec, quantized_tensor_names
 from ..formats.compressed_tensors import REPORT_NAME, is_quantized_folder, read_quantization
+from ..formats.kv_cache_scheme import KV_SCALE_NAMES, KVCacheScheme
 from ..hub.loader import check_architecture, resolve_model
 from .layers.linear_methods import DenseMethod, QuantSpec, unserved
+from .layers.parallel import SINGLE
 from .models.llama import BuildOptions
 from .models.registry import model_class
 
@@ -33,12 +38,14 @@ _DENSE = {"weight", "bias"}  # the tensors of an unquantized module
 @dataclass(frozen=True)
 class ModelSource:
     """A resolved model folder: its HF config (quantization_config removed), the raw
-    config.json dict, and the quantization it carries (None: dense)."""
+    config.json dict, the quantization it carries (None: dense) and its KV cache's (None: not
+    quantized; else an FP8 cache with the checkpoint's static scales)."""
 
     folder: Path
     config: object
     raw: dict
     quant: QuantSpec | None
+    kv_cache: KVCacheScheme | None = None
 
 
 def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSource:
@@ -49,9 +56,10 @@ def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSou
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {folder / 'config.json'}: {e}") from None
-    quant = None
+    quant = kv_cache = None
     if raw.get("quantization_config"):
         q = read_quantization(raw)
+        kv_cache = q.kv_cache
         why = unserved(q.weights, q.input_activations)
         if why:
             raise UserError(f"{folder}: {why} ({q.format})")
@@ -65,7 +73,7 @@ def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSou
     except (ValueError, TypeError, KeyError) as e:
         raise UserError(f"cannot read the model config in {folder}: {e}") from None
     check_architecture(config)
-    return ModelSource(folder, config, raw, quant)
+    return ModelSource(folder, config, raw, quant, kv_cache)
 
 
 def checkpoint_kind(folder: Path) -> str:
@@ -99,6 +107,7 @@ def build_model(source: ModelSource, opt: BuildOptions):
     with torch.device(opt.device):  # buffers the layers create without a device land there too
         model = cls(source.config, opt)
     model.quant = source.quant
+    model.kv_cache_scheme = source.kv_cache
     return model
 
 
@@ -114,6 +123,9 @@ def load_weights(model, folder: Path) -> None:
     quant = _quant_of(model)
     # a dense model's config: any format's tensor but a dense one is a quantized module without a config
     parts_of = quantized_tensor_names() - _DENSE if quant is None else set(get_codec(quant.format).tensor_names)
+    kv_scheme = getattr(model, "kv_cache_scheme", None)
+    kv_layers = _kv_scale_owners(model) if kv_scheme is not None else {}
+    kv_loaded: set[str] = set()
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -121,6 +133,10 @@ def load_weights(model, folder: Path) -> None:
                     if name.endswith(_SKIPPED):
                         continue
                     module, _, leaf = name.rpartition(".")
+                    if leaf in KV_SCALE_NAMES and module in kv_layers:
+                        _load_kv_scale(kv_layers[module], name, leaf, sf.get_tensor(name), kv_scheme)
+                        kv_loaded.add(name)
+                        continue
                     # a format's tensor named as a dense one (float-quantized's .weight) is a part
                     # only of a linear the model quantizes
                     if leaf in parts_of and (leaf not in _DENSE or _quantized_linear(modules, model, module)):
@@ -134,6 +150,10 @@ def load_weights(model, folder: Path) -> None:
             raise UserError(f"{f} is not a valid safetensors file ({str(e).splitlines()[0]})") from None
     if pending:
         raise UserError(f"{folder}: incomplete quantized weights for {sorted(pending)[:3]}")
+    missing = sorted(f"{m}.{n}" for m in kv_layers for n in KV_SCALE_NAMES if f"{m}.{n}" not in kv_loaded)
+    if missing:
+        raise UserError(f"{folder}: config.json's kv_cache_scheme needs every attention's K and V scales; "
+                        f"{len(missing)} missing, e.g. {', '.join(missing[:3])}")
     finish_loading(model, folder)
 
 
@@ -179,6 +199,28 @@ def _complete(parts: dict, quant: QuantSpec | None) -> bool:
         return True  # refused by _load_quantized at once
     codec = get_codec(quant.format)
     return codec.required(quant.args) | codec.activation_tensors(quant.input_activations) <= parts.keys()
+
+
+def _kv_scale_owners(model) -> dict:
+    """HF attention module name ("model.layers.3.self_attn") -> (the runtime Attention layer
+    that holds its KV cache scales, the model's KV heads, the first of them this rank holds)."""
+    attn = model.arch.qkv[0].rpartition(".")[0]
+    total = model.config.num_key_value_heads
+    owners = {}
+    for i, layer in enumerate(model.attention_layers()):
+        name = f"{model.arch.block_prefix(i)}.{attn}"
+        rank = getattr(getattr(model.get_submodule(name), "qkv_proj", None), "ctx", SINGLE).rank
+        owners[name] = (layer, total, rank * layer.num_kv_heads)
+    return owners
+
+
+def _load_kv_scale(owner, name: str, leaf: str, tensor: torch.Tensor, scheme: KVCacheScheme) -> None:
+    layer, total, first = owner
+    try:
+        scale = scheme.per_head(tensor, total)[first:first + layer.num_kv_heads]
+        layer.set_static_kv_scale(leaf, scale.contiguous())
+    except ValueError as e:
+        raise UserError(f"{name}: {e}") from None
 
 
 def _quantized_linear(modules: dict, model, module: str) -> bool:

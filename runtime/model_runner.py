@@ -19,7 +19,7 @@ from ..kernels.paged_attention import default_num_splits
 from .block_table import BlockTables
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
-from .kv_cache import KVCache, KVCacheSpec
+from .kv_cache import KVCache, KVCacheSpec, cache_dtype
 from .loader import ModelSource, build_model, init_random_weights, load_weights
 from .models.llama import BuildOptions, head_dim_of
 from .sampler import Sampler, token_logprobs
@@ -62,7 +62,7 @@ class ModelRunner:
         hf = source.config
         self.vocab_size = hf.vocab_size
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
-        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype, source.kv_cache)
         self.kv_spec = KVCacheSpec(hf.num_hidden_layers, self.num_kv_heads, head_dim_of(hf), config.block_size,
                                    kv_dtype)
         self.block_size = config.block_size

@@ -51,11 +51,24 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.backend = scale, sliding_window or 0, backend
         self.k_cache = self.v_cache = self.k_scale = self.v_scale = None
+        # a checkpoint's calibrated fp8 scales, float32 [Hkv] (None: an fp8 cache takes each row's amax)
+        self.static_k_scale = self.static_v_scale = None
+
+    def set_static_kv_scale(self, name: str, scale: torch.Tensor) -> None:
+        """name "k_scale" | "v_scale": the calibrated scale of this layer's keys | values per KV
+        head (float32 [Hkv]), with which an fp8 cache stores them (the loader sets both)."""
+        if name not in ("k_scale", "v_scale") or tuple(scale.shape) != (self.num_kv_heads,):
+            raise ValueError(f"expected k_scale or v_scale of shape ({self.num_kv_heads},), got {name} "
+                             f"{tuple(scale.shape)}")
+        setattr(self, f"static_{name}", scale.float().contiguous())
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None) -> None:
         """This layer's cache: [num_blocks, Hkv, block_size, D] (+ fp8 scales [num_blocks, Hkv, block_size])."""
         self.k_cache, self.v_cache, self.k_scale, self.v_scale = k_cache, v_cache, k_scale, v_scale
+        if k_cache is not None and self.static_k_scale is not None:  # the static scales live beside the cache
+            self.static_k_scale = self.static_k_scale.to(k_cache.device)
+            self.static_v_scale = self.static_v_scale.to(k_cache.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -65,8 +78,11 @@ class Attention(nn.Module):
         if k is not None:
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
+            static = self.k_scale is not None and self.static_k_scale is not None  # an fp8 cache, calibrated
             store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale,
-                           v_scale=self.v_scale, backend=self.backend)
+                           v_scale=self.v_scale, backend=self.backend,
+                           static_k_scale=self.static_k_scale if static else None,
+                           static_v_scale=self.static_v_scale if static else None)
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
                       backend=self.backend)
         if meta.decode:
