@@ -306,10 +306,13 @@ _DRAFT = typer.Option(None, "--draft", help="a draft folder `optllm train-draft`
 _SPEC_TOP_K = typer.Option(8, "--spec-top-k", help="EAGLE tree: children per expanded node")
 _SPEC_DEPTH = typer.Option(6, "--spec-depth", help="EAGLE tree: draft tokens along a path at most")
 _SPEC_TOKENS = typer.Option(40, "--spec-tokens", help="EAGLE tree: draft tokens verified per step at most")
+_SPEC_POLICY = typer.Option("auto", "--spec-policy", help="auto (adaptive on CUDA, fixed on CPU) | adaptive (a tree "
+                                                          "size per step, down to none) | fixed (the whole tree)")
 
 
-def _spec_args(draft, spec_top_k, spec_depth, spec_tokens) -> dict:
-    return dict(draft=draft, spec_top_k=spec_top_k, spec_depth=spec_depth, spec_num_draft=spec_tokens)
+def _spec_args(draft, spec_top_k, spec_depth, spec_tokens, spec_policy="auto") -> dict:
+    return dict(draft=draft, spec_top_k=spec_top_k, spec_depth=spec_depth, spec_num_draft=spec_tokens,
+                spec_policy=spec_policy)
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed):
@@ -341,7 +344,7 @@ def generate(
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
     kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, gpu_memory_utilization: float = _GPU_MEM,
     draft: Optional[str] = _DRAFT, spec_top_k: int = _SPEC_TOP_K, spec_depth: int = _SPEC_DEPTH,
-    spec_tokens: int = _SPEC_TOKENS,
+    spec_tokens: int = _SPEC_TOKENS, spec_policy: str = _SPEC_POLICY,
 ) -> None:
     """Complete PROMPT with MODEL on the optllm runtime, streaming to the terminal."""
     from ..runtime.llm import LLM
@@ -350,7 +353,7 @@ def generate(
         params = _sampling(max_tokens, temperature, top_p, top_k, seed)
         llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager,
                                         gpu_memory_utilization), **_spec_args(draft, spec_top_k, spec_depth,
-                                                                              spec_tokens))
+                                                                              spec_tokens, spec_policy))
         _stream_to_terminal(llm.stream(prompt, params))
     except (UserError, ValueError) as e:
         _fail(str(e))
@@ -368,7 +371,7 @@ def chat(
     device: str = _DEVICE, dtype: str = _DTYPE, max_model_len: Optional[int] = _MAX_LEN,
     kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, gpu_memory_utilization: float = _GPU_MEM,
     draft: Optional[str] = _DRAFT, spec_top_k: int = _SPEC_TOP_K, spec_depth: int = _SPEC_DEPTH,
-    spec_tokens: int = _SPEC_TOKENS,
+    spec_tokens: int = _SPEC_TOKENS, spec_policy: str = _SPEC_POLICY,
 ) -> None:
     """Multi-turn chat in the terminal with the model's chat template (empty line or Ctrl-D ends)."""
     from ..runtime.llm import LLM
@@ -377,7 +380,7 @@ def chat(
         params = _sampling(max_tokens, temperature, top_p, top_k, seed)
         llm = LLM(model, **_engine_args(device, dtype, max_model_len, kv_cache_dtype, enforce_eager,
                                         gpu_memory_utilization), **_spec_args(draft, spec_top_k, spec_depth,
-                                                                              spec_tokens))
+                                                                              spec_tokens, spec_policy))
         if not getattr(llm.tokenizer, "chat_template", None):
             _fail(f"{model} has no chat template; use `optllm generate` for plain completion")
         history = [{"role": "system", "content": system}] if system else []
@@ -421,7 +424,7 @@ def serve(
     kv_cache_dtype: str = _KV, enforce_eager: bool = _EAGER, load_format: str = _LOAD,
     gpu_memory_utilization: float = _GPU_MEM,
     draft: Optional[str] = _DRAFT, spec_top_k: int = _SPEC_TOP_K, spec_depth: int = _SPEC_DEPTH,
-    spec_tokens: int = _SPEC_TOKENS,
+    spec_tokens: int = _SPEC_TOKENS, spec_policy: str = _SPEC_POLICY,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from ..runtime.config import EngineConfig
@@ -432,7 +435,7 @@ def serve(
         engine = EngineConfig(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               load_format=load_format, **_engine_args(device, dtype, max_model_len, kv_cache_dtype,
                                                                       enforce_eager, gpu_memory_utilization),
-                              **_spec_args(draft, spec_top_k, spec_depth, spec_tokens))
+                              **_spec_args(draft, spec_top_k, spec_depth, spec_tokens, spec_policy))
         server = ServerConfig(served_model_name or model, api_key or None, int(max_body_mb * 2**20), log_prompts,
                               shutdown_timeout)
         run(engine, server, host, port, shutdown_timeout, engine_process)

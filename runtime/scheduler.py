@@ -71,9 +71,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), speculator=None) -> None:
         """speculator: None, or what decides speculation (runtime/spec_runner.py's SpecDecoder):
-        ``plan(running)`` before each step returns its lookahead (0: none this step), and
-        ``eligible(seq)`` which decoding sequences may speculate. Such a step computes up to
-        1 + lookahead tokens of KV, which their blocks and the step's token budget must cover."""
+        ``plan(running)`` before each step returns its lookahead (0: none this step), ``n`` is
+        then the step's tree size, and ``eligible(seq)`` says which decoding sequences may
+        speculate. Such a decode computes n tokens (the step's budget pays n) and writes up to
+        1 + lookahead slots (its blocks cover them)."""
         self.config = config
         self.speculator = speculator
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -135,6 +136,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         spec = self.speculator
         lookahead = spec.plan(self.running) if spec is not None and self.running else 0
+        # a speculative decode computes the tree's tokens (the budget's share); its blocks also
+        # cover the draft's scratch slots (the lookahead)
+        spec_tokens = spec.n if lookahead else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -142,7 +146,7 @@ class Scheduler:
             if n == 0:  # nothing to compute until update() gives it a token
                 i += 1
                 continue
-            ahead = lookahead if (lookahead and n == 1 == seq.num_uncomputed_tokens and budget >= 1 + lookahead
+            ahead = lookahead if (lookahead and n == 1 == seq.num_uncomputed_tokens and budget >= spec_tokens
                                   and spec.eligible(seq)) else 0
             while not bm.allocate(seq, n, lookahead=ahead):
                 victim = self.running.pop()  # the most recently arrived
@@ -153,7 +157,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             self._add_to_batch(batch, seq, n, speculate=ahead > 0)
-            budget -= n + ahead
+            budget -= spec_tokens if ahead else n
             i += 1
         # admitting right after a preemption would only thrash
         while (not batch.preempted and self.waiting and budget > 0

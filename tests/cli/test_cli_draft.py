@@ -20,3 +20,5 @@ def test_bad_draft_is_one_line(tiny_llama, tmp_path):
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
     _one_clear_line(run("generate", str(tiny_llama), "hi", "--device", "cpu", "--draft", str(draft),
                         "--spec-top-k", "2", "--spec-depth", "2", "--spec-tokens", "9"), "spec_num_draft=9")
+    _one_clear_line(run("generate", str(tiny_llama), "hi", "--device", "cpu", "--draft", str(draft),
+                        "--spec-policy", "greedy"), "spec_policy='greedy'")
