@@ -459,9 +459,13 @@ def models() -> None:
 def train_draft(
     target: str = typer.Argument(..., help="the model the draft serves: folder, built-in alias or hub id"),
     method: str = typer.Option("medusa", help="medusa (heads over the last hidden state) | eagle (one decoder "
-                                "layer over [next-token embedding, feature] -> next feature)"),
+                                "layer over [next-token embedding, feature] -> next feature) | eagle3 (features "
+                                "fused from three target layers, trained with its own drafts: training-time test)"),
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
     num_heads: int = typer.Option(4, help="Medusa heads (head k predicts the token k + 2 ahead); unused by eagle"),
+    ttt_steps: int = typer.Option(3, help="eagle3: training-time-test steps (drafting depths trained; the paper: 7)"),
+    draft_vocab: Optional[int] = typer.Option(None, help="eagle3: a reduced draft vocabulary of the N answer tokens "
+                                              "the training data uses most [default: the whole vocabulary]"),
     num_prompts: int = typer.Option(256, help="prompts to write (Magpie) or read at most"),
     prompts: Optional[Path] = typer.Option(None, help="FILE.jsonl: {\"prompt\": ...} or ShareGPT conversations "
                                            "[default: the target writes its own]"),
@@ -487,13 +491,14 @@ def train_draft(
 
     if export is not None and export not in EXPORT_FORMATS:
         _fail(f"--export {export!r} is not allowed; allowed: {', '.join(EXPORT_FORMATS)}")
-    if export is not None and method != "eagle":
+    if export is not None and method not in ("eagle", "eagle3"):
         _fail(f"--export {export} writes EAGLE drafts; --method {method} has no such layout")
     try:
         cfg = DraftConfig(target=target, out=out, method=method, num_heads=num_heads, num_prompts=num_prompts,
                           prompts=prompts, max_steps=max_steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                           seq_len=seq_len, answer_tokens=answer_tokens, checkpoint_every=checkpoint_every,
-                          eval_every=eval_every, resume=resume, device=device, seed=seed, overwrite=overwrite)
+                          eval_every=eval_every, resume=resume, device=device, seed=seed, overwrite=overwrite,
+                          ttt_steps=ttt_steps, draft_vocab=draft_vocab)
         result = run(cfg, log=typer.echo)
         if export == "vllm":
             from ..hub.loader import resolve_model

@@ -97,8 +97,9 @@ class SpecDecoder:
         self.model = runner.model
         self.device = runner.device
         self.block_size = runner.block_size
-        self.eagle = draft.method == "eagle"
+        self.eagle = draft.method in ("eagle", "eagle3")  # a draft layer with its own KV; EAGLE-2 trees
         self.stats = SpecStats()
+        self.verify_aux = None  # the last verify forward's auxiliary hidden states (EAGLE-3)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         if options.policy not in ("fixed", "adaptive"):
@@ -260,7 +261,8 @@ class SpecDecoder:
             row += k
             last_rows.append(row - 1)
         ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
-        pred = self.draft(hidden, ids, inputs.positions, inputs.meta)
+        feats = self.draft.context_features(hidden, self.model.model.aux_hidden)
+        pred = self.draft(feats, ids, inputs.positions, inputs.meta)
         for seq, tok, r in zip(seqs, sampled, last_rows):
             if tok is not None:
                 seq.spec_state = pred[r]
@@ -325,6 +327,7 @@ class SpecDecoder:
             cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
             mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
         hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
+        self.verify_aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
         if all(p.temperature < GREEDY_EPS for p in params):
             res = greedy_accept(tree, logits.argmax(dim=-1))
@@ -351,7 +354,7 @@ class SpecDecoder:
     def _propose_eagle(self, roots, states, ctx, tables, n):
         o, dev, bs = self.options, self.device, self.block_size
         bsz, k = roots.shape[0], o.top_k
-        root_lp = torch.log_softmax(self.model.compute_logits(states).float(), dim=-1)
+        root_lp = torch.log_softmax(self.draft.logits(states).float(), dim=-1)
         builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=o.depth, num_draft=n - 1)
         feats_in, toks, masks = [], [], None
         prev_nodes, prev_out = None, None
@@ -386,7 +389,7 @@ class SpecDecoder:
             f = torch.cat(feats_in, dim=1).reshape(bsz * m, -1)
             ids = torch.cat(toks, dim=1).reshape(-1)
             out = self.draft(f, ids, positions, meta).view(bsz, m, -1)[:, m - k:]
-            lp = torch.log_softmax(self.model.compute_logits(out.reshape(bsz * k, -1)).float(), dim=-1)
+            lp = torch.log_softmax(self.draft.logits(out.reshape(bsz * k, -1)).float(), dim=-1)
             builder.expand(lp.view(bsz, k, -1))
             prev_nodes, prev_out = front, out
         tree = builder.build()
@@ -400,7 +403,8 @@ class SpecDecoder:
         dev, bs = self.device, self.block_size
         lens = [len(o) for o in out]
         sel = torch.cat([rows[b, :lens[b]] for b in range(len(seqs))])
-        feats = hidden[sel]
+        aux = self.verify_aux
+        feats = self.draft.context_features(hidden[sel], None if aux is None else aux[sel])
         ids = torch.tensor([t for o in out for t in o], dtype=torch.int64, device=dev)
         offs = torch.tensor([i for n_ in lens for i in range(n_)], dtype=torch.int64, device=dev)
         which = torch.tensor([b for b, n_ in enumerate(lens) for _ in range(n_)], dtype=torch.int64, device=dev)

@@ -16,6 +16,13 @@ target (the EAGLE-LLaMA3 checkpoints):
   predicted feature). No embedding and no LM head: both engines share the target's.
 Our draft has the same computation and names, so the export is a re-labelling: the weights are
 copied bit for bit.
+
+EAGLE-3 drafts (--method eagle3) are already in the layout SpecForge writes and vLLM / SGLang load
+for ``method: "eagle3"``: ``fc.weight`` [H, 3H], ``midlayer.*`` (q/k/v reading 2H, the
+input_layernorm over the token embedding, hidden_norm over the hidden input), ``norm.weight``,
+``lm_head.weight`` over the draft vocabulary, ``d2t`` (draft id -> target id offset) and
+``t2d``; the config adds ``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size`` and
+``eagle_config.eagle_aux_hidden_state_layer_ids`` (the target layers whose inputs it fuses).
 """
 
 from __future__ import annotations
@@ -65,6 +72,21 @@ def vllm_eagle_config(draft_cfg: dict, target_config) -> dict:
     return out
 
 
+def vllm_eagle3_config(draft_cfg: dict, target_config) -> dict:
+    """config.json of an exported EAGLE-3 draft."""
+    out = vllm_eagle_config(draft_cfg, target_config)
+    out["architectures"] = ["LlamaForCausalLMEagle3"]
+    out["draft_vocab_size"] = int(draft_cfg.get("draft_vocab_size") or draft_cfg["vocab_size"])
+    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(draft_cfg["aux_layers"]),
+                           "use_aux_hidden_state": True}
+    return out
+
+
+_EAGLE3 = (["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.input_layernorm.weight",
+            "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight"]
+           + [f"midlayer.{m}.weight" for m in _LAYER])
+
+
 def export_vllm(draft_dir: str | Path, target_folder: str | Path, out_dir: str | Path) -> Path:
     """Write the EAGLE draft in draft_dir (a train-draft output) to out_dir in vLLM's / SGLang's
     layout, atomically (a temp folder renamed into place). UserError (one line) for a Medusa
@@ -77,18 +99,21 @@ def export_vllm(draft_dir: str | Path, target_folder: str | Path, out_dir: str |
         weights = load_file(str(draft_dir / "model.safetensors"))
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--export vllm: cannot read the draft in {draft_dir}: {e}") from None
-    if cfg.get("method") != "eagle":
-        raise UserError(f"--export vllm: the {cfg.get('method')!r} draft has no vLLM layout here; allowed: an "
-                        "EAGLE draft (--method eagle)")
+    method = cfg.get("method")
+    if method not in ("eagle", "eagle3"):
+        raise UserError(f"--export vllm: the {method!r} draft has no vLLM layout here; allowed: an EAGLE or "
+                        "EAGLE-3 draft (--method eagle, eagle3)")
     if "fc.bias" in weights:
         raise UserError("--export vllm: this EAGLE draft's fc has a bias, which vLLM's and SGLang's EAGLE layer "
                         "does not; train it without one (the default)")
-    names = ["fc.weight", "layers.0.post_attention_layernorm.weight"] + [f"layers.0.{m}.weight" for m in _LAYER]
+    names = (_EAGLE3 if method == "eagle3" else
+             ["fc.weight", "layers.0.post_attention_layernorm.weight"] + [f"layers.0.{m}.weight" for m in _LAYER])
     missing = [n for n in names if n not in weights]
     if missing or set(weights) - set(names):
-        raise UserError(f"--export vllm: {draft_dir}/model.safetensors is not an EAGLE layer (missing {missing}, "
+        raise UserError(f"--export vllm: {draft_dir}/model.safetensors is not an {method} draft (missing {missing}, "
                         f"unexpected {sorted(set(weights) - set(names))})")
-    config = vllm_eagle_config(cfg, load_config(Path(target_folder)))
+    target_config = load_config(Path(target_folder))
+    config = (vllm_eagle3_config if method == "eagle3" else vllm_eagle_config)(cfg, target_config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

@@ -27,7 +27,7 @@ import torch
 from ..errors import UserError
 from .data import DraftSequence, build_dataset, read_dataset, write_dataset
 from .methods import DRAFT_METHODS
-from .target import last_hidden, load_target, target_identity
+from .target import load_target, target_identity
 
 METHODS = tuple(DRAFT_METHODS)
 _STATE = "trainer_state.json"
@@ -46,8 +46,10 @@ class DraftConfig:
 
     target: str
     out: Path
-    method: str = "medusa"  # or "eagle"
+    method: str = "medusa"  # or "eagle", "eagle3"
     num_heads: int = 4
+    ttt_steps: int = 3  # eagle3: training-time-test steps (the paper unrolls 7)
+    draft_vocab: int | None = None  # eagle3: the draft's vocabulary, the most used answer tokens (None: all)
     num_prompts: int = 256
     max_steps: int = 1000
     prompts: Path | None = None
@@ -75,12 +77,19 @@ class DraftConfig:
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
         for name in ("num_heads", "num_prompts", "max_steps", "batch_size", "grad_accum", "answer_tokens",
-                     "checkpoint_every", "eval_every"):
+                     "checkpoint_every", "eval_every", "ttt_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UserError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
-        # the farthest target a draft position learns: num_heads + 1 tokens ahead (Medusa), 2 (EAGLE)
-        least, least_text = (self.num_heads + 3, "num_heads + 3") if self.method == "medusa" else (3, "3")
+        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
+                                             or self.draft_vocab < 2):
+            raise UserError(f"draft_vocab={self.draft_vocab!r} is not allowed; allowed: an integer >= 2 or None")
+        if self.draft_vocab is not None and self.method != "eagle3":
+            raise UserError(f"draft_vocab is an eagle3 option; --method {self.method} drafts over the whole vocabulary")
+        # the farthest target a draft position learns: num_heads + 1 tokens ahead (Medusa), 2 (EAGLE);
+        # EAGLE-3's step j counts positions from j on
+        least, least_text = ((self.num_heads + 3, "num_heads + 3") if self.method == "medusa" else
+                             (self.ttt_steps + 2, "ttt_steps + 2") if self.method == "eagle3" else (3, "3"))
         if not isinstance(self.seq_len, int) or self.seq_len < least:
             raise UserError(f"seq_len={self.seq_len!r} is not allowed; allowed: an integer >= {least_text}")
         if not (self.lr > 0):
@@ -148,7 +157,9 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
 
     target, folder = load_target(cfg.target, "bfloat16" if use_cuda else "float32", acc.device)
     method = DRAFT_METHODS[cfg.method]
-    heads = method.build(target, cfg.num_heads)
+    heads = method.build(target, cfg.num_heads, cfg)
+    if hasattr(method, "fit"):
+        method.fit(heads, train)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.max_steps // 20
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(warmup, cfg.max_steps))
@@ -174,7 +185,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
             ids, attn, mask = _collate(_micro_batch(train, position * acc.num_processes + acc.process_index,
                                                     cfg.batch_size, cfg.seed), acc.device)
             position += 1
-            hidden = last_hidden(target, ids, attn)
+            hidden = method.features(acc.unwrap_model(heads), target, ids, attn)
             with acc.autocast():
                 loss = method.loss(heads, hidden.float(), ids, mask)
             acc.backward(loss / cfg.grad_accum)
@@ -262,7 +273,8 @@ def _evaluate(acc, target, method, heads, held: list[DraftSequence], batch_size:
     for i in range(0, len(held), batch_size):
         ids, attn, mask = _collate(held[i:i + batch_size], acc.device)
         with acc.autocast():
-            h, c = method.accuracy(heads, last_hidden(target, ids, attn).float(), ids, mask)
+            h, c = method.accuracy(heads, method.features(acc.unwrap_model(heads), target, ids, attn).float(), ids,
+                                   mask)
         hits = h if hits is None else [a + b for a, b in zip(hits, h)]
         counts = c if counts is None else [a + b for a, b in zip(counts, c)]
     heads.train()
@@ -335,7 +347,8 @@ def _save_draft(work: Path, heads: torch.nn.Module, sizes: dict, cfg: DraftConfi
                 num_sequences: int, result: TrainResult, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in heads.state_dict().items()},
+    save_file({k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+               for k, v in heads.state_dict().items()},
               work / "model.safetensors", metadata={"format": "pt"})
     training = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
                 if k not in ("target", "out", "overwrite", "resume")}

@@ -119,7 +119,8 @@ def hf_float32(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: float = 0.02) -> Path:
+def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: float = 0.02,
+                draft_vocab: int | None = None) -> Path:
     """A draft as `optllm train-draft` writes it (config.json + model.safetensors) that proposes,
     up to noise, the target's own next token again: Medusa's untrained heads (zero residual
     blocks, the target's LM head), and an EAGLE layer that passes the feature through (fc picks
@@ -137,6 +138,8 @@ def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: f
     torch.manual_seed(seed)
     m = DRAFT_METHODS[method]
     draft = m.build(hf, 3)
+    if draft_vocab is not None:  # EAGLE-3: the draft_vocab lowest ids, every third one skipped
+        draft.set_vocab(torch.tensor([i for i in range(hf.config.vocab_size) if i % 3][:draft_vocab]))
     with torch.no_grad():
         if method == "eagle":
             h = draft.hidden_size

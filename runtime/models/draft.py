@@ -36,7 +36,7 @@ from ..layers.rotary import RotaryEmbedding
 
 log = logging.getLogger("optllm.runtime")
 
-DRAFT_METHODS = ("medusa", "eagle")
+DRAFT_METHODS = ("medusa", "eagle", "eagle3")
 
 
 class _ResBlock(nn.Module):
@@ -137,6 +137,92 @@ class EagleDraft(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    def context_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """The draft's input for rows the target computed: its last hidden state."""
+        return hidden
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary of a draft output: the target's LM head."""
+        return self._target[0].compute_logits(out)
+
+
+class _Eagle3Attention(_EagleAttention):
+    """q / k / v read the 2H of [normed embedding, normed hidden]."""
+
+    def __init__(self, cfg: dict, max_position: int, device, backend: str) -> None:
+        super().__init__(cfg, max_position, device, backend)
+        h, nh, nkv, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.q_proj = nn.Linear(2 * h, nh * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * d, bias=False)
+
+
+class _Eagle3Layer(nn.Module):
+    def __init__(self, cfg: dict, max_position: int, dtype, device, backend: str) -> None:
+        super().__init__()
+        h, eps = cfg["hidden_size"], float(cfg["rms_norm_eps"])
+        self.input_layernorm = RMSNorm(h, eps, dtype, device, backend)
+        self.hidden_norm = RMSNorm(h, eps, dtype, device, backend)
+        self.self_attn = _Eagle3Attention(cfg, max_position, device, backend)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device, backend)
+        self.mlp = _EagleMLP(h, cfg["intermediate_size"])
+
+    def forward(self, positions, hidden, emb, meta):
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        x = hidden + self.self_attn(positions, x, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 (speculative/eagle3.py): forward(features [T, H] -- fc of the target's three layers
+    for rows the target computed, the draft's own output for drafted rows --, next_ids [T],
+    positions [T], meta) -> its pre-norm outputs [T, H]; ``logits`` reads them out through its
+    norm and LM head over its vocabulary, placed in the target's (-inf for ids it lacks)."""
+
+    method = "eagle3"
+
+    def __init__(self, cfg: dict, target, max_position: int, dtype, device, backend: str) -> None:
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.hidden_size, self.vocab_size = h, cfg["vocab_size"]
+        self.draft_vocab_size = int(cfg.get("draft_vocab_size") or self.vocab_size)
+        self.num_kv_heads, self.head_dim = cfg["num_key_value_heads"], cfg["head_dim"]
+        self.aux_layers = tuple(int(i) for i in cfg["aux_layers"])
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = _Eagle3Layer(cfg, max_position, dtype, device, backend)
+        self.norm = RMSNorm(h, float(cfg["rms_norm_eps"]), dtype, device, backend)
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device))
+        self.target_ids, self.identity = None, True
+        self._target = [target]
+
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        emb = self._target[0].model.embed_tokens(next_ids).to(features.dtype)
+        return self.midlayer(positions, features, emb, meta)
+
+    def attention_layers(self) -> list[Attention]:
+        return [self.midlayer.self_attn.attn]
+
+    def context_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        if aux is None:
+            raise RuntimeError("an EAGLE-3 draft needs the target's auxiliary hidden states")
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        small = self.lm_head(self.norm(out))
+        if self.identity:
+            return small
+        full = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.target_ids] = small
+        return full
+
+    def set_d2t(self, d2t: torch.Tensor) -> None:
+        """The draft-to-target id offsets (target id = draft id + d2t[draft id])."""
+        self.d2t.copy_(d2t.to(torch.int64))
+        self.target_ids = self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
+        self.identity = self.draft_vocab_size == self.vocab_size and not bool(self.d2t.any())
+
 
 def read_draft_config(folder: str | Path) -> dict:
     """The draft folder's config.json, checked for what the runtime needs; UserError otherwise."""
@@ -152,7 +238,7 @@ def read_draft_config(folder: str | Path) -> dict:
     method = cfg.get("method")
     if method not in DRAFT_METHODS:
         raise UserError(f"--draft {folder}: method {method!r} is not supported; supported: {', '.join(DRAFT_METHODS)}")
-    if method == "eagle" and int(cfg.get("num_layers", 1)) != 1:
+    if method in ("eagle", "eagle3") and int(cfg.get("num_layers", 1)) != 1:
         raise UserError(f"--draft {folder}: an EAGLE draft of {cfg.get('num_layers')} layers; supported: 1")
     return cfg
 
@@ -183,9 +269,25 @@ def load_draft(folder: str | Path, target, target_config, target_folder: Path | 
                         (cfg.get("target") or {}).get("model"), want[:12], have[:12])
     if cfg["method"] == "medusa":
         draft = MedusaDraft(int(cfg["num_heads"]), h, v)
-    else:
+    elif cfg["method"] == "eagle":
         draft = EagleDraft(cfg, target, max_position, dtype, device, backend)
+    else:
+        layers = target_config.num_hidden_layers
+        aux = cfg.get("aux_layers") or []
+        if len(aux) != 3 or any(not 0 <= int(i) < layers for i in aux):
+            raise UserError(f"--draft {folder}: aux_layers={aux!r}; an EAGLE-3 draft reads three of the target's "
+                            f"{layers} layers (0..{layers - 1})")
+        draft = Eagle3Draft(cfg, target, max_position, dtype, device, backend)
+        target.model.aux_layer_ids = draft.aux_layers
     state = load_file(str(Path(folder) / "model.safetensors"))
+    if cfg["method"] == "eagle3":
+        d2t = state.pop("d2t", None)
+        state.pop("t2d", None)
+        if d2t is None or tuple(d2t.shape) != (draft.draft_vocab_size,):
+            raise UserError(f"--draft {folder}: an EAGLE-3 draft needs d2t [{draft.draft_vocab_size}]")
+        if int(d2t.min()) < 0 or int((d2t + torch.arange(d2t.numel())).max()) >= v:
+            raise UserError(f"--draft {folder}: d2t maps draft ids outside the target's vocabulary")
+        draft.set_d2t(d2t.to(device))
     params = dict(draft.named_parameters())
     missing = sorted(set(params) - set(state))
     extra = sorted(set(state) - set(params))

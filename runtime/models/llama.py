@@ -163,12 +163,21 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, names, i, opt)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, opt.dtype, opt.device, opt.backend)
+        # an EAGLE-3 draft reads the residual stream at the input of these layers (HF's
+        # hidden_states[i]); each forward then leaves them, concatenated [T, len * H], in aux_hidden
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = {} if self.aux_layer_ids else None
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in self.aux_layer_ids:
+                aux[i] = x.clone() if residual is None else x + residual  # the layers may update in place
             x, residual = layer(positions, x, residual, meta)
+        if aux is not None:
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)
         x, _ = self.norm(x, residual)
         return x
 

@@ -228,3 +228,44 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(method, tmp_path):
     spec = LLM(folder, draft=str(draft), spec_top_k=2, spec_depth=3, spec_num_draft=5, **kw)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
     assert spec.engine.stats().speculation["seq_steps"] > 0
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 150])
+def test_eagle3_greedy_equals_plain_and_its_state_follows_the_sequence(tiny_llama, tmp_path, draft_vocab):
+    """An EAGLE-3 draft (fused features of the target's layer inputs, its own LM head, here also
+    over a reduced vocabulary mapped into the target's): greedy output unchanged, and after many
+    steps the logits the engine drafts from equal the training module's over the whole sequence."""
+    from safetensors.torch import load_file
+
+    from optllm.speculative.eagle3 import Eagle3Draft, eagle3_features
+
+    folder = write_draft(tmp_path / "e3", tiny_llama, "eagle3", seed=2, noise=0.3, draft_vocab=draft_vocab)
+    want, _ = _run(tiny_llama, PROMPTS, GREEDY)
+    got, llm = _run(tiny_llama, PROMPTS, GREEDY, draft=str(folder), spec_top_k=3, spec_depth=3, spec_num_draft=8)
+    assert got == want and llm.engine.stats().speculation["seq_steps"] > 0
+
+    eng = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(folder), spec_top_k=3, spec_depth=3,
+              spec_num_draft=8, max_num_batched_tokens=16).engine
+    for p in PROMPTS:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(10):
+        eng.step()
+    hf = _hf(tiny_llama)
+    ref = Eagle3Draft.from_target(hf)
+    if draft_vocab:
+        ref.set_vocab(torch.tensor([i for i in range(hf.config.vocab_size) if i % 3][:draft_vocab]))
+    ref.load_state_dict(load_file(folder / "model.safetensors"))
+    draft = eng.runner.spec.draft
+    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 2]
+    assert seqs and eng.stats().speculation["steps"] > 0
+    for s in seqs:
+        c = s.num_computed_tokens
+        ids = torch.tensor([s.token_ids[: c + 1]])
+        with torch.no_grad():
+            aux = eagle3_features(hf, ids[:, :c], None, ref.aux_layers)
+            want_lg = ref.ttt(aux, ids[:, 1:c + 1], 1)[0][0, -1]
+            got_lg = draft.logits(s.spec_state[None])[0]
+        kept = ref.d2t + torch.arange(ref.draft_vocab_size)
+        torch.testing.assert_close(got_lg[kept], want_lg, rtol=1e-4, atol=1e-4)
+        if draft_vocab:
+            assert torch.isinf(got_lg).sum() == hf.config.vocab_size - draft_vocab

@@ -107,13 +107,13 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("case, pattern", [
-    ("method", "unknown method 'eagle3'; allowed: medusa"),
+    ("method", "unknown method 'eagle9'; allowed: medusa"),
     ("exists", "exists; pass --overwrite"),
     ("no-template", "no chat template"),
     ("missing-prompts", "not found"),
 ])
 def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
-    args = {"method": [str(tiny_chat), "--method", "eagle3", "--out", str(tmp_path / "o")],
+    args = {"method": [str(tiny_chat), "--method", "eagle9", "--out", str(tmp_path / "o")],
             "exists": [str(tiny_chat), "--out", str(tmp_path)],
             "no-template": [str(tiny_llama), "--out", str(tmp_path / "o"), "--device", "cpu", "--num-prompts", "2"],
             "missing-prompts": [str(tiny_chat), "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "x.jsonl")],

@@ -235,10 +235,10 @@ def test_cli_method_eagle_end_to_end(straight, tiny_chat, tmp_path):
 
 
 def test_bad_method_is_one_line(tiny_chat, tmp_path):
-    r = _cli(str(tiny_chat), "--method", "eagle3", "--out", str(tmp_path / "o"))
+    r = _cli(str(tiny_chat), "--method", "eagle4", "--out", str(tmp_path / "o"))
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
-    assert lines == ["error: unknown method 'eagle3'; allowed: medusa, eagle"], r.stderr
+    assert lines == ["error: unknown method 'eagle4'; allowed: medusa, eagle, eagle3"], r.stderr
     assert not (tmp_path / "o").exists()
 
 

@@ -85,3 +85,65 @@ def test_export_refuses_what_the_layout_cannot_hold(tiny_llama, tmp_path):
     with pytest.raises(UserError, match="fc has a bias"):
         export_vllm(eagle, tiny_llama, tmp_path / "e-vllm")
     assert not (tmp_path / "m-vllm").exists() and not (tmp_path / "e-vllm").exists()
+
+
+def test_exported_eagle3_draft_reads_back(tiny_llama, tmp_path):
+    """The EAGLE-3 layout read by a reader written from its description (norms over the embedding
+    and the hidden input, q/k/v over their 2H concatenation, residual from the hidden input, MLP,
+    final norm, LM head over the draft vocabulary placed at target ids d2t + i) computes what our
+    training module computes at step 0."""
+    from optllm.speculative.eagle3 import Eagle3Draft
+
+    draft_dir = write_draft(tmp_path / "e3", tiny_llama, "eagle3", seed=4, noise=0.3, draft_vocab=100)
+    out = export_vllm(draft_dir, tiny_llama, tmp_path / "vllm")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 100
+    aux_ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    w = load_file(out / "model.safetensors")
+    target = hf_float32(tiny_llama)
+    c = target.config
+    h, nh, nkv, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+
+    def norm(x, name):
+        return w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):
+        inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+        ang = pos[:, None].float() * inv[None]
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    def run(aux, ids):  # aux [T, 3H] at positions 0..T-1, ids [T] = x_{t+1}
+        t = aux.shape[0]
+        g = aux @ w["fc.weight"].T
+        x = torch.cat([norm(target.get_input_embeddings().weight[ids], "midlayer.input_layernorm.weight"),
+                       norm(g, "midlayer.hidden_norm.weight")], -1)
+        pos = torch.arange(t)
+        q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(t, nh, d).transpose(0, 1), pos)
+        k = rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(t, nkv, d).transpose(0, 1), pos)
+        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(t, nkv, d).transpose(0, 1)
+        k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+        s = (q @ k.transpose(-1, -2)) / d ** 0.5 + torch.full((t, t), float("-inf")).triu(1)
+        a = (s.softmax(-1) @ v).transpose(0, 1).reshape(t, nh * d) @ w["midlayer.self_attn.o_proj.weight"].T
+        r = g + a
+        m = norm(r, "midlayer.post_attention_layernorm.weight")
+        gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
+        m = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+        small = norm(r + m, "norm.weight") @ w["lm_head.weight"].T
+        full = torch.full((t, c.vocab_size), float("-inf"))
+        full[:, w["d2t"] + torch.arange(small.shape[1])] = small
+        return full
+
+    ref = Eagle3Draft.from_target(target, tuple(aux_ids))
+    ref.set_vocab(torch.tensor([i for i in range(c.vocab_size) if i % 3][:100]))
+    ref.load_state_dict(load_file(draft_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(1, 9, 3 * h, generator=g)
+    ids = torch.randint(0, c.vocab_size, (1, 9), generator=g)
+    with torch.no_grad():
+        want = ref.ttt(aux, ids, 1)[0][0]
+        got = run(aux[0], ids[0])
+    kept = w["d2t"] + torch.arange(100)
+    torch.testing.assert_close(got[:, kept], want, rtol=1e-4, atol=1e-4)
+    assert torch.isinf(got).sum() == 9 * (c.vocab_size - 100)

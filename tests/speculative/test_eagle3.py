@@ -1,0 +1,133 @@
+"""EAGLE-3 (speculative/eagle3.py): the training-time test computes what drafting step by step
+computes, the loss trains, the reduced vocabulary maps ids both ways, and train-draft writes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import hf_float32
+from safetensors.torch import load_file
+
+from optllm.speculative.eagle3 import Eagle3Draft, default_aux_layers, eagle3_features, eagle3_loss
+from optllm.speculative.train import DraftConfig, train_draft
+
+
+def _draft(hidden=16, vocab=12, heads=4, kv=2, seed=0) -> Eagle3Draft:
+    g = torch.Generator().manual_seed(seed)
+    d = Eagle3Draft(torch.randn(vocab, hidden, generator=g), torch.randn(vocab, hidden, generator=g), heads, kv,
+                    hidden // heads, 24, 1e-6, 10000.0, (1, 1, 1))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return d
+
+
+def _sequential(d: Eagle3Draft, aux, ids, t: int, j: int) -> torch.Tensor:
+    """Logits over x_{t+2} of a draft at depth j + 1 whose context ends at t - j, computed one row
+    at a time with explicit key lists (rows 0..t-j from the target's features, then the chain)."""
+    layer, attn = d.midlayer, d.midlayer.self_attn
+    emb = d.embed_tokens
+    keys, values = [], []
+
+    def row(hidden, token, pos):
+        q, k, v = attn.qkv(layer.inputs(hidden[None, None], emb[token][None, None]), torch.tensor([pos]))
+        keys.append(k)
+        values.append(v)
+        kk, vv = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        p = ((q @ kk.transpose(-1, -2)) * d.head_dim ** -0.5).softmax(-1)
+        return layer.finish(hidden[None, None], (p @ vv).transpose(1, 2).reshape(1, 1, -1))[0, 0]
+
+    c = t - j
+    out = None
+    for p in range(c + 1):
+        out = row(d.fc(aux[p]), ids[p + 1], p)
+    for depth in range(1, j + 1):
+        out = row(out, ids[c + depth + 1], c + depth)
+    return d.lm_head(d.norm(out))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_training_time_test_equals_drafting_step_by_step(seed):
+    d = _draft(seed=seed)
+    g = torch.Generator().manual_seed(10 + seed)
+    t_len, steps = 9, 4
+    aux = torch.randn(1, t_len, 3 * d.hidden_size, generator=g)
+    ids = torch.randint(0, d.vocab_size, (1, t_len), generator=g)
+    with torch.no_grad():
+        logits = d.ttt(aux[:, :-1], ids[:, 1:], steps)
+        for j in range(steps):
+            for t in range(j, t_len - 1):
+                want = _sequential(d, aux[0], ids[0], t, j)
+                torch.testing.assert_close(logits[j][0, t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_trains_and_counts_only_positions_with_context():
+    d = _draft()
+    g = torch.Generator().manual_seed(3)
+    aux = torch.randn(2, 10, 3 * d.hidden_size, generator=g)
+    ids = torch.randint(0, d.vocab_size, (2, 10), generator=g)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    d.ttt_steps = 3
+    opt = torch.optim.Adam(d.parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        loss, per_step = eagle3_loss(d, aux, ids, mask)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert per_step.shape == (3,) and loss.item() < 0.5 * first
+    # a position before step j's context contributes nothing: changing its target leaves step j's loss
+    mask2 = mask.clone()
+    mask2[:, 2] = False  # x_2 is the target of position t = 0, counted only by step 0
+    _, a = eagle3_loss(d, aux, ids, mask)
+    _, b = eagle3_loss(d, aux, ids, mask2)
+    assert not torch.isclose(a[0], b[0]) and torch.allclose(a[1:], b[1:])
+
+
+def test_reduced_vocabulary_maps_both_ways():
+    d = _draft(vocab=12)
+    target_head = d._target_lm_head.clone()
+    d.set_vocab(torch.tensor([7, 2, 9, 2, 4]))
+    assert d.draft_vocab_size == 4
+    kept = d.d2t + torch.arange(4)
+    assert kept.tolist() == [2, 4, 7, 9]
+    assert d.t2d.nonzero().flatten().tolist() == [2, 4, 7, 9]
+    assert torch.equal(d.lm_head.weight, target_head[kept])
+
+
+def test_default_aux_layers():
+    assert default_aux_layers(30) == (2, 15, 27)
+    assert default_aux_layers(2) == (1, 1, 1)
+    assert default_aux_layers(6) == (2, 3, 3)
+
+
+def test_features_are_the_targets_layer_inputs(tiny_llama):
+    target = hf_float32(tiny_llama)
+    ids = torch.randint(0, target.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
+    feats = eagle3_features(target, ids, None, (1, 1, 1))
+    with torch.no_grad():
+        x = target.model.embed_tokens(ids)
+        pos = torch.arange(7)[None]
+        layer0 = target.model.layers[0]
+        h1 = layer0(x, position_embeddings=target.model.rotary_emb(x, pos), position_ids=pos,
+                    attention_mask=torch.full((7, 7), float("-inf")).triu(1)[None, None])
+        h1 = h1[0] if isinstance(h1, tuple) else h1
+    torch.testing.assert_close(feats, torch.cat([h1] * 3, dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_train_draft_eagle3_writes_the_draft(tiny_chat, tmp_path):
+    out = tmp_path / "e3"
+    small = dict(num_prompts=6, max_steps=3, batch_size=2, grad_accum=1, warmup_steps=1, seq_len=96,
+                 answer_tokens=12, checkpoint_every=3, eval_every=3, holdout=1, device="cpu", seed=0)
+    result = train_draft(DraftConfig(target=str(tiny_chat), out=out, method="eagle3", ttt_steps=2, draft_vocab=64,
+                                     **small), log=lambda _: None)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["method"], cfg["draft_vocab_size"], cfg["ttt_steps"], cfg["aux_layers"]) == ("eagle3", 64, 2, [1, 1, 1])
+    w = load_file(out / "model.safetensors")
+    assert w["fc.weight"].shape == (64, 192) and w["lm_head.weight"].shape == (64, 64)
+    assert w["midlayer.self_attn.q_proj.weight"].shape[1] == 128 and w["d2t"].shape == (64,)
+    assert w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 64
+    assert "embed_tokens" not in " ".join(w) and len(result.accuracy) == 2
