@@ -9,15 +9,7 @@
 # Environment: STEPS / PROMPTS (draft training, default 600 / 512), NS (calibration windows, 128),
 # DRAFT=/path skips training (an existing draft folder).
 set -uo pipefail
-mkdir -p /root/cache/gguf
-f=/root/cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-[ -f "$f" ] || cat /root/m/*.part00 .carry2/*.part01 > "$f"
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $f" | sha256sum -c - || exit 1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry2/whl/*.whl $(ls .whl/*.whl 2>/dev/null)
-export PYTHONPATH=/tmp/site:$(dirname "$PWD") OPTLLM_CACHE=/root/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export HF_HUB_OFFLINE=1 OPTLLM_COMMIT=${OPTLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
-ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source benchmarks/device_stage.sh
 run() { echo "+ $*" | tee -a "$OUT/report.log"; "$@" 2>&1 | grep -v "Loading weights" >> "$OUT/report.log"; }
 q="--device cuda --num-samples ${NS:-128} --seq-len 512 --no-compare"
 run timeout 200 python3 -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 $q --out /root/q/awq

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the speculative-decoding issue (15) and the eval report (16), on the H200:
 # assemble the staged SmolLM2 GGUF (as device_quality.sh: .carry1 in an earlier call, .carry2
-# in this one), run the speculative GPU tests, train an EAGLE and a Medusa draft on the target's
+# in this one), run the speculative GPU tests, train EAGLE, EAGLE-3 and Medusa drafts on the target's
 # own Magpie prompts and answers, then `optllm eval --draft` for each draft (tok/s without and
 # with it, tau, acceptance per depth, greedy identical) at batch sizes 1, 8, 32, 64, temperatures
 # 0 and 1, on held-out prompts. AWQ=1 also quantizes the target (W4 g64 AWQ), trains an EAGLE
@@ -10,23 +10,17 @@
 # Environment: STEPS (training steps, default 600), PROMPTS (default 512), BS (default 1,8,32,64),
 # OUTPUT_LEN (128), POLICY (auto), TESTS=0 skips the tests, AWQ=1.
 set -uo pipefail
-mkdir -p /root/cache/gguf
-f=/root/cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-[ -f "$f" ] || cat /root/m/*.part00 .carry2/*.part01 > "$f"
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $f" | sha256sum -c - || exit 1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry2/whl/*.whl $(ls .whl/*.whl 2>/dev/null)
-export PYTHONPATH=/tmp/site:$(dirname "$PWD") OPTLLM_CACHE=/root/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export HF_HUB_OFFLINE=1 OPTLLM_COMMIT=${OPTLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
-ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source benchmarks/device_stage.sh
 [ "${TESTS:-1}" = 0 ] || timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -x \
   tests/runtime/test_spec_engine.py tests/runtime/test_spec_policy.py tests/kernels/test_tree_attention.py 2>&1 | tail -5 | tee "$OUT/tests.log"
 run() { echo "+ $*" | tee -a "$OUT/spec.log"; "$@" 2>&1 | grep -v "Loading weights" >> "$OUT/spec.log"; }
 common="--device cuda --num-prompts ${PROMPTS:-512} --max-steps ${STEPS:-600}"
 evalargs="--device cuda --batch-sizes ${BS:-1,8,32,64} --output-len ${OUTPUT_LEN:-128} --spec-policy ${POLICY:-auto}"
 run timeout "${TRAIN_TIMEOUT:-240}" python3 -m optllm train-draft smollm2-135m --method eagle --out /root/d/eagle $common
+run timeout "${TRAIN_TIMEOUT:-240}" python3 -m optllm train-draft smollm2-135m --method eagle3 --ttt-steps 7 \
+  --out /root/d/eagle3 --export vllm $common
 run timeout "${TRAIN_TIMEOUT:-240}" python3 -m optllm train-draft smollm2-135m --method medusa --out /root/d/medusa $common
-for d in eagle medusa; do
+for d in eagle eagle3 medusa; do
   run timeout "${EVAL_TIMEOUT:-300}" python3 -m optllm eval smollm2-135m --draft /root/d/$d $evalargs --out /root/r/$d
 done
 if [ "${AWQ:-0}" = 1 ]; then

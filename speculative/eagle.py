@@ -108,6 +108,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def target_layer_args(target) -> tuple:
+    """(embedding, LM head (fp32 CPU copies), heads, KV heads, head_dim, intermediate size, RMSNorm
+    eps, rotary base) of the transformers causal LM ``target``: a draft layer sized like it."""
+    c = target.config
+    rope = getattr(c, "rope_theta", None)
+    if rope is None:
+        rope = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return (target.get_input_embeddings().weight.detach().float().cpu(),
+            target.get_output_embeddings().weight.detach().float().cpu(),
+            c.num_attention_heads, kv, head_dim, c.intermediate_size, float(c.rms_norm_eps), float(rope))
+
+
 class EagleDraft(nn.Module):
     """features [B, T, H] (f_t) and next_ids [B, T] (x_{t+1}) -> (predicted features [B, T, H]
     (f_{t+1}), logits [B, T, V] over x_{t+2})."""
@@ -135,15 +149,7 @@ class EagleDraft(nn.Module):
         """A fresh draft sized like the transformers causal LM `target`, with its embedding and
         LM head (fp32 copies). The rotary base is the target's; any rope scaling is not copied
         (the draft's attention is its own, trained from scratch)."""
-        c = target.config
-        rope = getattr(c, "rope_theta", None)
-        if rope is None:
-            rope = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return cls(target.get_input_embeddings().weight.detach().float().cpu(),
-                   target.get_output_embeddings().weight.detach().float().cpu(),
-                   c.num_attention_heads, kv, head_dim, c.intermediate_size, float(c.rms_norm_eps), float(rope))
+        return cls(*target_layer_args(target))
 
     def sizes(self) -> dict:
         """What a runtime needs to rebuild the layer (config.json)."""

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .eagle import MLP, RMSNorm, rotary
+from .eagle import MLP, RMSNorm, rotary, target_layer_args
 
 STEP_DECAY = 0.8  # step j's loss weight is STEP_DECAY ** j (normalised)
 
@@ -122,16 +122,7 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_target(cls, target, aux_layers: tuple[int, ...] | None = None) -> Eagle3Draft:
-        c = target.config
-        rope = getattr(c, "rope_theta", None)
-        if rope is None:
-            rope = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return cls(target.get_input_embeddings().weight.detach().float().cpu(),
-                   target.get_output_embeddings().weight.detach().float().cpu(), c.num_attention_heads, kv,
-                   head_dim, c.intermediate_size, float(c.rms_norm_eps), float(rope),
-                   aux_layers or default_aux_layers(c.num_hidden_layers))
+        return cls(*target_layer_args(target), aux_layers or default_aux_layers(target.config.num_hidden_layers))
 
     def set_vocab(self, token_ids: torch.Tensor) -> None:
         """Keep only these target token ids (sorted, distinct) in the draft's vocabulary: the LM
