@@ -1,34 +1,50 @@
 #!/usr/bin/env bash
-# One device call for the speculative-decoding issue (15) and the eval report (16), on the H200:
-# assemble the staged SmolLM2 GGUF (as device_quality.sh: .carry1 in an earlier call, .carry2
-# in this one), run the speculative GPU tests, train EAGLE, EAGLE-3 and Medusa drafts on the target's
-# own Magpie prompts and answers, then `optllm eval --draft` for each draft (tok/s without and
-# with it, tau, acceptance per depth, greedy identical) at batch sizes 1, 8, 32, 64, temperatures
-# 0 and 1, on held-out prompts. AWQ=1 also quantizes the target (W4 g64 AWQ), trains an EAGLE
-# draft on it and measures the AWQ target with that draft and with the one trained on the float
-# target. Everything lands in $OUT (reports as results.tgz, tables printed last).
-# Environment: STEPS (training steps, default 600), PROMPTS (default 512), BS (default 1,8,32,64),
-# OUTPUT_LEN (128), POLICY (auto), TESTS=0 skips the tests, AWQ=1.
+# One device call for the speculative-decoding issue (15), on the H200: assemble the staged
+# SmolLM2 GGUF (benchmarks/device_stage.sh: .carry1 in an earlier call, .carry2 in this one), train
+# EAGLE and Medusa drafts on the target's own Magpie prompts and answers, then `optllm eval --draft`
+# for each (tok/s without and with it, tau, acceptance per depth, greedy identical) at batch sizes
+# 1, 8, 32, 64, temperatures 0 and 1, on held-out prompts; then the AWQ target (W4 g64) with an EAGLE
+# draft trained on it and with the one trained on the float target; then EAGLE-3 (7 training-time-
+# test steps, exported for vLLM). Steps run in that order under one deadline (BUDGET seconds, default
+# 560): a step that no longer fits is skipped and said so; drafts and checkpoints already on the
+# machine (an earlier call) are reused. Everything lands in $OUT (reports as results.tgz, tables last).
+# Environment: STEPS (training steps, default 2000), PROMPTS (default 2048), TRAIN_S (seconds per
+# training run, default 150), BS (default 1,8,32,64), OUTPUT_LEN (128), POLICY (auto), TESTS=1 runs
+# the speculative GPU tests first, BUDGET.
 set -uo pipefail
 source benchmarks/device_stage.sh
-[ "${TESTS:-1}" = 0 ] || timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -x \
-  tests/runtime/test_spec_engine.py tests/runtime/test_spec_policy.py tests/kernels/test_tree_attention.py 2>&1 | tail -5 | tee "$OUT/tests.log"
+T0=$SECONDS
+BUDGET=${BUDGET:-560}
 run() { echo "+ $*" | tee -a "$OUT/spec.log"; "$@" 2>&1 | grep -v "Loading weights" >> "$OUT/spec.log"; }
-common="--device cuda --num-prompts ${PROMPTS:-512} --max-steps ${STEPS:-600}"
-evalargs="--device cuda --batch-sizes ${BS:-1,8,32,64} --output-len ${OUTPUT_LEN:-128} --spec-policy ${POLICY:-auto}"
-run timeout "${TRAIN_TIMEOUT:-240}" python3 -m optllm train-draft smollm2-135m --method eagle --out /root/d/eagle $common
-run timeout "${TRAIN_TIMEOUT:-240}" python3 -m optllm train-draft smollm2-135m --method eagle3 --ttt-steps 7 \
-  --out /root/d/eagle3 --export vllm $common
-run timeout "${TRAIN_TIMEOUT:-240}" python3 -m optllm train-draft smollm2-135m --method medusa --out /root/d/medusa $common
-for d in eagle eagle3 medusa; do
-  run timeout "${EVAL_TIMEOUT:-300}" python3 -m optllm eval smollm2-135m --draft /root/d/$d $evalargs --out /root/r/$d
-done
-if [ "${AWQ:-0}" = 1 ]; then
-  run timeout 300 python3 -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --out /root/q/awq --device cuda
-  run timeout "${TRAIN_TIMEOUT:-240}" python3 -m optllm train-draft /root/q/awq --method eagle --out /root/d/eagle-awq $common
-  run timeout "${EVAL_TIMEOUT:-300}" python3 -m optllm eval /root/q/awq --draft /root/d/eagle-awq $evalargs --out /root/r/awq-own
-  run timeout "${EVAL_TIMEOUT:-300}" python3 -m optllm eval /root/q/awq --draft /root/d/eagle $evalargs --out /root/r/awq-float
-fi
+# step SECONDS CMD...: CMD under a timeout of SECONDS, cut to what is left of the budget; skipped
+# when less than 40 s are left.
+step() {
+  local t=$1 left=$(( BUDGET - (SECONDS - T0) - 15 )); shift
+  if [ "$left" -lt 40 ]; then echo "skipped (budget): $*" | tee -a "$OUT/spec.log"; return 1; fi
+  [ "$t" -gt "$left" ] && t=$left
+  run timeout "$t" "$@"
+}
+[ "${TESTS:-0}" = 0 ] || step 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_spec_gpu.py
+train() {  # train NAME TARGET METHOD [ARGS...]
+  local name=$1 target=$2 method=$3; shift 3
+  [ -f "/root/d/$name/config.json" ] && return 0
+  step $(( ${TRAIN_S:-150} + 20 )) python3 -m optllm train-draft "$target" --method "$method" --out "/root/d/$name" \
+    --device cuda --num-prompts "${PROMPTS:-2048}" --max-steps "${STEPS:-2000}" --batch-size 16 \
+    --time-limit "${TRAIN_S:-150}" --overwrite "$@"
+}
+evaluate() {  # evaluate NAME TARGET DRAFT
+  [ -f "/root/d/$3/config.json" ] || { echo "no draft $3: skipping $1" | tee -a "$OUT/spec.log"; return 1; }
+  step "${EVAL_S:-150}" python3 -m optllm eval "$2" --draft "/root/d/$3" --device cuda --batch-sizes "${BS:-1,8,32,64}" \
+    --output-len "${OUTPUT_LEN:-128}" --spec-policy "${POLICY:-auto}" --out "/root/r/$1"
+}
+train eagle smollm2-135m eagle && evaluate eagle smollm2-135m eagle
+train medusa smollm2-135m medusa && evaluate medusa smollm2-135m medusa
+[ -f /root/q/awq/config.json ] || step 150 python3 -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 \
+  --out /root/q/awq --device cuda --no-compare
+train eagle-awq /root/q/awq eagle && evaluate awq-own /root/q/awq eagle-awq
+evaluate awq-float /root/q/awq eagle
+train eagle3 smollm2-135m eagle3 --ttt-steps 7 --export vllm && evaluate eagle3 smollm2-135m eagle3
 for r in /root/r/*/; do echo "## $(basename "$r")"; grep "^|" "$r/report.md"; done > "$OUT/spec.md" 2>/dev/null
-(cd /root && tar czf "$OUT/results.tgz" r d/*/config.json 2>/dev/null)
-tail -5 "$OUT/spec.log"; cat "$OUT/spec.md"
+grep -h "held-out top-1\|time limit\|trained " "$OUT/spec.log" | tail -20 > "$OUT/train_tail.log"
+(cd /root && tar czf "$OUT/results.tgz" r d/*/config.json d/*/train_log.json 2>/dev/null)
+echo "elapsed $(( SECONDS - T0 )) s"; tail -3 "$OUT/spec.log"; cat "$OUT/train_tail.log" "$OUT/spec.md"

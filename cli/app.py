@@ -481,6 +481,8 @@ def train_draft(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     seed: int = typer.Option(0, help="seed of the prompts, the data order and the heads"),
     overwrite: bool = typer.Option(False, help="replace OUT (or an unfinished run of it) if it exists"),
+    time_limit: Optional[float] = typer.Option(None, help="seconds the whole run may take: the schedule is "
+                                               "shortened to the steps that fit, and the draft written in time"),
     export: Optional[str] = typer.Option(None, help="vllm: also write OUT/vllm, the EAGLE draft in the layout vLLM "
                                          "and SGLang load as a speculative model"),
 ) -> None:
@@ -498,7 +500,7 @@ def train_draft(
                           prompts=prompts, max_steps=max_steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                           seq_len=seq_len, answer_tokens=answer_tokens, checkpoint_every=checkpoint_every,
                           eval_every=eval_every, resume=resume, device=device, seed=seed, overwrite=overwrite,
-                          ttt_steps=ttt_steps, draft_vocab=draft_vocab)
+                          ttt_steps=ttt_steps, draft_vocab=draft_vocab, time_limit=time_limit)
         result = run(cfg, log=typer.echo)
         if export == "vllm":
             from ..hub.loader import resolve_model

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,7 +43,11 @@ class DraftConfig:
     seq_len: tokens per sequence at most (prompt + answer); answer_tokens: answer tokens at
     most; warmup_steps: None = 5% of max_steps; checkpoint_every / eval_every: in steps;
     holdout: sequences kept out of training to measure each head's top-1 accuracy;
-    resume: a checkpoint-STEP folder to continue from (same data, schedule and RNG)."""
+    resume: a checkpoint-STEP folder to continue from (same data, schedule and RNG).
+    time_limit: seconds the whole run may take (data included): after a few steps the step time
+    is measured and, if max_steps would not fit, the cosine schedule is planned for the steps
+    that do (the learning rate still decays to zero); past the limit training stops and the draft
+    is written from where it is."""
 
     target: str
     out: Path
@@ -69,6 +74,7 @@ class DraftConfig:
     device: str = "auto"
     seed: int = 0
     overwrite: bool = False
+    time_limit: float | None = None
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -96,6 +102,8 @@ class DraftConfig:
             raise UserError(f"lr={self.lr!r} is not allowed; allowed: a number > 0")
         if self.warmup_steps is not None and not (0 <= self.warmup_steps <= self.max_steps):
             raise UserError(f"warmup_steps={self.warmup_steps!r} is not allowed; allowed: 0..max_steps")
+        if self.time_limit is not None and not (self.time_limit > 0):
+            raise UserError(f"time_limit={self.time_limit!r} is not allowed; allowed: seconds > 0")
         if self.holdout < 0:
             raise UserError(f"holdout={self.holdout!r} is not allowed; allowed: an integer >= 0")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -118,6 +126,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    t0 = time.monotonic()
     out = cfg.out
     work = out.parent / f".{out.name}.partial"
     if out.exists() and not cfg.overwrite:
@@ -162,7 +171,8 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         method.fit(heads, train)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.max_steps // 20
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(warmup, cfg.max_steps))
+    plan = _Cosine(warmup, cfg.max_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, plan)  # its state_dict keeps plan's total (a resume too)
 
     step, position = 0, 0
     rng = None
@@ -177,8 +187,9 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
     result = TrainResult(out, step)
     if step == 0 and held:
         result.accuracy = _evaluate(acc, target, method, heads, held, cfg.batch_size)
-        log(f"step 0/{cfg.max_steps}  held-out top-1 {_fmt(result.accuracy)}")
-    while step < cfg.max_steps:
+        log(f"step 0/{plan.total}  held-out top-1 {_fmt(result.accuracy)}")
+    first, t_first = step, None
+    while step < plan.total:
         heads.train()
         total = 0.0
         for _ in range(cfg.grad_accum):
@@ -196,13 +207,28 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         opt.zero_grad(set_to_none=True)
         step += 1
         result.losses.append((step, total))
-        if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+        if cfg.time_limit is not None:
+            if step == first + 1:
+                t_first = time.monotonic()  # the first step compiles and warms up: timed from here
+            elif step == first + _PROBE_STEPS + 1 and t_first is not None:
+                per_step = (time.monotonic() - t_first) / _PROBE_STEPS
+                left = cfg.time_limit - (time.monotonic() - t0) - _SAVE_RESERVE_S
+                fit = _agree(acc, step + max(0, int(left / per_step)))
+                if fit < plan.total:
+                    log(f"time limit {cfg.time_limit:g} s: {per_step * 1e3:.1f} ms a step, {fit} of {plan.total} "
+                        "steps fit; the schedule now ends there")
+                    plan.shrink(max(step, fit))
+            if _agree(acc, int(time.monotonic() - t0 > cfg.time_limit - _SAVE_RESERVE_S)) and step < plan.total:
+                log(f"time limit {cfg.time_limit:g} s reached at step {step}; stopping there")
+                plan.shrink(step)
+        last = step == plan.total
+        if held and (step % cfg.eval_every == 0 or last):
             result.accuracy = _evaluate(acc, target, method, heads, held, cfg.batch_size)
-        line = f"step {step}/{cfg.max_steps}  loss {total:.4f}  lr {sched.get_last_lr()[0]:.2e}"
-        if held and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+        line = f"step {step}/{plan.total}  loss {total:.4f}  lr {sched.get_last_lr()[0]:.2e}"
+        if held and (step % cfg.eval_every == 0 or last):
             line += f"  held-out top-1 {_fmt(result.accuracy)}"
         log(line)
-        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+        if step % cfg.checkpoint_every == 0 or last:
             acc.wait_for_everyone()
             if acc.is_main_process:
                 _save_checkpoint(work / f"checkpoint-{step}", acc.unwrap_model(heads), opt, sched, step, position)
@@ -257,13 +283,37 @@ def _collate(batch: list[DraftSequence], device) -> tuple[torch.Tensor, torch.Te
 # --------------------------------------------------------------------------- schedule, eval
 
 
-def _cosine(warmup: int, total: int) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
+_PROBE_STEPS = 10  # steps timed (after the first) to plan a run under time_limit
+_SAVE_RESERVE_S = 10.0  # seconds kept for the last evaluation and writing the draft
+
+
+class _Cosine:
+    """Linear warmup, then cosine decay to zero at ``total`` steps. An object (not a closure)
+    so LambdaLR's state_dict keeps warmup and total: a run whose schedule was shortened for
+    its time limit resumes on the shortened schedule."""
+
+    def __init__(self, warmup: int, total: int) -> None:
+        self.warmup, self.total = warmup, total
+
+    def shrink(self, total: int) -> None:
+        self.total = max(1, total)
+        self.warmup = min(self.warmup, self.total // 20)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        progress = (step - self.warmup) / max(1, self.total - self.warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return factor
+
+
+def _agree(acc, value: int) -> int:
+    """The main process's value on every process (each has its own clock; a decision about
+    stopping must be the same everywhere, or the gradient all-reduce waits forever)."""
+    if acc.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast
+
+    return int(broadcast(torch.tensor([value], device=acc.device), from_process=0).item())
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@
   CUDA the FP8 GEMM and its activation quantizer (kernels/fp8.py); with the torch backend
   (CPU) their reference: the activations quantized and dequantized exactly as the kernel's
   quantizer does, times the dequantized weight, in float32. Activation quantization is part
-  of the scheme, so "dequant" mode runs FP8 checkpoints this way too.
+  of the scheme, so "dequant" mode runs FP8 checkpoints this way too (the reference, on any device).
 * W8A8Int8Method: compressed-tensors int-quantized W8A8 (int8 weights with a per-channel
   scale; int8 input activations per token at run time, or static per tensor): on CUDA the
   INT8 GEMM with its per-token quantizer (kernels/w8a8_int8.py; static inputs are quantized
@@ -145,8 +145,9 @@ class FP8Method:
     input scale, the largest of the fused shards' (as vLLM), else per token."""
 
     def __init__(self, args: QuantArgs, input_activations: QuantArgs | None, scale_dtype: torch.dtype,
-                 backend: str) -> None:
-        self.args, self.scale_dtype, self.backend = args, scale_dtype, backend
+                 backend: str, dequant: bool = False) -> None:
+        self.args, self.scale_dtype = args, scale_dtype
+        self.backend = "torch" if dequant else backend
         self.static = input_activations is not None and not input_activations.dynamic
 
     @staticmethod
@@ -384,7 +385,8 @@ def linear_method(quant: QuantSpec | None, hf_names: list[str], in_features: int
     if NVFP4Method.takes(quant.args):
         return NVFP4Method(quant.args, quant.input_activations, backend, dequant=quant.mode == "dequant")
     if FP8Method.takes(quant.args):
-        return FP8Method(quant.args, quant.input_activations, quant.scale_dtype, backend)
+        return FP8Method(quant.args, quant.input_activations, quant.scale_dtype, backend,
+                         dequant=quant.mode == "dequant")
     if W8A8Int8Method.takes(quant.args, quant.input_activations):
         return W8A8Int8Method(quant.args, quant.input_activations, quant.scale_dtype, backend,
                               dequant=quant.mode == "dequant")

@@ -124,3 +124,28 @@ def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and pattern in lines[0], r.stderr
     assert "Traceback" not in r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_time_limit_shortens_the_schedule_and_writes_the_draft(tiny_chat, tmp_path, monkeypatch):
+    """A run whose max_steps cannot fit its time limit: after the probe steps the cosine schedule
+    is planned for the steps that fit (the learning rate still reaches zero at the last one), and
+    the draft is written. The clock is faked (one second per reading), so the test is exact."""
+    import itertools
+    from types import SimpleNamespace
+
+    from optllm.speculative import train as train_mod
+
+    ticks = itertools.count(0.0, 1.0)
+    monkeypatch.setattr(train_mod, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    logs: list[str] = []
+    kw = {**SMALL, "max_steps": 1000, "warmup_steps": 2, "checkpoint_every": 1000, "eval_every": 1000}
+    out = tmp_path / "timed"
+    result = train_draft(DraftConfig(target=str(tiny_chat), out=out, time_limit=40, **kw), log=logs.append)
+    # readings: t0 = 0; step 1 starts the probe at 1; steps 2..10 read once each; step 11 reads 12 and 13:
+    # 1.1 s a step, 40 - 13 - 10 = 17 s left -> 11 + 15 = 26 steps
+    assert any("26 of 1000 steps fit" in line for line in logs), logs
+    assert result.step == 26 and [s for s, _ in result.losses] == list(range(1, 27))
+    assert logs[-2].startswith("step 26/26") and "lr 0.00e+00" in logs[-2]
+    assert (out / "model.safetensors").is_file()
+    with pytest.raises(UserError, match="time_limit"):
+        DraftConfig(target=str(tiny_chat), out=tmp_path / "o", time_limit=0)
