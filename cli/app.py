@@ -174,7 +174,8 @@ def eval_cmd(
     seq_len: int = typer.Option(512, help="tokens per window"),
     max_windows: Optional[int] = typer.Option(None, help="cap on windows per kind (same for every model)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N]"),
-    dtype: str = typer.Option("float32", help="compute dtype: float32 | bfloat16 | float16"),
+    dtype: str = typer.Option("auto", help="compute dtype: auto (float32 on CPU, bfloat16 on CUDA: what is "
+                              "served) | float32 | bfloat16 | float16"),
     kernels: bool = typer.Option(False, "--kernels/--dequant", help="run quantized linears on the W4A16 kernels"),
     tasks: Optional[str] = typer.Option(
         None, help="lm-eval tasks, groups or tags, comma-separated (optllm_offline: our own two; ppl: the "
@@ -250,7 +251,7 @@ def eval_cmd(
         if draft:
             from ..eval.speculation import evaluate_speculation
 
-            results = evaluate_speculation(models, draft, spec_sizes, spec_len, device=dev, dtype="auto",
+            results = evaluate_speculation(models, draft, spec_sizes, spec_len, device=dev, dtype=dtype,
                                            temperatures=temps, policy=spec_policy)
             rows = add_results(rows, models, results, lambda r: dict(speculation=r["speculation"]))
     except (UserError, ValueError) as e:

@@ -106,7 +106,7 @@ def speculation_table(rows: list) -> str:
     for r in rows:
         for s in getattr(r, "speculation", None) or []:
             depth = (list(s.get("accept_at_depth") or []) + [None] * 4)[:4]
-            same = {True: "yes", False: "**no**", None: "–"}[s.get("identical")]
+            same = _same_tokens(s)
             lines.append("| " + " | ".join([
                 r.model, r.kind, f"{s['temperature']:g}", str(s["batch_size"]), f(s.get("plain_tok_s"), "{:.1f}"),
                 f(s.get("spec_tok_s"), "{:.1f}"), f(s.get("speedup"), "{:.2f}×"), f(s.get("tau"), "{:.2f}"),
@@ -123,7 +123,24 @@ def speculation_intro(rows: list) -> str:
             f"{s['output_len']} tokens, a batch arriving at once. tok/s: output tokens over the whole call, without "
             "and with the draft (engines loaded one after the other, same shape); τ: tokens a speculative "
             "sequence-step emits (accepted draft tokens + 1); ≥d: share of speculative sequence-steps that accepted "
-            "at least d draft tokens; same tokens: greedy outputs identical with and without the draft.\n\n")
+            "at least d draft tokens; same tokens: greedy outputs identical with and without the draft (else "
+            "how many sequences were, and the largest top-2 log-prob margin of the target where one parted: a "
+            "bf16 rounding step, ~0.1, is a tie that other kernels broke the other way).\n\n")
+
+
+_TIE_MARGIN = 0.5  # a few bf16 rounding steps of logits of magnitude 16..64 (0.125..0.25 each)
+
+
+def _same_tokens(s: dict) -> str:
+    if s.get("identical") is None:
+        return "–"
+    if s["identical"]:
+        return "yes"
+    m = s.get("max_divergence_margin")
+    if m is None or "seqs" not in s:
+        return "**no**"
+    n = f"{s['same_seqs']}/{s['seqs']}"
+    return f"{n} (ties ≤ {m:.3f})" if m < _TIE_MARGIN else f"**no** ({n}, margin {m:.3f})"
 
 
 def speed_intro(rows: list) -> str:

@@ -3,7 +3,12 @@ temperature, the output tok/s without and with speculative decoding, the speedup
 accepted length tau (tokens a sequence-step emits: accepted draft tokens + 1), the
 histogram of accepted lengths and, per depth d, the share of speculative sequence-steps that
 accepted at least d draft tokens; under greedy decoding also whether both runs gave the same
-tokens (they must).
+tokens. In float32 they must (the CPU tests check it). In bf16 the verify step's logits come from
+other kernels and other GEMM shapes than a decode step's, and round differently: where the
+target's two best tokens are within a rounding step, the argmax may flip and the outputs part.
+So for each sequence that parts, the target's top-2 log-prob margin at the first differing
+position is measured (the plain output up to there, scored by the target): margins of a bf16
+rounding step (~0.1) are ties, a margin far above that would be a bug.
 
 Prompts are held out from every draft's training: the user turns of the built-in chat
 corpus's eval split (stories, letters, advice, role-play, poems, trips: hub/corpus.py), a
@@ -122,6 +127,9 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
                 r[f"{label}_ids"] = ids
                 if label == "spec":
                     r["counts"] = _delta(_spec_counts(llm), before)
+                    if t == 0:
+                        r["margins"] = _divergence_margins(llm, [p for b in batches[1:] for p in b], r["plain_ids"],
+                                                           ids)
                 if bar is not None:
                     bar.update(1)
             del llm
@@ -142,8 +150,32 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
             accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth,
             identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None,
+            **(_identity(r["margins"]) if t == 0 else {}),
         ))
     return rows
+
+
+def _divergence_margins(llm: LLM, prompts, plain_ids, spec_ids) -> list[float | None]:
+    """Per sequence: None where both runs gave the same tokens, else the target's top-2 log-prob
+    margin at the first position where they part (prompt + the common part, scored once)."""
+    firsts = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) if x != y else None
+              for x, y in zip(plain_ids, spec_ids)]
+    todo = [(i, list(p) + plain_ids[i][:j]) for i, (p, j) in enumerate(zip(prompts, firsts)) if j is not None]
+    out: list[float | None] = [None] * len(prompts)
+    if not todo:
+        return out
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=2, detokenize=False)
+    for (i, _), o in zip(todo, llm.generate([p for _, p in todo], params)):
+        top = sorted(o.outputs[0].logprobs[0].values(), reverse=True)
+        out[i] = top[0] - top[1] if len(top) > 1 else float("inf")
+    return out
+
+
+def _identity(margins: list[float | None]) -> dict:
+    """same_seqs / seqs, and the largest top-2 margin where a sequence parted (None: none did)."""
+    parted = [m for m in margins if m is not None]
+    return dict(same_seqs=len(margins) - len(parted), seqs=len(margins),
+                max_divergence_margin=max(parted) if parted else None)
 
 
 def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequence[int], output_len: int,

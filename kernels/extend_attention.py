@@ -123,14 +123,19 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def extend_tiles(max_seqlen_q: int, group: int, head_dim: int) -> tuple[int, int, int, int]:
+def extend_tiles(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages): up to 128 (query, head) rows, fewer
     when the longest new run (e.g. a token tree) needs fewer; head_dim 256 halves the tiles.
+    float32 queries / caches (elem_bytes 4) take 64 keys a tile in two stages: 128 x 128 tiles
+    of d 128 in three stages ask 256 KiB of shared memory, over the H200's 227 KiB (found by
+    tests/kernels/test_tree_attention.py on the H200).
     H200, triton 3.6, causal 4096 tokens, 32 q / 8 kv heads, d 128: 128 x 128, 8 warps, 3
     stages 444 us (310 TFLOP/s); 128 x 64, 2 stages 489 us; 64 x 64, 4 warps, 3 stages 456 us."""
     big = head_dim <= 128
     rows = triton.next_power_of_2(max(1, max_seqlen_q) * group)
     block_m = max(16, triton.next_power_of_2(group), min(128 if big else 64, rows))
+    if elem_bytes > 2:
+        return block_m, 64 if big else 32, 8 if block_m >= 128 else 4, 2
     if big and block_m >= 128:
         return block_m, 128, 8, 3
     return block_m, 64 if big else 32, 4, 2
@@ -208,7 +213,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if bsz == 0 or max_seqlen_q == 0 or q.shape[0] == 0:
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
-    block_m, block_n, warps, stages = extend_tiles(max_seqlen_q, g, d)
+    block_m, block_n, warps, stages = extend_tiles(max_seqlen_q, g, d, q.element_size())
     qpt = block_m // g
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     m = q if mask is None else mask.view(torch.uint8)

@@ -163,7 +163,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return out
     if bsz == 0 or n == 0:
         return out
-    block_m, block_n, warps, stages = extend_tiles(n, g, d)
+    block_m, block_n, warps, stages = extend_tiles(n, g, d, q.element_size())
     block_d = max(16, triton.next_power_of_2(d))
     qpt = block_m // g
     q_tiles = triton.cdiv(n, qpt)

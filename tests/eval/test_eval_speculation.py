@@ -44,7 +44,32 @@ def test_rows_count_every_step_and_greedy_is_identical(measured):
         assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
         assert r["draft_method"] == "medusa" and r["draft"] == str(draft)
         assert r["identical"] is (True if r["temperature"] == 0 else None)
+        if r["temperature"] == 0:
+            assert (r["same_seqs"], r["seqs"], r["max_divergence_margin"]) == (r["batch_size"],) * 2 + (None,)
     assert res[0]["scheme"] == "float"
+
+
+def test_a_parting_sequence_is_measured_at_its_first_difference(tiny_llama):
+    """Where the speculative tokens part from the plain ones, the margin reported is the
+    target's top-2 log-prob gap at that position (the plain tokens up to there, scored)."""
+    from optllm.eval.report import _same_tokens
+    from optllm.eval.speculation import _divergence_margins, _identity
+    from optllm.runtime.llm import LLM
+    from optllm.runtime.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32")
+    prompts = [[5, 17, 250, 3], [11, 12, 13]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    plain = [o.outputs[0].token_ids for o in outs]
+    spec = [plain[0], plain[1][:5] + [(plain[1][5] + 1) % 300] + plain[1][6:]]
+    margins = _divergence_margins(llm, prompts, plain, spec)
+    top = sorted(outs[1].outputs[0].logprobs[5].values(), reverse=True)
+    assert margins[0] is None and margins[1] == pytest.approx(top[0] - top[1], abs=1e-4)
+    ident = _identity(margins)
+    assert (ident["same_seqs"], ident["seqs"]) == (1, 2)
+    assert _same_tokens({"identical": False, **ident, "max_divergence_margin": 0.125}) == "1/2 (ties ≤ 0.125)"
+    assert _same_tokens({"identical": False, **ident, "max_divergence_margin": 3.0}).startswith("**no** (1/2")
+    assert _same_tokens({"identical": True}) == "yes" and _same_tokens({"identical": None}) == "–"
 
 
 def test_report_has_the_speculation_section_and_plot(measured, tmp_path):
