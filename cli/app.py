@@ -129,11 +129,13 @@ def quantize(
 
 
 def _frozen(cfg, mixed: dict):
-    """cfg with its mixed-precision choice fixed as per-module overrides (no target_bits)."""
+    """cfg with its mixed-precision choice fixed as per-module overrides (no target_bits); the
+    run's own overrides first, so the linears they pinned keep all of their arguments."""
     from ..quant.config import QuantizeConfig
     from ..quant.mixed import DEFAULT_CANDIDATES, frozen_overrides
 
-    overrides, keep = frozen_overrides(mixed)
+    frozen, keep = frozen_overrides(mixed)
+    overrides = {**cfg.overrides, **{k: v for k, v in frozen.items() if k not in cfg.overrides}}
     return QuantizeConfig.from_dict({**cfg.to_dict(), "target_bits": None, "mixed_candidates": DEFAULT_CANDIDATES,
                                      "overrides": overrides, "ignore": [*cfg.ignore, *keep]})
 

@@ -18,8 +18,8 @@ from .algorithm import ALGORITHMS
 from .awq import AWQOptions
 from .kv_cache import kv_cache_scheme
 from .mixed import DEFAULT_CANDIDATES, override_candidate, parse_candidates
-from .recipe import check_overrides, compile_steps
-from .scheme import QuantScheme, parse_scheme
+from .recipe import check_overrides, check_types, compile_steps
+from .scheme import QuantScheme, available_schemes, parse_scheme
 from .sensitivity import METRICS
 from .smoothquant import SmoothQuantOptions
 
@@ -28,6 +28,7 @@ OFFLOAD_MODES = ("auto", "always", "never")
 # offload="auto" keeps the calibration activations on the CPU when one copy of them (tokens x
 # hidden size x 4 bytes) reaches this: 128 x 512 tokens of an 8B model (hidden 4096) do
 OFFLOAD_AUTO_BYTES = 1 << 30
+MAX_BITS = 16  # mixed precision: an average above bf16's bits per weight means nothing
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,9 @@ class QuantizeConfig:
 
     def _check_mixed(self, scheme: QuantScheme) -> None:
         t = self.target_bits
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            raise UserError(f"target_bits={t!r} is not allowed; allowed: a number of bits per weight > 0, e.g. 4.5")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_BITS):
+            raise UserError(f"target_bits={t!r} is not allowed; allowed: a number of bits per weight up to "
+                            f"{MAX_BITS}, e.g. 4.5")
         if isinstance(self.mixed_candidates, str):
             object.__setattr__(self, "mixed_candidates", tuple(c for c in self.mixed_candidates.split(",") if c))
         object.__setattr__(self, "mixed_candidates", tuple(str(c).strip().lower() for c in self.mixed_candidates))
@@ -148,12 +150,16 @@ class QuantizeConfig:
             raise UserError(f"{what} needs a weight-only integer scheme (w4a16-*, w8a16-*, w3a16-*), "
                             f"not {scheme.name!r}")
         try:
-            if t is not None:
-                parse_candidates(self.mixed_candidates, scheme.weights)
+            menu = parse_candidates(self.mixed_candidates, scheme.weights) if t is not None else []
             for pattern, fields in self.overrides.items():
                 override_candidate(pattern, fields, scheme.weights)
         except ValueError as e:
             raise UserError(str(e)) from None
+        cheapest = min(menu, key=lambda c: c.bits, default=None)
+        if cheapest is not None and t < cheapest.bits:  # the exact bound, shapes included, is checked on the model
+            raise UserError(f"target_bits={t!r} is below the cheapest candidate ({cheapest.name}: "
+                            f"{float(cheapest.bits):g} bits per weight); allowed: {float(cheapest.bits):g} to "
+                            f"{MAX_BITS}, or cheaper mixed_candidates")
 
     def _check_group_size(self) -> None:
         g = self.group_size
@@ -204,6 +210,7 @@ class QuantizeConfig:
             raise UserError(f"recipe {p} must be a mapping of field: value")
         if "steps" in data:
             data = compile_steps(data, f"recipe {p}")
+        _check_fields(cls, data, f"recipe {p}: ")  # the file's own values, named as the file's
         for k, v in overrides.items():
             if isinstance(v, dict) and isinstance(data.get(k), dict):  # a nested options mapping: merged
                 data[k] = {**data[k], **v}
@@ -215,10 +222,7 @@ class QuantizeConfig:
     def from_dict(cls, data: dict) -> "QuantizeConfig":
         if "steps" in data:
             data = compile_steps(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise UserError(f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        _check_fields(cls, data)
         data = dict(data)
         if "group_size" in data and data["group_size"] is None:
             # null meant per-channel once; "not given" is leaving the field out
@@ -238,6 +242,23 @@ class QuantizeConfig:
             data["ignore"] = tuple(data["ignore"] or ())
         if isinstance(data.get("mixed_candidates"), list):
             data["mixed_candidates"] = tuple(data["mixed_candidates"])
+        if "mixed_candidates" in data and data["mixed_candidates"] is None:
+            del data["mixed_candidates"]
         if "overrides" in data and data["overrides"] is None:
             data["overrides"] = {}
         return cls(**data)
+
+
+def _check_fields(cls, data: dict, where: str = "") -> None:
+    """One line (starting with WHERE) for an unknown field, or a value of the wrong type, in a
+    recipe's or from_dict's mapping, the awq: and smoothquant: mappings' values included."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, data)) - known)
+    if unknown:
+        raise UserError(f"{where}unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+    if "scheme" in data and not isinstance(data["scheme"], str):
+        raise UserError(f"{where}scheme={data['scheme']!r} names no scheme; allowed: {', '.join(available_schemes())}")
+    check_types(cls, data, where)
+    for name, options in (("awq", AWQOptions), ("smoothquant", SmoothQuantOptions)):
+        if isinstance(data.get(name), dict):
+            check_types(options, data[name], f"{where}{name}.")

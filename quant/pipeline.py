@@ -147,10 +147,11 @@ def _rtn_in_place(linears: dict[str, nn.Linear], args_of, scale_dtype) -> dict[s
 def block_step(algorithm, options, ctx: BlockContext, args_of) -> BlockResult:
     """The algorithm's step on the block, each linear with args_of(name): one call when they
     share their arguments (always, without overrides or mixed precision), else one call per
-    run of consecutive sequential groups that share them, the last run first: a step may fold
-    scales into the linears before its own (AWQ's v_proj -> o_proj, up_proj -> down_proj), so
-    those must still be unquantized when it runs. (GPTQ's true-sequential order then holds
-    within a run only.)"""
+    run of consecutive sequential groups that share them. In the block's order, so a run sees
+    the earlier ones quantized (GPTQ's true-sequential order holds across runs), except for a
+    step that folds scales into the linears before its own (Algorithm.folds_scales: AWQ's
+    v_proj -> o_proj, up_proj -> down_proj): the last run first, as those must still be
+    unquantized when it runs."""
     linears = ctx.linears
     stages = [[n for n in g if n in linears] for g in ctx.mapping.sequential]
     groups = [g for g in stages if g] + [[n] for n in linears if not any(n in g for g in stages)]
@@ -165,7 +166,7 @@ def block_step(algorithm, options, ctx: BlockContext, args_of) -> BlockResult:
         args = runs[0][0] if runs else ctx.weights
         return algorithm.step(dataclasses.replace(ctx, weights=args), options)
     merged = BlockResult({}, [])
-    for args, names in reversed(runs):
+    for args, names in reversed(runs) if algorithm.folds_scales else runs:
         sub = dataclasses.replace(ctx, linears={n: linears[n] for n in names}, weights=args)
         r = algorithm.step(sub, options)
         merged.qweights.update(r.qweights)

@@ -37,15 +37,26 @@ PREPARERS = ("smoothquant", "mixed")
 STEP_OPTIONS: dict[str, dict[str, str | None]] = {
     "rtn": {},
     "awq": {f.name: None for f in dataclasses.fields(AWQOptions)},
-    "gptq": {"dampening": "dampening", "block_size": "gptq_block_size", "true_sequential": "true_sequential",
-             "token_cap": "token_cap", "hessian_shrink": "hessian_shrink", "actorder": "actorder"},
+    "gptq": {
+        "dampening": "dampening",
+        "block_size": "gptq_block_size",
+        "true_sequential": "true_sequential",
+        "token_cap": "token_cap",
+        "hessian_shrink": "hessian_shrink",
+        "actorder": "actorder",
+    },
     "fp8": {},
     "nvfp4": {},
     "smoothquant": {f.name: None for f in dataclasses.fields(SmoothQuantOptions) if f.name != "weights"},
-    "mixed": {"target_bits": "target_bits", "candidates": "mixed_candidates", "tokens": "mixed_tokens",
-              "sensitivity": "mixed_sensitivity"},
+    "mixed": {
+        "target_bits": "target_bits",
+        "candidates": "mixed_candidates",
+        "tokens": "mixed_tokens",
+        "sensitivity": "mixed_sensitivity",
+    },
 }
 OVERRIDE_FIELDS = ("num_bits", "group_size", "symmetric")
+OVERRIDE_TYPES = {"num_bits": "int", "group_size": "int | str", "symmetric": "bool"}  # group_size: or "channel"
 _OVERRIDABLE = ("rtn", "awq", "gptq")  # the weight-only integer quantizers
 _SMOOTHED = ("rtn", "gptq")  # the weight quantizers of the w8a8-int8 schemes (SmoothQuantOptions.weights)
 
@@ -70,8 +81,9 @@ def compile_steps(data: dict, where: str = "recipe") -> dict:
 
     def put(field: str, value, step: _Step) -> None:
         if field in data:
-            raise UserError(f"{where}: {field} is given both at the top level and in steps[{step.index}].{step.name}; "
-                            "give it once")
+            raise UserError(
+                f"{where}: {field} is given both at the top level and in steps[{step.index}].{step.name}; give it once"
+            )
         out[field] = value
 
     scheme = _scheme(data.get("scheme"), parsed, quant, where)
@@ -95,12 +107,15 @@ def _parse(i: int, item, where: str) -> _Step:
     at = f"{where}: steps[{i}]"
     allowed = ", ".join(sorted(STEP_OPTIONS))
     if not isinstance(item, dict):
-        raise UserError(f"{at} must be a mapping of one step name to its options (e.g. gptq: {{}}), "
-                        f"not {type(item).__name__}")
+        raise UserError(
+            f"{at} must be a mapping of one step name to its options (e.g. gptq: {{}}), not {type(item).__name__}"
+        )
     names = [k for k in item if k != "overrides"]
     if len(names) != 1:
-        raise UserError(f"{at} names {len(names)} steps ({', '.join(map(str, names)) or 'none'}); "
-                        f"one per list entry; allowed steps: {allowed}")
+        raise UserError(
+            f"{at} names {len(names)} steps ({', '.join(map(str, names)) or 'none'}); "
+            f"one per list entry; allowed steps: {allowed}"
+        )
     name = str(names[0])
     if name not in STEP_OPTIONS:
         raise UserError(f"{at}: unknown step {name!r}; allowed: {allowed}")
@@ -111,13 +126,28 @@ def _parse(i: int, item, where: str) -> _Step:
     if unknown:
         known = ", ".join(sorted(STEP_OPTIONS[name])) or "none (the step has no options)"
         raise UserError(f"{at}.{name}: unknown field {unknown[0]!r}; allowed: {known}")
+    _check_step_types(name, options, f"{at}.{name}: ")
     overrides = item.get("overrides")
     if "overrides" in item:
         if name not in _OVERRIDABLE:
-            raise UserError(f"{at}: overrides belong to a weight-only integer step ({', '.join(_OVERRIDABLE)}), "
-                            f"not {name}")
+            raise UserError(
+                f"{at}: overrides belong to a weight-only integer step ({', '.join(_OVERRIDABLE)}), not {name}"
+            )
         overrides = check_overrides(overrides, f"{at}.overrides")
     return _Step(i, name, dict(options), overrides)
+
+
+def _check_step_types(name: str, options: dict, where: str) -> None:
+    """The step's options of the right types: those standing for QuantizeConfig fields by the
+    field's annotation, the others by their options dataclass's (AWQOptions, SmoothQuantOptions)."""
+    from .config import QuantizeConfig  # config imports this module
+
+    fields = {f.name: f.type for f in dataclasses.fields(QuantizeConfig)}
+    own = {"awq": AWQOptions, "smoothquant": SmoothQuantOptions}.get(name)
+    own_types = {f.name: f.type for f in dataclasses.fields(own)} if own else {}
+    for option, value in options.items():
+        target = STEP_OPTIONS[name][option]
+        check_value(f"{where}{option}", value, fields[target] if target else own_types[option])
 
 
 def check_overrides(overrides, where: str = "overrides") -> dict[str, dict]:
@@ -135,8 +165,12 @@ def check_overrides(overrides, where: str = "overrides") -> dict[str, dict]:
             raise UserError(f"{where}[{pattern!r}] must be a non-empty mapping of {', '.join(OVERRIDE_FIELDS)}")
         unknown = sorted(set(map(str, fields)) - set(OVERRIDE_FIELDS))
         if unknown:
-            raise UserError(f"{where}[{pattern!r}]: unknown field {unknown[0]!r}; "
-                            f"allowed: {', '.join(OVERRIDE_FIELDS)}")
+            raise UserError(
+                f"{where}[{pattern!r}]: unknown field {unknown[0]!r}; allowed: {', '.join(OVERRIDE_FIELDS)}"
+            )
+        for name, annotation in OVERRIDE_TYPES.items():
+            if name in fields:
+                check_value(f"{where}[{pattern!r}].{name}", fields[name], annotation)
         out[pattern] = dict(fields)
     return out
 
@@ -148,8 +182,11 @@ def _check_order(parsed: list[_Step], where: str) -> _Step:
     quant = None
     for s in parsed:
         if quant is not None:
-            what = "a recipe has one quantizing step" if s.name in QUANTIZERS else \
-                f"{s.name} must come before the quantizing step ({quant.name}), which is last"
+            what = (
+                "a recipe has one quantizing step"
+                if s.name in QUANTIZERS
+                else f"{s.name} must come before the quantizing step ({quant.name}), which is last"
+            )
             raise UserError(f"{where}: steps[{s.index}]: {s.name} after {quant.name}: {what}")
         if s.name in QUANTIZERS:
             quant = s
@@ -157,16 +194,29 @@ def _check_order(parsed: list[_Step], where: str) -> _Step:
             raise UserError(f"{where}: steps[{s.index}]: {s.name} is given twice (steps[{seen[s.name].index}])")
         seen[s.name] = s
     if quant is None:
-        raise UserError(f"{where}: no quantizing step; the last step must be one of {', '.join(QUANTIZERS)}")
+        raise UserError(
+            f"{where}: no quantizing step, so no scheme; the last step must be one of {', '.join(QUANTIZERS)}"
+        )
+    if "mixed" in seen and "target_bits" not in seen["mixed"].options:
+        raise UserError(
+            f"{where}: steps[{seen['mixed'].index}].mixed: target_bits is missing; "
+            "give the average bits per weight to reach, e.g. {target_bits: 4.5}"
+        )
     if "smoothquant" in seen and quant.name not in _SMOOTHED:
-        raise UserError(f"{where}: steps[{seen['smoothquant'].index}]: smoothquant can precede only "
-                        f"{' or '.join(_SMOOTHED)} (the w8a8-int8 weights), not {quant.name}")
+        raise UserError(
+            f"{where}: steps[{seen['smoothquant'].index}]: smoothquant can precede only "
+            f"{' or '.join(_SMOOTHED)} (the w8a8-int8 weights), not {quant.name}"
+        )
     if "mixed" in seen and quant.name not in _OVERRIDABLE:
-        raise UserError(f"{where}: steps[{seen['mixed'].index}]: mixed precision needs a weight-only integer "
-                        f"step ({', '.join(_OVERRIDABLE)}), not {quant.name}")
+        raise UserError(
+            f"{where}: steps[{seen['mixed'].index}]: mixed precision needs a weight-only integer "
+            f"step ({', '.join(_OVERRIDABLE)}), not {quant.name}"
+        )
     if "mixed" in seen and "smoothquant" in seen:
-        raise UserError(f"{where}: steps[{seen['mixed'].index}]: mixed precision chooses among weight-only integer "
-                        "schemes; it does not combine with smoothquant (w8a8-int8)")
+        raise UserError(
+            f"{where}: steps[{seen['mixed'].index}]: mixed precision chooses among weight-only integer "
+            "schemes; it does not combine with smoothquant (w8a8-int8)"
+        )
     return quant
 
 
@@ -181,19 +231,86 @@ def _scheme(given, parsed: list[_Step], quant: _Step, where: str) -> str:
     algorithm = SCHEMES.get(given).algorithm
     if algorithm == "smoothquant":
         if quant.name not in _SMOOTHED:
-            raise UserError(f"{where}: steps[{quant.index}]: scheme {given!r} quantizes its weights with "
-                            f"{' or '.join(_SMOOTHED)} (after an optional smoothquant step), not {quant.name}")
+            raise UserError(
+                f"{where}: steps[{quant.index}]: scheme {given!r} quantizes its weights with "
+                f"{' or '.join(_SMOOTHED)} (after an optional smoothquant step), not {quant.name}"
+            )
         if quant.overrides is not None:
-            raise UserError(f"{where}: steps[{quant.index}]: overrides need a weight-only integer scheme "
-                            f"(w4a16-*, w8a16-*), not {given!r}")
+            raise UserError(
+                f"{where}: steps[{quant.index}]: overrides need a weight-only integer scheme "
+                f"(w4a16-*, w8a16-*), not {given!r}"
+            )
         return given
     if smoothed:
         step = next(s for s in parsed if s.name == "smoothquant")
         raise UserError(f"{where}: steps[{step.index}]: smoothquant needs a w8a8-int8 scheme, not {given!r}")
     if algorithm != quant.name:
-        raise UserError(f"{where}: steps[{quant.index}]: {quant.name} does not match scheme {given!r}, whose "
-                        f"algorithm is {algorithm}; change one of them")
+        raise UserError(
+            f"{where}: steps[{quant.index}]: {quant.name} does not match scheme {given!r}, whose "
+            f"algorithm is {algorithm}; change one of them"
+        )
     return given
+
+
+# the annotations of QuantizeConfig's and the options dataclasses' fields this check knows:
+# annotation -> (test, what a recipe must give)
+_KINDS = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "None": (lambda v: v is None, "null"),
+    "tuple[str, ...]": (
+        lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
+        "a list of strings",
+    ),
+    "dict": (lambda v: v is None or isinstance(v, dict), "a mapping"),
+    "AWQOptions": (lambda v: isinstance(v, (dict, AWQOptions)), "a mapping of AWQ options"),
+    "SmoothQuantOptions": (lambda v: isinstance(v, (dict, SmoothQuantOptions)), "a mapping of SmoothQuant options"),
+}
+_YAML_NAMES = {
+    bool: "true/false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "a mapping",
+    type(None): "null",
+}
+
+
+def check_value(label: str, value, annotation: str) -> None:
+    """UserError of one line when VALUE does not have the type ANNOTATION (a dataclass field's,
+    e.g. "int | None") names; an annotation of a kind this check does not know passes."""
+    allowed = []
+    for kind in (k.strip() for k in str(annotation).split("|")):
+        test, text = _KINDS.get(kind, (None, None))
+        if test is None:
+            return
+        if test(value):
+            return
+        allowed.append(text)
+    got = _YAML_NAMES.get(type(value), type(value).__name__)
+    raise UserError(f"{label}={value!r} has the wrong type ({got}); allowed: {' or '.join(allowed)}")
+
+
+def check_types(cls, data: dict, where: str = "") -> None:
+    """Each of DATA's fields that dataclass CLS has, checked against its annotation (check_value;
+    the label is WHERE + the field's name); fields CLS lacks are left to the caller."""
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    for name, value in data.items():
+        if name in types:
+            check_value(f"{where}{name}", value, types[name])
+
+
+def check_options(cls, data: dict, where: str) -> None:
+    """An options mapping (awq:, smoothquant:) against its dataclass CLS: known fields of the
+    right types; UserError of one line otherwise."""
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(set(map(str, data)) - set(known))
+    if unknown:
+        raise UserError(f"{where}: unknown field {unknown[0]!r}; allowed: {', '.join(known)}")
+    check_types(cls, data, f"{where}.")
 
 
 def recipe_entry(recipe: str | Path | None, saved_as: str) -> dict:
@@ -211,5 +328,7 @@ def recipe_entry(recipe: str | Path | None, saved_as: str) -> dict:
 def recipe_note(model, recipe: str | Path | None, saved_as: str) -> str:
     """The comment the checkpoint's copy of its configuration starts with."""
     src = f"recipe {recipe} and flags" if recipe is not None else "flags"
-    return (f"The configuration this checkpoint was made with (from {src}), as a recipe:\n"
-            f"optllm quantize {model} --recipe {saved_as} --out DIR makes it again.")
+    return (
+        f"The configuration this checkpoint was made with (from {src}), as a recipe:\n"
+        f"optllm quantize {model} --recipe {saved_as} --out DIR makes it again."
+    )

@@ -44,9 +44,18 @@ def sample_windows(num: int, seq_len: int, tokens: int) -> list[int]:
     return sorted({round(i * (num - 1) / max(want - 1, 1)) for i in range(want)})
 
 
-def measure_sensitivity(model: nn.Module, arch, units: list["Unit"], input_ids: torch.Tensor, batch_size: int,
-                        device: torch.device, store: torch.device, scale_dtype: torch.dtype,
-                        progress=None, metric: str = "fisher") -> dict:
+def measure_sensitivity(
+    model: nn.Module,
+    arch,
+    units: list["Unit"],
+    input_ids: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    store: torch.device,
+    scale_dtype: torch.dtype,
+    progress=None,
+    metric: str = "fisher",
+) -> dict:
     """Fill each unit's sensitivity (module docstring; metric "fisher" or "output") from a pass
     over the float blocks on input_ids [windows, T]; returns the pass's report fields (metric,
     tokens, seconds). The model is left as it was. progress: called with (block index, blocks)
@@ -68,7 +77,7 @@ def measure_sensitivity(model: nn.Module, arch, units: list["Unit"], input_ids: 
             ref = _outputs(layer, inputs)
             weight = None if grads is None else grads[i]
             for u in by_block.get(i, []):
-                mods = {n: layer.get_submodule(n[len(arch.block_prefix(i)) + 1:]) for n in u.linears}
+                mods = {n: layer.get_submodule(n[len(arch.block_prefix(i)) + 1 :]) for n in u.linears}
                 scores[id(u)] = [_change(layer, inputs, ref, mods, c.args, scale_dtype, weight) for c in u.candidates]
             inputs = BlockInputs([r.to(h.device) for r, h in zip(ref, inputs.hidden)], inputs.kwargs)
             if grads is not None:
@@ -87,12 +96,17 @@ def measure_sensitivity(model: nn.Module, arch, units: list["Unit"], input_ids: 
         final = final.double().clamp_min(1e-30)
         for u in units:
             u.sensitivity = [float((e / final).mean()) for e in scores[id(u)]]
-    return {"metric": metric, "tokens": int(tokens), "windows": int(input_ids.shape[0]),
-            "seconds": time.perf_counter() - t0}
+    return {
+        "metric": metric,
+        "tokens": int(tokens),
+        "windows": int(input_ids.shape[0]),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def loss_gradients(model: nn.Module, arch, input_ids: torch.Tensor, batch_size: int, device: torch.device
-                   ) -> list[list[torch.Tensor]]:
+def loss_gradients(
+    model: nn.Module, arch, input_ids: torch.Tensor, batch_size: int, device: torch.device
+) -> list[list[torch.Tensor]]:
     """Per block, per batch of input_ids: the gradient of the summed next-token cross-entropy of
     the float model with respect to the block's output hidden states [B, T, H] (CPU, bfloat16).
     The whole model runs on `device` for it (then goes back); its parameters get no gradients."""
@@ -106,6 +120,7 @@ def loss_gradients(model: nn.Module, arch, input_ids: torch.Tensor, batch_size: 
             h = out[0] if isinstance(out, tuple) else out
             h.retain_grad()
             seen[i] = h
+
         return hook
 
     def start(_m, _args, out):
@@ -120,7 +135,7 @@ def loss_gradients(model: nn.Module, arch, input_ids: torch.Tensor, batch_size: 
         model.to(device)
         with torch.enable_grad():
             for b in range(0, input_ids.shape[0], batch_size):
-                ids = input_ids[b:b + batch_size].to(device)
+                ids = input_ids[b : b + batch_size].to(device)
                 logits = model(input_ids=ids, use_cache=False).logits
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
                 loss.backward()
@@ -143,8 +158,15 @@ def _outputs(layer: nn.Module, inputs: BlockInputs) -> list[torch.Tensor]:
         return [_forward(layer, h, kw, device) for h, kw in zip(inputs.hidden, inputs.kwargs)]
 
 
-def _change(layer: nn.Module, inputs: BlockInputs, ref: list[torch.Tensor], mods: dict[str, nn.Linear],
-            args: QuantArgs | None, scale_dtype: torch.dtype, grads: list[torch.Tensor] | None) -> torch.Tensor:
+def _change(
+    layer: nn.Module,
+    inputs: BlockInputs,
+    ref: list[torch.Tensor],
+    mods: dict[str, nn.Linear],
+    args: QuantArgs | None,
+    scale_dtype: torch.dtype,
+    grads: list[torch.Tensor] | None,
+) -> torch.Tensor:
     """Per token (CPU, float64), the change of the block's output delta = block(x) − ref with the
     linears `mods` RTN-quantized to args (None: left as they are: zero): (g . delta)^2 with
     grads (per batch, [B, T, H]), else ‖delta‖^2."""

@@ -31,15 +31,16 @@ from optllm.runtime.layers.linear_methods import DequantMethod, W4A16Method
 
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 11, 12, 13, 200, 201, 202, 90, 91, 92, 93, 40, 41]
 # per module pattern, arguments over the run's W4 g32: the checkpoint has three config groups
-OVERRIDES = {"re:.*layers\\.0\\.self_attn\\.o_proj": {"num_bits": 8, "group_size": "channel"},
-             "re:.*layers\\.1\\.mlp\\.(gate|up)_proj": {"group_size": 64}}
+OVERRIDES = {
+    "re:.*layers\\.0\\.self_attn\\.o_proj": {"num_bits": 8, "group_size": "channel"},
+    "re:.*layers\\.1\\.mlp\\.(gate|up)_proj": {"group_size": 64},
+}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def mixed(request, tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("mixed") / request.param
-    cfg = QuantizeConfig(scheme="w4a16-rtn", group_size=32, overrides=OVERRIDES, num_samples=2, seq_len=16,
-                         holdout=0)
+    cfg = QuantizeConfig(scheme="w4a16-rtn", group_size=32, overrides=OVERRIDES, num_samples=2, seq_len=16, holdout=0)
     quantize(str(tiny_models[request.param]), out, cfg, progress=False)
     return out
 
@@ -90,8 +91,11 @@ def test_transformers_compressed_tensors_reads_the_same_groups(mixed):
             continue
         seen += 1
         w = scheme.weights
-        assert (w.num_bits, w.group_size, w.strategy) == (group.weights.num_bits, group.weights.group_size,
-                                                          group.weights.strategy), name
+        assert (w.num_bits, w.group_size, w.strategy) == (
+            group.weights.num_bits,
+            group.weights.group_size,
+            group.weights.strategy,
+        ), name
     assert seen == 14
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].double(), -1)
@@ -99,10 +103,53 @@ def test_transformers_compressed_tensors_reads_the_same_groups(mixed):
     assert max(abs(a - b) for a, b in zip(lps, expected(ref))) < 2e-2
 
 
+def test_a_target_bits_checkpoint_serves_its_dequantized_weights(tiny_llama, tmp_path):
+    """A checkpoint `--target-bits` chose (AWQ, W4 g64 / g32 / W8 per channel at 4.6 bits on
+    average): our runtime's prompt log-probs equal the formats-level dequantized reference
+    (< 1e-4, dequant; < 2e-2 on the kernel path), and transformers + compressed-tensors reads it
+    to the same log-probs (< 2e-2)."""
+    cfg = QuantizeConfig(
+        scheme="w4a16-awq",
+        target_bits=4.6,
+        mixed_candidates=("w4g64", "w4g32", "w8"),
+        num_samples=4,
+        seq_len=32,
+        holdout=0,
+    )
+    report = quantize(str(tiny_llama), tmp_path / "m", cfg, progress=False)
+    assert report.mixed["average_bits"] <= 4.6 and len({u["choice"] for u in report.mixed["units"]}) >= 2
+    quant = read_quantization(json.loads((tmp_path / "m" / "config.json").read_text()))
+    assert len(quant.groups) >= 2
+    llm, lps = ours(tmp_path / "m", "dequant")
+    assert llm.engine.source.mixed is not None
+    for u in report.mixed["units"]:  # each fused linear runs with the arguments of its unit's choice
+        args = quant.group_of(u["linears"][0]).weights
+        assert u["choice"] == f"w{args.num_bits}" + (f"g{args.group_size}" if args.group_size else "")
+    ref_model, _, _ = load_quantized(tmp_path / "m")
+    with torch.no_grad():
+        ref = torch.log_softmax(ref_model(torch.tensor([PROMPT])).logits[0].double(), -1)
+    assert max(abs(a - b) for a, b in zip(lps, expected(ref))) < 1e-4
+    _, lps_kernel = ours(tmp_path / "m", "kernel")
+    assert max(abs(a - b) for a, b in zip(lps_kernel, expected(ref))) < 2e-2
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_ref = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].double(), -1)
+    assert max(abs(a - b) for a, b in zip(lps, expected(hf_ref))) < 2e-2
+
+
 def test_a_uniform_run_keeps_one_group_targeting_linear(tiny_llama, tmp_path):
     """Overrides that change nothing, or none: one config group with targets Linear, as before."""
-    cfg = QuantizeConfig(scheme="w4a16-rtn", group_size=32, overrides={"re:.*o_proj": {"group_size": 32}},
-                         num_samples=2, seq_len=16, holdout=0)
+    cfg = QuantizeConfig(
+        scheme="w4a16-rtn",
+        group_size=32,
+        overrides={"re:.*o_proj": {"group_size": 32}},
+        num_samples=2,
+        seq_len=16,
+        holdout=0,
+    )
     quantize(str(tiny_llama), tmp_path / "q", cfg, progress=False)
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert list(qc["config_groups"]) == ["group_0"] and qc["config_groups"]["group_0"]["targets"] == ["Linear"]
@@ -112,10 +159,18 @@ def test_a_uniform_run_keeps_one_group_targeting_linear(tiny_llama, tmp_path):
 def test_group_precedence_is_compressed_tensors():
     """An exact name beats a re: pattern, which beats the class name; ignore beats all."""
     w4, w8, g64 = QuantArgs(4, 32), QuantArgs(8, None), QuantArgs(4, 64)
-    q = CheckpointQuant("pack-quantized", w4, None, ["Linear"], ["lm_head", "re:.*layers\\.9\\..*"], groups=(
-        ConfigGroup("a", ("Linear",), w4, None, "pack-quantized"),
-        ConfigGroup("b", ("re:.*o_proj",), w8, None, "pack-quantized"),
-        ConfigGroup("c", ("model.layers.0.self_attn.o_proj",), g64, None, "pack-quantized")))
+    q = CheckpointQuant(
+        "pack-quantized",
+        w4,
+        None,
+        ["Linear"],
+        ["lm_head", "re:.*layers\\.9\\..*"],
+        groups=(
+            ConfigGroup("a", ("Linear",), w4, None, "pack-quantized"),
+            ConfigGroup("b", ("re:.*o_proj",), w8, None, "pack-quantized"),
+            ConfigGroup("c", ("model.layers.0.self_attn.o_proj",), g64, None, "pack-quantized"),
+        ),
+    )
     assert q.group_of("model.layers.0.self_attn.o_proj").weights == g64
     assert q.group_of("model.layers.1.self_attn.o_proj").weights == w8
     assert q.group_of("model.layers.1.mlp.up_proj").weights == w4
@@ -134,12 +189,18 @@ def test_fused_linears_split_across_groups_are_one_error(mixed, tmp_path):
     def split(groups):
         for g in groups.values():
             g["targets"] = [t for t in g["targets"] if not t.endswith("layers.0.self_attn.k_proj")]
-        groups["group_9"] = {**groups["group_0"], "targets": ["model.layers.0.self_attn.k_proj"],
-                             "weights": {**groups["group_0"]["weights"], "group_size": 64}}
+        groups["group_9"] = {
+            **groups["group_0"],
+            "targets": ["model.layers.0.self_attn.k_proj"],
+            "weights": {**groups["group_0"]["weights"], "group_size": 64},
+        }
 
     bad = _edit(mixed, tmp_path / "bad", split)
-    with pytest.raises(UserError, match=r"self_attn.q_proj, .*k_proj, .*v_proj are fused into one linear but the "
-                                        r"checkpoint's config groups quantize them differently"):
+    with pytest.raises(
+        UserError,
+        match=r"self_attn.q_proj, .*k_proj, .*v_proj are fused into one linear but the "
+        r"checkpoint's config groups quantize them differently",
+    ):
         LLM(bad, device="cpu")
 
 
@@ -149,6 +210,9 @@ def test_a_quantized_module_no_group_targets_is_one_error(mixed, tmp_path):
             g["targets"] = [t for t in g["targets"] if not t.endswith("layers.1.mlp.down_proj")]
 
     bad = _edit(mixed, tmp_path / "bad", drop)
-    with pytest.raises(UserError, match=r"model.layers.1.mlp.down_proj is quantized but no config group of "
-                                        r"config.json targets it"):
+    with pytest.raises(
+        UserError,
+        match=r"model.layers.1.mlp.down_proj is quantized but no config group of "
+        r"config.json targets it",
+    ):
         LLM(bad, device="cpu")
