@@ -65,7 +65,14 @@ def quantize(
                                                "or 'search' (per block, on a grid) [default 0.5]"),
     kv_cache: Optional[str] = typer.Option(None, help="none | fp8 (E4M3 KV cache, one calibrated scale per layer "
                                            "for K and V) | fp8-head (one per KV head) [default none]"),
-    recipe: Optional[Path] = typer.Option(None, help="YAML file with any of these fields"),
+    target_bits: Optional[float] = typer.Option(None, help="mixed precision: the average bits per quantized "
+                                                "weight (e.g. 4.5), a scheme chosen per linear from its "
+                                                "measured sensitivity [default: off]"),
+    mixed_candidates: Optional[str] = typer.Option(None, help="mixed precision: the schemes to choose from, "
+                                                   "comma-separated: w{bits}g{group}, w{bits} (per channel), bf16 "
+                                                   "[default w4g128,w4g64,w4g32,w8]"),
+    recipe: Optional[Path] = typer.Option(None, help="YAML file with any of these fields, or steps "
+                                          "(e.g. smoothquant then gptq; awq with per-module overrides)"),
     overwrite: bool = typer.Option(False, help="replace OUT if it exists"),
     compare: bool = typer.Option(True, "--compare/--no-compare",
                                  help="afterwards, perplexity on every text kind beside the float model and RTN"),
@@ -85,6 +92,9 @@ def quantize(
         "actorder": None if actorder is None else ("static" if actorder else "none"),
         "ignore": tuple(ignore) if ignore else None,
         "dampening": dampening, "holdout": holdout, "fallback_rtn": fallback_rtn, "kv_cache": kv_cache,
+        "target_bits": target_bits,
+        "mixed_candidates": None if mixed_candidates is None else tuple(
+            c.strip() for c in mixed_candidates.split(",") if c.strip()),
     }
     smoothing = {k: v for k, v in (("smooth", smooth), ("alpha", _alpha(smooth_alpha))) if v is not None}
     if smoothing:
@@ -98,18 +108,62 @@ def quantize(
             raise UserError(f"--compare-windows {compare_windows} must be >= 1")
         if smoothing and cfg.quant_scheme().algorithm != "smoothquant":
             raise UserError(f"--smooth / --smooth-alpha apply to the w8a8-int8 schemes, not {cfg.scheme!r}")
-        report = run(model, out, cfg, overwrite=overwrite)
+        report = run(model, out, cfg, overwrite=overwrite, recipe=recipe)
     except UserError as e:
         _fail(str(e))
     _print_quant_summary(report)
+    if report.mixed is not None:
+        _print_mixed(report.mixed)
     if compare:
         from . import compare as cmp
 
-        comp = cmp.compare_checkpoint(model, out, cfg, other_symmetry=compare_symmetry, max_windows=compare_windows,
+        # a mixed run's comparison checkpoints take its choice as it stands, not a new one measured on
+        # their token-sized calibration
+        same_layout = _frozen(cfg, report.mixed) if report.mixed is not None else cfg
+        comp = cmp.compare_checkpoint(model, out, same_layout, other_symmetry=compare_symmetry,
+                                      max_windows=compare_windows,
                                       device=cfg.device if cfg.device != "auto" else _auto_device())
         cmp.record(out, comp)
         typer.echo(f"\nPerplexity on each text kind's held-out split ({compare_windows} windows of 512 tokens each; "
                    "none of it in any calibration set):\n" + cmp.markdown(comp))
+
+
+def _frozen(cfg, mixed: dict):
+    """cfg with its mixed-precision choice fixed as per-module overrides (no target_bits); the
+    run's own overrides first, so the linears they pinned keep all of their arguments."""
+    from ..quant.config import QuantizeConfig
+    from ..quant.mixed import DEFAULT_CANDIDATES, frozen_overrides
+
+    frozen, keep = frozen_overrides(mixed)
+    overrides = {**cfg.overrides, **{k: v for k, v in frozen.items() if k not in cfg.overrides}}
+    return QuantizeConfig.from_dict({**cfg.to_dict(), "target_bits": None, "mixed_candidates": DEFAULT_CANDIDATES,
+                                     "overrides": overrides, "ignore": [*cfg.ignore, *keep]})
+
+
+def _print_mixed(mixed: dict) -> None:
+    """Each block's choice per unit (and its sensitivity), then the bits reached."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..quant.mixed import summary
+
+    cols: list[str] = []
+    rows: dict[int, dict[str, str]] = {}
+    for u in mixed["units"]:
+        col = "+".join(n.rpartition(".")[2].removesuffix("_proj") for n in u["linears"])  # q+k+v, o, gate+up
+        if col not in cols:
+            cols.append(col)
+        sens = "–" if u["sensitivity"] is None else f"{u['sensitivity']:.2e}"
+        rows.setdefault(u["block"], {})[col] = f"{u['choice']} ({sens})"
+    t = Table(title="mixed precision: scheme per linear (sensitivity)")
+    t.add_column("block", justify="right")
+    for c in cols:
+        t.add_column(c)
+    for block, cells in sorted(rows.items()):
+        t.add_row(str(block), *(cells.get(c, "–") for c in cols))
+    console = Console()
+    console.print(t)
+    console.print(summary(mixed), highlight=False)
 
 
 def _alpha(value: str | None) -> float | str | None:

@@ -120,11 +120,13 @@ def evaluate_ppl(
         t0 = time.perf_counter()
         llm = LLM(name, device=device, dtype=dtype, quantized_linear=linear, max_model_len=seq_len,
                   max_num_seqs=64, enforce_eager=True)
-        if linear == "kernel" and any("dequantized" in m for m in llm.engine.runner.linear_methods()):
+        slow = [m for m in llm.engine.runner.linear_methods() if "dequantized" in m]
+        if linear == "kernel" and slow:
             q = llm.engine.source.quant
+            what = (f"int{q.args.num_bits} group {q.args.group_size or 'channel'}" if llm.engine.source.mixed is None
+                    else f"mixed, with {', '.join(slow)}")
             raise UserError(f"{name}: --kernels runs 4-bit weights with a group size that is a multiple of 32 "
-                            f"(or per channel) on the W4A16 kernels; this checkpoint is int{q.args.num_bits} "
-                            f"group {q.args.group_size or 'channel'}: use --dequant")
+                            f"(or per channel) on the W4A16 kernels; this checkpoint is {what}: use --dequant")
         results = {}
         for kind, body in sources.items():
             ids = token_stream(llm.tokenizer, body)

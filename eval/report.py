@@ -210,9 +210,11 @@ def average_bits(model: str | Path) -> float | None:
     """Bits per quantized weight of a checkpoint, from its config.json quantization_config:
     num_bits + 16 / group_size for a group's scale (8 / group_size for NVFP4's FP8 scales)
     + num_bits / group_size for its zero point when asymmetric; per-channel or per-tensor
-    scales add a negligible share, left out. 16 for a model without a quantization config;
-    None when the config cannot be read (never downloads) or holds several differing weight
-    configs."""
+    scales add a negligible share, left out. 16 for a model without a quantization config.
+    Several differing weight configs (mixed precision): the average optllm quantize reached,
+    from the checkpoint's optllm-report.json (`mixed`; it counts per-channel scales too). None
+    when the config cannot be read (never downloads), or several differing weight configs come
+    without that report."""
     path = _config_json(model)
     try:
         cfg = json.loads(path.read_text()) if path is not None else None
@@ -234,7 +236,19 @@ def average_bits(model: str | Path) -> float | None:
             scale = 8 if w.get("type") == "float" and n == 4 else 16
             b += scale / group + (0 if w.get("symmetric", True) else n / group)
         bits.add(b)
-    return bits.pop() if len(bits) == 1 else None
+    if len(bits) == 1:
+        return bits.pop()
+    return _mixed_bits(path.parent) if bits else None
+
+
+def _mixed_bits(folder: Path) -> float | None:
+    """The average bits a mixed-precision checkpoint's report states (None: no such report)."""
+    try:
+        report = json.loads((folder / "optllm-report.json").read_text())
+        bits = (report.get("mixed") or {}).get("average_bits")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(bits) if isinstance(bits, (int, float)) and not isinstance(bits, bool) else None
 
 
 def _config_json(model: str | Path) -> Path | None:

@@ -2,6 +2,8 @@
 
 Layout of a folder: config.json with `quantization_config` (quant_method compressed-tensors,
 config_groups, ignore, format, and kv_cache_scheme for an FP8 KV cache: formats/kv_cache_scheme.py),
+one config group (targets ``Linear``) or several (mixed precision: each targets its modules by
+name; a module takes the group compressed-tensors and vLLM would give it: ConfigGroup, group_of),
 model*.safetensors where each quantized linear holds the tensors its format's codec gives it
 (formats/codec.py; `pack-quantized`: X.weight_packed, X.weight_scale, X.weight_shape,
 X.weight_zero_point), each attention module its KV cache scales (X.k_scale, X.v_scale) when
@@ -50,18 +52,23 @@ def quantization_config(
     fmt: str = "pack-quantized",
     input_activations: QuantArgs | None = None,
     kv_cache: KVCacheScheme | None = None,
+    groups: list[tuple[list[str], QuantArgs]] | None = None,
 ) -> dict:
     """config.json's quantization_config: one config group of FMT's codec (and the KV cache's
-    quantization, None: the cache stays in the model's dtype)."""
+    quantization, None: the cache stays in the model's dtype). groups: several config groups
+    instead (mixed precision), each (its targets, its weights' arguments), all of FMT."""
     from .. import __version__
 
     codec = get_codec(fmt)
-    codec.check(args, input_activations)
+    groups = [(targets, args)] if groups is None else groups
+    for _targets, a in groups:
+        codec.check(a, input_activations)
     return {
         "quant_method": "compressed-tensors",
         "format": codec.name,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": codec.config_group(targets, args, input_activations)},
+        "config_groups": {f"group_{i}": codec.config_group(t, a, input_activations)
+                          for i, (t, a) in enumerate(groups)},
         "ignore": ignore,
         "kv_cache_scheme": None if kv_cache is None else kv_cache.to_compressed_tensors(),
         "global_compression_ratio": None,
@@ -70,10 +77,33 @@ def quantization_config(
 
 
 @dataclass(frozen=True)
+class ConfigGroup:
+    """One entry of quantization_config.config_groups: the modules it targets (exact names,
+    ``re:`` patterns, or the class name ``Linear``), their weights' and input activations'
+    arguments and the format of their tensors."""
+
+    name: str
+    targets: tuple[str, ...]
+    weights: QuantArgs
+    input_activations: QuantArgs | None
+    format: str
+
+    @property
+    def codec(self) -> FormatCodec:
+        return get_codec(self.format)
+
+
+MIXED_FORMAT = "mixed-precision"  # a top-level format that leaves each config group its own
+CLASS_TARGETS = ("Linear",)  # the class-name targets a module name cannot show: every linear matches
+
+
+@dataclass(frozen=True)
 class CheckpointQuant:
     """What a checkpoint's quantization_config says: its format, the arguments of its
     weights and input activations (None: weight-only), its targets and ignored modules, and
-    its KV cache's quantization (None: not quantized)."""
+    its KV cache's quantization (None: not quantized). With several config groups (mixed
+    precision) format, weights, input_activations and targets are the first group's; `groups`
+    holds them all and group_of says which one a module takes."""
 
     format: str
     weights: QuantArgs
@@ -81,10 +111,40 @@ class CheckpointQuant:
     targets: list[str]
     ignore: list[str]
     kv_cache: KVCacheScheme | None = None
+    groups: tuple[ConfigGroup, ...] = ()
 
     @property
     def codec(self) -> FormatCodec:
         return get_codec(self.format)
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.groups) > 1
+
+    def group_of(self, module: str) -> ConfigGroup | None:
+        """The config group of a linear named MODULE (None: ignored, or targeted by no group),
+        as compressed-tensors and vLLM choose it: an exact name first, then a ``re:`` pattern,
+        then a class name; among targets of one kind, the first in sorted order. A checkpoint
+        of one group quantizes every linear it does not ignore (its targets are ``Linear``)."""
+        if matches(module, self.ignore):
+            return None
+        if len(self.groups) == 1:
+            return self.groups[0]
+        ranked = []
+        for g in self.groups:
+            for t in g.targets:
+                if t.startswith("re:"):
+                    hit, kind = re.match(t[3:], module) is not None, 1
+                elif t in CLASS_TARGETS:
+                    hit, kind = True, 2
+                else:
+                    hit, kind = t == module, 0
+                if hit:
+                    ranked.append((kind, t, g.name))
+        if not ranked:
+            return None
+        name = min(ranked)[2]
+        return next(g for g in self.groups if g.name == name)
 
 
 def is_checkpoint_folder(folder: str | Path) -> bool:
@@ -155,8 +215,16 @@ def save_quantized(
     omit: Collection[str] = (),
     kv_cache: KVCacheScheme | None = None,
     kv_scales: dict[str, torch.Tensor] | None = None,
+    module_args: dict[str, QuantArgs] | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write the checkpoint into a temp folder beside OUT, then swap it in (folder_swap).
+
+    module_args: each quantized linear's weight arguments where they differ from `args`
+    (mixed precision; None: all `args`); linears of several arguments are written as one
+    config group per arguments, each targeting its modules by name, and a run where every
+    linear has `args` as the one group targeting ``Linear``, as before. extra_files: more text
+    files of the folder by name (the recipe), written with it.
 
     Quantized linears are written by FMT's codec; `omit` names state-dict tensors not written
     (a tied LM head, whose weight is the embedding's). kv_cache: the KV cache's scheme, whose
@@ -167,7 +235,9 @@ def save_quantized(
     """
     out = Path(out)
     codec = get_codec(fmt)
-    codec.check(args, input_activations)
+    groups = config_groups(qweights, args, module_args)
+    for _targets, a in groups or [([], args)]:
+        codec.check(a, input_activations)
     kv_scales = dict(kv_scales or {})
     if (kv_cache is None) != (not kv_scales) or any(k.rpartition(".")[2] not in KV_SCALE_NAMES for k in kv_scales):
         raise ValueError(f"kv_scales: {KV_SCALE_NAMES} tensors go with a kv_cache scheme, and only they; got "
@@ -187,17 +257,38 @@ def save_quantized(
         _write_shards(tensors, tmp)
         cfg = model.config.to_dict()
         cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
-        cfg["quantization_config"] = quantization_config(args, ["Linear"], ignore, fmt, input_activations, kv_cache)
+        cfg["quantization_config"] = quantization_config(args, ["Linear"], ignore, fmt, input_activations, kv_cache,
+                                                         groups=groups)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
         for f in SIDE_FILES:
             if (Path(source) / f).is_file():
                 # copyfile, not copy2: the copy gets the umask's mode, not the source's
                 shutil.copyfile(Path(source) / f, tmp / f)
         if report is not None:
-            note = codec.vllm_incompatibility(args, input_activations)
+            notes = {codec.vllm_incompatibility(a, input_activations) for _t, a in groups or [([], args)]} - {None}
+            note = " ".join(sorted(notes)) or None
             report = {**report, "vllm_loadable": note is None, "vllm_note": note}
             (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return out
+
+
+def config_groups(qweights: dict[str, QuantizedWeight], args: QuantArgs,
+                  module_args: dict[str, QuantArgs] | None) -> list[tuple[list[str], QuantArgs]] | None:
+    """The config groups of a checkpoint whose linears have `module_args` (the others `args`):
+    None when every quantized linear has `args` (the one group targeting ``Linear``), else one
+    (sorted module names, arguments) per arguments, in the order of their first module."""
+    module_args = module_args or {}
+    unknown = sorted(set(module_args) - set(qweights))
+    if unknown:
+        raise ValueError(f"module_args names {unknown[0]}, which is not a quantized linear")
+    by_args: dict[QuantArgs, list[str]] = {}
+    for name in sorted(qweights):
+        by_args.setdefault(module_args.get(name, args), []).append(name)
+    if set(by_args) <= {args}:
+        return None
+    return [(names, a) for a, names in by_args.items()]
 
 
 def _write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
@@ -252,29 +343,40 @@ def is_quantized_folder(folder: str | Path) -> bool:
 
 def read_quantization(config: dict) -> CheckpointQuant:
     """The quantization a compressed-tensors config.json declares; UserError for a format no
-    codec is registered for, or arguments its codec cannot hold."""
+    codec is registered for, or arguments its codec cannot hold. The config groups' format is
+    the top level's ``format``, or each group's own when that says "mixed-precision"."""
     qc = config.get("quantization_config") or {}
     if qc.get("quant_method") != "compressed-tensors":
         raise UserError("config.json has no compressed-tensors quantization_config")
-    codec = get_codec(qc.get("format"))
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise UserError(f"checkpoint has {len(groups)} config groups; supported: exactly 1")
-    group = next(iter(groups.values()))
-    try:
-        weights = QuantArgs.from_compressed_tensors(group["weights"])
-        acts = group.get("input_activations")
-        acts = None if acts is None else QuantArgs.from_compressed_tensors(acts)
-        codec.check(weights, acts)
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"unsupported weight quantization in config.json: {e}") from None
+    raw_groups = qc.get("config_groups") or {}
+    if not raw_groups:
+        raise UserError("checkpoint has 0 config groups; supported: 1 or more")
+    groups = []
+    for name, group in raw_groups.items():
+        if not isinstance(group, dict):
+            raise UserError(f"config group {name!r} in config.json is not a mapping")
+        top = qc.get("format")
+        codec = get_codec(group.get("format") if top in (None, MIXED_FORMAT) else top)
+        try:
+            weights = QuantArgs.from_compressed_tensors(group["weights"])
+            acts = group.get("input_activations")
+            acts = None if acts is None else QuantArgs.from_compressed_tensors(acts)
+            codec.check(weights, acts)
+        except (KeyError, TypeError, ValueError) as e:
+            where = "" if len(raw_groups) == 1 else f" (config group {name!r})"
+            raise UserError(f"unsupported weight quantization in config.json{where}: {e}") from None
+        targets = group.get("targets", [])
+        if isinstance(targets, str):
+            targets = [targets]
+        groups.append(ConfigGroup(name, tuple(targets), weights, acts, codec.name))
     kv = qc.get("kv_cache_scheme")
     try:
         kv = None if kv is None else KVCacheScheme.from_compressed_tensors(kv)
     except ValueError as e:
         raise UserError(f"unsupported KV cache quantization in config.json: {e}") from None
-    return CheckpointQuant(codec.name, weights, acts, list(group.get("targets", [])), list(qc.get("ignore") or []),
-                           kv)
+    first = groups[0]
+    return CheckpointQuant(first.format, first.weights, first.input_activations, list(first.targets),
+                           list(qc.get("ignore") or []), kv, tuple(groups))
 
 
 def quantized_modules(sd: dict[str, torch.Tensor], codec: FormatCodec) -> list[str]:
@@ -294,15 +396,19 @@ def load_quantized_weights(folder: Path) -> tuple[dict[str, QuantizedWeight], di
     except json.JSONDecodeError as e:
         raise UserError(f"{cfg_path} is not valid JSON: {e}") from None
     quant = read_quantization(config)
-    codec = quant.codec
     sd = read_state_dict(folder)
     qweights = {}
-    for name in quantized_modules(sd, codec):
-        parts = {t: sd.pop(f"{name}.{t}") for t in codec.tensor_names if f"{name}.{t}" in sd}
-        try:
-            qweights[name] = codec.decode(parts, quant.weights)
-        except ValueError as e:
-            raise UserError(f"{folder}: {name}: {e}") from None
+    for codec in {g.format: g.codec for g in quant.groups}.values():
+        for name in quantized_modules(sd, codec):
+            group = quant.group_of(name)
+            if group is None or group.format != codec.name:
+                raise UserError(f"{folder}: {name} holds {codec.name} tensors but no {codec.name} config group "
+                                "of config.json targets it")
+            parts = {t: sd.pop(f"{name}.{t}") for t in codec.tensor_names if f"{name}.{t}" in sd}
+            try:
+                qweights[name] = codec.decode(parts, group.weights)
+            except ValueError as e:
+                raise UserError(f"{folder}: {name}: {e}") from None
     return qweights, sd, config
 
 

@@ -71,13 +71,17 @@ class Algorithm:
     actorders: the QuantArgs.actorder values the step honours, the first being the one
     actorder "auto" picks; rtn_baseline: whether the pipeline compares the step's blocks with
     RTN's on the held-out windows (False for a step that is itself round-to-nearest, e.g. on
-    the FP8 grid, which the integer RTN cannot quantize to)."""
+    the FP8 grid, which the integer RTN cannot quantize to); folds_scales: whether the step
+    changes a linear before the ones it quantizes (AWQ folds a scale into v_proj for o_proj),
+    so that a block whose linears differ in their arguments runs its later linears first
+    (pipeline.block_step)."""
 
     name: str
     step: BlockStep
     options: Callable[["QuantizeConfig"], Any] = _no_options
     actorders: tuple[str | None, ...] = (None,)
     rtn_baseline: bool = True
+    folds_scales: bool = False
 
 
 ALGORITHMS: Registry[Algorithm] = Registry(

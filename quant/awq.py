@@ -353,4 +353,4 @@ def awq_step(ctx: BlockContext, opts: AWQOptions) -> BlockResult:
     return result
 
 
-register_algorithm(Algorithm("awq", awq_step, options=lambda config: config.awq))
+register_algorithm(Algorithm("awq", awq_step, options=lambda config: config.awq, folds_scales=True))

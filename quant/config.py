@@ -1,8 +1,9 @@
 """QuantizeConfig: every knob of one `optllm quantize` run, validated on construction.
 
-A recipe file (YAML) holds the same fields; CLI flags override it. A field left out (None)
-takes its default; the group size's default is the scheme's own, filled in on construction,
-and per-channel is spelled "channel" (formats.args.CHANNEL), never None.
+A recipe file (YAML) holds the same fields, or steps that stand for them (quant/recipe.py);
+CLI flags override it. A field left out (None) takes its default; the group size's default is
+the scheme's own, filled in on construction, and per-channel is spelled "channel"
+(formats.args.CHANNEL), never None.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from ..formats.args import CHANNEL, GROUP_SIZES
 from .algorithm import ALGORITHMS
 from .awq import AWQOptions
 from .kv_cache import kv_cache_scheme
-from .scheme import QuantScheme, parse_scheme
+from .mixed import DEFAULT_CANDIDATES, override_candidate, parse_candidates
+from .recipe import check_overrides, check_types, compile_steps
+from .scheme import QuantScheme, available_schemes, parse_scheme
+from .sensitivity import METRICS
 from .smoothquant import SmoothQuantOptions
 
 CHECKPOINT_DTYPES = ("bfloat16", "float16")
@@ -24,6 +28,7 @@ OFFLOAD_MODES = ("auto", "always", "never")
 # offload="auto" keeps the calibration activations on the CPU when one copy of them (tokens x
 # hidden size x 4 bytes) reaches this: 128 x 512 tokens of an 8B model (hidden 4096) do
 OFFLOAD_AUTO_BYTES = 1 << 30
+MAX_BITS = 16  # mixed precision: an average above bf16's bits per weight means nothing
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,18 @@ class QuantizeConfig:
     # quantized), "fp8" (E4M3, one static scale per layer for K and one for V) or "fp8-head"
     # (one per KV head); written as the checkpoint's kv_cache_scheme, which the runtime honours
     kv_cache: str | None = None
+    # mixed precision (quant/mixed.py): the average bits per quantized weight to reach, choosing
+    # per linear among mixed_candidates (None: every linear takes the scheme's weights); its
+    # sensitivity pass runs on about mixed_tokens calibration tokens
+    target_bits: float | None = None
+    mixed_candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    mixed_tokens: int = 4096
+    # how a candidate's cost is measured (quant/sensitivity.py): "fisher" (the change of each block's
+    # output weighted by the loss's gradient there: nats per token) or "output" (the change itself)
+    mixed_sensitivity: str = "fisher"
+    # per-module weights: module pattern (exact name or suffix, or re:regex) -> {num_bits,
+    # group_size, symmetric} over the scheme's; the first pattern that matches a linear wins
+    overrides: dict = field(default_factory=dict)
     awq: AWQOptions = field(default_factory=AWQOptions)
     # the w8a8-int8 schemes' smoothing and weight quantizer (smoothquant.SmoothQuantOptions)
     smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
@@ -108,6 +125,41 @@ class QuantizeConfig:
             raise UserError(f"offload={self.offload!r} is not allowed; allowed: {', '.join(OFFLOAD_MODES)}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise UserError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+        self._check_mixed(scheme)
+
+    def _check_mixed(self, scheme: QuantScheme) -> None:
+        t = self.target_bits
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_BITS):
+            raise UserError(f"target_bits={t!r} is not allowed; allowed: a number of bits per weight up to "
+                            f"{MAX_BITS}, e.g. 4.5")
+        if isinstance(self.mixed_candidates, str):
+            object.__setattr__(self, "mixed_candidates", tuple(c for c in self.mixed_candidates.split(",") if c))
+        object.__setattr__(self, "mixed_candidates", tuple(str(c).strip().lower() for c in self.mixed_candidates))
+        if isinstance(self.mixed_tokens, bool) or not isinstance(self.mixed_tokens, int) or self.mixed_tokens < 1:
+            raise UserError(f"mixed_tokens={self.mixed_tokens!r} must be a number of tokens >= 1")
+        object.__setattr__(self, "overrides", check_overrides(self.overrides))
+        if self.mixed_sensitivity not in METRICS:
+            raise UserError(f"mixed_sensitivity={self.mixed_sensitivity!r} is not allowed; "
+                            f"allowed: {', '.join(METRICS)}")
+        if t is None and self.mixed_candidates != DEFAULT_CANDIDATES:
+            raise UserError("mixed_candidates choose among schemes for target_bits; give target_bits too")
+        if t is None and not self.overrides:
+            return
+        what = "target_bits (mixed precision)" if t is not None else "overrides"
+        if scheme.format != "pack-quantized" or scheme.input_activations is not None:
+            raise UserError(f"{what} needs a weight-only integer scheme (w4a16-*, w8a16-*, w3a16-*), "
+                            f"not {scheme.name!r}")
+        try:
+            menu = parse_candidates(self.mixed_candidates, scheme.weights) if t is not None else []
+            for pattern, fields in self.overrides.items():
+                override_candidate(pattern, fields, scheme.weights)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        cheapest = min(menu, key=lambda c: c.bits, default=None)
+        if cheapest is not None and t < cheapest.bits:  # the exact bound, shapes included, is checked on the model
+            raise UserError(f"target_bits={t!r} is below the cheapest candidate ({cheapest.name}: "
+                            f"{float(cheapest.bits):g} bits per weight); allowed: {float(cheapest.bits):g} to "
+                            f"{MAX_BITS}, or cheaper mixed_candidates")
 
     def _check_group_size(self) -> None:
         g = self.group_size
@@ -128,13 +180,23 @@ class QuantizeConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["ignore"] = list(self.ignore)
+        d["mixed_candidates"] = list(self.mixed_candidates)
         if d["group_size"] is None:  # a scheme without groups or channels (per tensor): nothing to say
             del d["group_size"]
         return d
 
+    def to_recipe(self, note: str = "") -> str:
+        """This configuration as a recipe (YAML) that from_recipe reads back to an equal one;
+        note: comment lines put first."""
+        import yaml
+
+        head = "".join(f"# {line}\n" for line in note.splitlines())
+        return head + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
     @classmethod
     def from_recipe(cls, path: str | Path, **overrides) -> "QuantizeConfig":
-        """Read a YAML recipe; keyword overrides that are not None win over the file."""
+        """Read a YAML recipe (fields, or steps: quant/recipe.py); keyword overrides that are
+        not None win over the file."""
         import yaml
 
         p = Path(path)
@@ -146,6 +208,9 @@ class QuantizeConfig:
             raise UserError(f"recipe {p} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise UserError(f"recipe {p} must be a mapping of field: value")
+        if "steps" in data:
+            data = compile_steps(data, f"recipe {p}")
+        _check_fields(cls, data, f"recipe {p}: ")  # the file's own values, named as the file's
         for k, v in overrides.items():
             if isinstance(v, dict) and isinstance(data.get(k), dict):  # a nested options mapping: merged
                 data[k] = {**data[k], **v}
@@ -155,10 +220,9 @@ class QuantizeConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "QuantizeConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise UserError(f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        if "steps" in data:
+            data = compile_steps(data)
+        _check_fields(cls, data)
         data = dict(data)
         if "group_size" in data and data["group_size"] is None:
             # null meant per-channel once; "not given" is leaving the field out
@@ -176,4 +240,25 @@ class QuantizeConfig:
                 raise UserError(f"smoothquant options: {e}") from None
         if "ignore" in data:
             data["ignore"] = tuple(data["ignore"] or ())
+        if isinstance(data.get("mixed_candidates"), list):
+            data["mixed_candidates"] = tuple(data["mixed_candidates"])
+        if "mixed_candidates" in data and data["mixed_candidates"] is None:
+            del data["mixed_candidates"]
+        if "overrides" in data and data["overrides"] is None:
+            data["overrides"] = {}
         return cls(**data)
+
+
+def _check_fields(cls, data: dict, where: str = "") -> None:
+    """One line (starting with WHERE) for an unknown field, or a value of the wrong type, in a
+    recipe's or from_dict's mapping, the awq: and smoothquant: mappings' values included."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, data)) - known)
+    if unknown:
+        raise UserError(f"{where}unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+    if "scheme" in data and not isinstance(data["scheme"], str):
+        raise UserError(f"{where}scheme={data['scheme']!r} names no scheme; allowed: {', '.join(available_schemes())}")
+    check_types(cls, data, where)
+    for name, options in (("awq", AWQOptions), ("smoothquant", SmoothQuantOptions)):
+        if isinstance(data.get(name), dict):
+            check_types(options, data[name], f"{where}{name}.")

@@ -10,10 +10,17 @@ zero points; each linear's method then repacks or dequantizes them. A checkpoint
 kv_cache_scheme quantizes the KV cache carries each attention's calibrated K and V scales
 (``{block}.self_attn.k_scale``, ``.v_scale``); they go to the runtime's attention layers, whose
 FP8 cache then stores with them (formats/kv_cache_scheme.py, runtime/kv_cache.py).
+
+A checkpoint of several config groups (mixed precision: some linears W4 g64, others W8...)
+gives each linear the QuantSpec of the group that targets it (CheckpointQuant.group_of, the
+precedence compressed-tensors and vLLM apply): the model is built with MixedBuildOptions, and
+each module's tensors are read with its own group's codec and arguments. A checkpoint of one
+group is read exactly as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +30,10 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
 from ..formats.codec import get_codec, quantized_tensor_names
-from ..formats.compressed_tensors import REPORT_NAME, is_quantized_folder, read_quantization
+from ..formats.compressed_tensors import REPORT_NAME, CheckpointQuant, is_quantized_folder, read_quantization
 from ..formats.kv_cache_scheme import KV_SCALE_NAMES, KVCacheScheme
 from ..hub.loader import check_architecture, resolve_model
-from .layers.linear_methods import DenseMethod, QuantSpec, unserved
+from .layers.linear_methods import DenseMethod, QuantSpec, linear_method, unserved
 from .layers.parallel import SINGLE
 from .models.llama import BuildOptions
 from .models.registry import model_class
@@ -36,16 +43,50 @@ _DENSE = {"weight", "bias"}  # the tensors of an unquantized module
 
 
 @dataclass(frozen=True)
+class MixedQuant:
+    """The linears of a checkpoint of several config groups: each one's QuantSpec is its group's
+    (specs: group name -> QuantSpec)."""
+
+    checkpoint: CheckpointQuant
+    specs: dict
+
+    def spec_for(self, hf_name: str) -> QuantSpec | None:
+        """The QuantSpec of the linear HF_NAME; None: it stays dense (ignored, or no group targets it)."""
+        group = self.checkpoint.group_of(hf_name)
+        return None if group is None else self.specs[group.name]
+
+    def formats(self) -> set[str]:
+        return {spec.format for spec in self.specs.values()}
+
+
+@dataclass(frozen=True)
+class MixedBuildOptions(BuildOptions):
+    """BuildOptions whose linears each take their own config group's QuantSpec."""
+
+    mixed: MixedQuant | None = None
+
+    def linear(self, hf_names: list[str], in_features: int):
+        specs = [self.mixed.spec_for(n) for n in hf_names]
+        if any(spec != specs[0] for spec in specs[1:]):
+            raise UserError(f"{', '.join(hf_names)} are fused into one linear but the checkpoint's config groups "
+                            "quantize them differently (vLLM refuses this too); give them one group")
+        return linear_method(specs[0], hf_names, in_features, self.backend)
+
+
+@dataclass(frozen=True)
 class ModelSource:
     """A resolved model folder: its HF config (quantization_config removed), the raw
-    config.json dict, the quantization it carries (None: dense) and its KV cache's (None: not
-    quantized; else an FP8 cache with the checkpoint's static scales)."""
+    config.json dict, the quantization it carries (None: dense; with several config groups,
+    the first group's) and its KV cache's (None: not quantized; else an FP8 cache with the
+    checkpoint's static scales); mixed: every group's, for a checkpoint of several (None: one
+    group, or dense)."""
 
     folder: Path
     config: object
     raw: dict
     quant: QuantSpec | None
     kv_cache: KVCacheScheme | None = None
+    mixed: MixedQuant | None = None
 
 
 def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSource:
@@ -56,15 +97,20 @@ def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSou
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {folder / 'config.json'}: {e}") from None
-    quant = kv_cache = None
+    quant = kv_cache = mixed = None
     if raw.get("quantization_config"):
         q = read_quantization(raw)
         kv_cache = q.kv_cache
-        why = unserved(q.weights, q.input_activations)
-        if why:
-            raise UserError(f"{folder}: {why} ({q.format})")
         scale_dtype = _dtype_of(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
-        quant = QuantSpec(q.weights, tuple(q.ignore), scale_dtype, quantized_linear, q.format, q.input_activations)
+        specs = {}
+        for g in q.groups:
+            why = unserved(g.weights, g.input_activations)
+            if why:
+                raise UserError(f"{folder}: {why} ({g.format}{f', config group {g.name}' if q.mixed else ''})")
+            specs[g.name] = QuantSpec(g.weights, tuple(q.ignore), scale_dtype, quantized_linear, g.format,
+                                      g.input_activations)
+        quant = specs[q.groups[0].name]
+        mixed = MixedQuant(q, specs) if q.mixed else None
     clean = {k: v for k, v in raw.items() if k != "quantization_config"}
     if "model_type" not in clean:
         raise UserError(f"{folder / 'config.json'} has no model_type")
@@ -73,7 +119,7 @@ def read_source(model: str | Path, quantized_linear: str = "kernel") -> ModelSou
     except (ValueError, TypeError, KeyError) as e:
         raise UserError(f"cannot read the model config in {folder}: {e}") from None
     check_architecture(config)
-    return ModelSource(folder, config, raw, quant, kv_cache)
+    return ModelSource(folder, config, raw, quant, kv_cache, mixed)
 
 
 def checkpoint_kind(folder: Path) -> str:
@@ -84,9 +130,12 @@ def checkpoint_kind(folder: Path) -> str:
     rep = folder / REPORT_NAME
     if rep.is_file():
         try:
-            return json.loads(rep.read_text()).get("scheme", "quantized")
+            report = json.loads(rep.read_text())
         except json.JSONDecodeError:
             return "quantized"
+        scheme = str(report.get("scheme", "quantized"))
+        bits = (report.get("mixed") or {}).get("average_bits")
+        return scheme if bits is None else f"{scheme} mixed {bits:.2f} bits"
     if is_quantized_folder(folder):
         return "quantized"
     src = folder / "optllm-source.json"
@@ -104,9 +153,13 @@ def checkpoint_kind(folder: Path) -> str:
 
 def build_model(source: ModelSource, opt: BuildOptions):
     cls = model_class(source.config)
+    if source.mixed is not None:  # each linear its own config group's QuantSpec
+        opt = MixedBuildOptions(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(BuildOptions)},
+                                mixed=source.mixed)
     with torch.device(opt.device):  # buffers the layers create without a device land there too
         model = cls(source.config, opt)
     model.quant = source.quant
+    model.mixed_quant = source.mixed
     model.kv_cache_scheme = source.kv_cache
     return model
 
@@ -121,8 +174,11 @@ def load_weights(model, folder: Path) -> None:
     modules = dict(model.named_modules())
     pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized modules whose parts straddle files
     quant = _quant_of(model)
+    mixed = getattr(model, "mixed_quant", None)
     # a dense model's config: any format's tensor but a dense one is a quantized module without a config
-    parts_of = quantized_tensor_names() - _DENSE if quant is None else set(get_codec(quant.format).tensor_names)
+    formats = set() if quant is None else {quant.format} if mixed is None else mixed.formats()
+    parts_of = set().union(*(get_codec(f).tensor_names for f in formats)) if formats else \
+        quantized_tensor_names() - _DENSE
     kv_scheme = getattr(model, "kv_cache_scheme", None)
     kv_layers = _kv_scale_owners(model) if kv_scheme is not None else {}
     kv_loaded: set[str] = set()
@@ -142,8 +198,9 @@ def load_weights(model, folder: Path) -> None:
                     if leaf in parts_of and (leaf not in _DENSE or _quantized_linear(modules, model, module)):
                         parts = pending.setdefault(module, {})
                         parts[leaf] = sf.get_tensor(name)
-                        if _complete(parts, quant):
-                            _load_quantized(modules, model, module, pending.pop(module), quant)
+                        spec = quant if mixed is None else mixed.spec_for(module)
+                        if _complete(parts, spec):
+                            _load_quantized(modules, model, module, pending.pop(module), spec, mixed is not None)
                         continue
                     _load_one(modules, model, module, leaf, sf.get_tensor(name))
         except (SafetensorError, OSError) as e:
@@ -251,9 +308,10 @@ def _load_one(modules, model, module: str, leaf: str, tensor: torch.Tensor) -> N
         raise UserError(f"{module}.{leaf}: {e}") from None
 
 
-def _load_quantized(modules, model, module: str, parts: dict, quant: QuantSpec | None) -> None:
+def _load_quantized(modules, model, module: str, parts: dict, quant: QuantSpec | None, mixed: bool = False) -> None:
     if quant is None:
-        raise UserError(f"{module} is quantized but config.json has no quantization_config")
+        raise UserError(f"{module} is quantized but " + ("no config group of config.json targets it (or ignores it)"
+                                                         if mixed else "config.json has no quantization_config"))
     try:
         qw = get_codec(quant.format).decode(parts, quant.args)
     except ValueError as e:
