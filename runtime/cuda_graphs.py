@@ -5,9 +5,18 @@ smallest bucket >= b. The graphs read static buffers (ids, positions, slots, key
 block tables) that each step fills by copy; the rows past b are padding (slot -1: nothing
 is stored; key count 1 over block 0: finite, unused output). Logits are computed inside the
 graph. Every graph shares one memory pool (captured largest first).
+
+With a draft loaded (speculative decoding), the ordinary decode steps still run here: each
+bucket's graph also leaves the final hidden rows (and an EAGLE-3 target's auxiliary hidden
+states) in static outputs, which ``step_outputs`` hands to the draft after a replay.
+
+``DecodeGraphs(..., eager_stand_in=True)`` records the same static buffers and outputs but
+"replays" by running the model again and copying into them: the plumbing on a CPU (tests).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -25,10 +34,24 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sorted(set(out))
 
 
+class _EagerStandIn:
+    """A stand-in for a captured graph on a CPU: replay() runs ``run`` and copies its results
+    into the outputs the 'capture' returned, as a graph replay refills its static outputs."""
+
+    def __init__(self, run, outputs) -> None:
+        self.run, self.outputs = run, outputs
+
+    def replay(self) -> None:
+        for dst, src in zip(self.outputs, self.run()):
+            if dst is not None:
+                dst.copy_(src)
+
+
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
-                 num_splits_for) -> None:
+                 num_splits_for, eager_stand_in: bool = False) -> None:
         self.model = model
+        self.eager_stand_in = eager_stand_in
         self.buckets = graph_buckets(max_batch)
         self.max_batch, self.width = self.buckets[-1], max_blocks_per_seq
         n = self.max_batch
@@ -39,6 +62,8 @@ class DecodeGraphs:
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.aux: dict[int, torch.Tensor | None] = {}
         self.num_splits_for = num_splits_for
         self._capture(device)
 
@@ -46,19 +71,27 @@ class DecodeGraphs:
         return AttentionMetadata(slot_mapping=self.slots[:b], block_tables=self.tables[:b], seq_lens=self.seq_lens[:b],
                                  decode=True, num_splits=self.num_splits_for(b))
 
-    def _run(self, b: int) -> torch.Tensor:
+    def _run(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logits, hidden, the target's auxiliary hidden states or None) of bucket b."""
         hidden = self.model(self.ids[:b], self.positions[:b], self._meta(b))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden, getattr(self.model.model, "aux_hidden", None)
 
     @torch.inference_mode()
     def _capture(self, device) -> None:
+        if self.eager_stand_in:
+            for b in self.buckets:
+                run = functools.partial(self._run, b)
+                self.logits[b], self.hidden[b], aux = (t.clone() if t is not None else None for t in run())
+                self.aux[b] = aux
+                self.graphs[b] = _EagerStandIn(run, (self.logits[b], self.hidden[b], aux))
+            return
         pool = None
         for b in reversed(self.buckets):
             self._run(b)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize(device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.logits[b] = self._run(b)
+                self.logits[b], self.hidden[b], self.aux[b] = self._run(b)
             pool = g.pool()
             self.graphs[b] = g
         torch.cuda.synchronize(device)
@@ -89,4 +122,14 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(i32[:size])
         self.tables[:size, :width].copy_(i32[size:].view(size, width))
         self.graphs[size].replay()
+        self.last = (size, b)
         return self.logits[size][:b]
+
+    def step_outputs(self):
+        """After replay(): (hidden [b, H], aux [b, ...] or None, positions [b], metadata) of the
+        step just replayed, for the draft. hidden and aux are copies (the next replay overwrites
+        the graph's outputs); positions and metadata view the static inputs (valid until then)."""
+        size, b = self.last
+        aux = self.aux.get(size)
+        return (self.hidden[size][:b].clone(), None if aux is None else aux[:b].clone(), self.positions[:b],
+                self._meta(b))

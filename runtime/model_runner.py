@@ -23,7 +23,7 @@ from .kv_cache import KVCache, KVCacheSpec, cache_dtype
 from .loader import ModelSource, build_model, init_random_weights, load_weights
 from .models.llama import BuildOptions, head_dim_of
 from .sampler import Sampler, token_logprobs
-from .step_inputs import host_batch, to_device
+from .step_inputs import StepInputs, host_batch, to_device
 
 _LOGPROB_ROWS = 1024  # prompt-logprob rows whose logits are formed at once
 _SAMPLER_RESERVE = 4  # float32 [max_num_seqs, vocab] copies the sampler may hold at once
@@ -91,10 +91,13 @@ class ModelRunner:
                                policy)
             self.spec = SpecDecoder(self, draft, opts, seed=config.seed)
         self.graphs = None
-        # speculation needs every ordinary step's hidden states (the draft's state): those steps run eager
-        if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0 and self.spec is None:
+        # ordinary decode steps replay graphs with a draft loaded too: the graphs also leave the hidden
+        # rows (and EAGLE-3's auxiliary ones) the draft needs (DecodeGraphs.step_outputs)
+        if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, config.cuda_graph_max_batch),
                                        self.max_blocks_per_seq, self.vocab_size, self.device, self.decode_splits)
+        if self.spec is not None:
+            self.spec.start()  # the adaptive policy's cost profile: measured on the paths steps take
 
     @property
     def num_blocks(self) -> int:
@@ -188,6 +191,11 @@ class ModelRunner:
         hidden = inputs = None
         if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.replay(hb)
+            if observe:  # the draft's inputs, from the graph's outputs
+                hidden, aux, positions, meta = self.graphs.step_outputs()
+                self.model.model.aux_hidden = aux
+                rows = torch.arange(len(seqs), device=hidden.device)
+                inputs = StepInputs(None, positions, meta, rows, [(i, i) for i in range(len(seqs))], [])
         else:
             inputs = to_device(hb, self.device, decode, self.decode_splits(len(seqs)) if decode else None)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)

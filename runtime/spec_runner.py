@@ -38,6 +38,7 @@ from .sampling_params import GREEDY_EPS, SamplingParams
 from .spec.acceptance import accepted_per_size, greedy_accept, rejection_accept, target_probs
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import DynamicTreeBuilder, StaticTree
+from .step_inputs import HostBatch
 
 # Medusa's tree when none is given: ranks of the heads' top-k along each path, widest near the
 # root (where acceptance is likeliest), cut to the heads the draft has.
@@ -129,7 +130,12 @@ class SpecDecoder:
                                                 if options.policy == "adaptive" else set()))
         self.n = self.num_nodes  # this step's tree size (plan() sets it)
         self.policy = None
-        if options.policy == "adaptive":
+        self.adaptive = options.policy == "adaptive"
+
+    def start(self) -> None:
+        """Once the runner is complete (its decode graphs captured): the adaptive policy, with
+        the cost profile measured on the paths the steps will take."""
+        if self.adaptive and self.policy is None:
             from .spec.policy import AdaptivePolicy
 
             self.policy = AdaptivePolicy(self.sizes, self.measure())
@@ -184,17 +190,30 @@ class SpecDecoder:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
+        graphs = self.runner.graphs
+
         def one(n: int, b: int) -> None:
             tables = torch.arange(b * per_row, device=dev, dtype=torch.int32).view(b, per_row)
             ctx = torch.full((b,), ctx_len, dtype=torch.int64, device=dev)
-            if n == 1:
+            if n == 1:  # an ordinary decode step as the runner runs it: a graph replay when one fits
                 pos = ctx.clone()
                 slots = tables.long()[:, ctx_len // bs] * bs + ctx_len % bs
-                meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
-                                         seq_lens=(ctx + 1).to(torch.int32), decode=True,
-                                         num_splits=self.runner.decode_splits(b))
-                hidden = self.model(torch.zeros(b, dtype=torch.int64, device=dev), pos, meta)
-                self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+                if graphs is not None and b <= graphs.max_batch:
+                    hb = HostBatch([0] * b, [ctx_len] * b, slots.tolist(), [ctx_len + 1] * b, None,
+                                   tables.cpu().numpy(), list(range(b)), [(i, i) for i in range(b)], [])
+                    logits = graphs.replay(hb)
+                    hidden, aux, pos, meta = graphs.step_outputs()
+                    self.model.model.aux_hidden = aux
+                else:
+                    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                                             seq_lens=(ctx + 1).to(torch.int32), decode=True,
+                                             num_splits=self.runner.decode_splits(b))
+                    hidden = self.model(torch.zeros(b, dtype=torch.int64, device=dev), pos, meta)
+                    logits = self.model.compute_logits(hidden)
+                logits.argmax(dim=-1).tolist()
+                if self.eagle:  # observe(): the draft over the step's rows
+                    feats = self.draft.context_features(hidden, self.model.model.aux_hidden)
+                    self.draft(feats, torch.zeros(b, dtype=torch.int64, device=dev), pos, meta)
                 return
             states = torch.randn(b, h, generator=gen, device=dev).to(self.runner.dtype)
             roots = torch.zeros(b, dtype=torch.int64, device=dev)

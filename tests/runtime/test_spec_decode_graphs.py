@@ -1,0 +1,68 @@
+"""Ordinary decode steps through the decode graphs with a draft loaded (runtime/cuda_graphs.py
+step_outputs, ModelRunner._execute's graph branch, SpecDecoder.measure's plain-step cost), on a
+CPU: DecodeGraphs' eager stand-in keeps the same static buffers and outputs and refills them at
+every "replay", so a draft state that aliased a graph output, the wrong bucket's auxiliary
+hidden states or stale positions would change the tokens. Greedy speculative tokens must equal
+plain greedy decoding for Medusa, EAGLE and EAGLE-3 drafts."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import write_draft
+
+from optllm.runtime.cuda_graphs import DecodeGraphs
+from optllm.runtime.llm import LLM
+from optllm.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["The interpreter reads", "def main():\n    return", "In the beginning of the module the", "x = 1\ny",
+           "a b c d e"]
+GREEDY = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
+
+
+def _with_stand_in_graphs(llm: LLM, max_batch: int) -> list[int]:
+    r = llm.engine.runner
+    r.graphs = DecodeGraphs(r.model, max_batch, r.max_blocks_per_seq, r.vocab_size, r.device, r.decode_splits,
+                            eager_stand_in=True)
+    replays: list[int] = []
+    replay = r.graphs.replay
+
+    def counted(hb):
+        replays.append(len(hb.ids))
+        return replay(hb)
+
+    r.graphs.replay = counted
+    return replays
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+def test_plain_steps_replay_graphs_and_speculation_stays_exact(tiny_llama, tmp_path, method):
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), device="cpu", dtype="float32").generate(PROMPTS,
+                                                                                                        GREEDY)]
+    kw = dict(seed=2, noise=0.3, draft_vocab=150) if method == "eagle3" else {}
+    draft = write_draft(tmp_path / method, tiny_llama, method, **kw)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
+              spec_num_draft=10, spec_policy="fixed", max_num_seqs=8)
+    replays = _with_stand_in_graphs(llm, 8)  # buckets 1, 2, 4, 8: the batch of 5 pads to 8
+    spec = llm.engine.runner.spec
+    plans: list[int] = []
+    plan = spec.plan
+
+    def every_other(running):  # a speculative step, then an ordinary one through the graphs, ...
+        plans.append(len(running))
+        return plan(running) if len(plans) % 2 else 0
+
+    spec.plan = every_other
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == want
+    assert len(replays) >= 5 and max(replays) == 5, replays  # both paths ran, several times
+    assert llm.engine.stats().speculation["seq_steps"] > 0
+
+
+def test_cost_profile_times_the_graph_replay(tiny_llama, tmp_path):
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
+              spec_num_draft=10, spec_policy="fixed", max_num_seqs=8)
+    replays = _with_stand_in_graphs(llm, 4)
+    table = llm.engine.runner.spec.measure(batches=[1, 2, 8], repeats=1)
+    assert replays and max(replays) <= 4  # batches that fit a graph replay it; 8 runs eager
+    assert set(table.ms) == {1, *llm.engine.runner.spec.sizes} and all(v > 0 for v in table.ms[1])
