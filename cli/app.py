@@ -289,9 +289,20 @@ def eval_cmd(
             if spec_policy not in ("auto", "adaptive", "fixed"):
                 _fail(f"--spec-policy {spec_policy!r} is not allowed; allowed: auto, adaptive, fixed")
         rows = []
+        phases = [p for p, on in (("perplexity", want_ppl), ("lm-eval tasks", bool(task_names)), ("speed", speed),
+                                  ("speculation", bool(draft))) if on]
+
+        def partial(done: str) -> None:
+            """A long run keeps what it measured: the report so far, rewritten after each phase but
+            the last (a run cut short by a time limit still leaves its finished sections)."""
+            i = phases.index(done)
+            if out is not None and i + 1 < len(phases):
+                write_report(rows, out, title=f"optllm eval (partial: {', '.join(phases[i + 1:])} not measured yet)")
+
         if want_ppl:
             rows = evaluate_ppl(models, kinds=kind_list, texts=texts, seq_len=seq_len, max_windows=max_windows,
                                 dtype=dtype, device=dev, linear="kernel" if kernels else "dequant")
+            partial("perplexity")
         if task_names:
             from ..eval.harness import evaluate_tasks
 
@@ -299,9 +310,11 @@ def eval_cmd(
                                      device=dev, dtype=dtype)
             rows = add_results(rows, models, results, lambda r: dict(
                 tasks=r["tasks"], task_main={t: list(mv) for t, mv in r["main"].items()}))
+            partial("lm-eval tasks")
         if speed:
             results = evaluate_speed(models, *shape, device=dev, dtype=dtype, bandwidth=bandwidth_bytes)
             rows = add_results(rows, models, results, lambda r: dict(speed=r["speed"]))
+            partial("speed")
         if draft:
             from ..eval.speculation import evaluate_speculation
 

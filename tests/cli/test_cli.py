@@ -249,3 +249,17 @@ def test_eval_compare_marks_regressions_against_an_earlier_report(tiny_llama, tm
     (entry,) = json.loads((tmp_path / "c" / "compare.json").read_text())
     assert entry["measure"] == "ppl docs" and entry["regression"] is True
     _one_clear_line(run(*args, "--compare", str(tmp_path / "nope.json")), "no such file")
+
+
+def test_eval_keeps_the_phases_it_finished_when_a_later_one_fails(tiny_llama, tmp_path):
+    """--ppl then --draft with a draft built for another model: the draft fails to load after the
+    perplexity phase, the run exits non-zero, and OUT holds the perplexity report, marked partial."""
+    from conftest import make_tiny_model, write_draft
+
+    other = make_tiny_model(tmp_path / "other", hidden=32)
+    draft = write_draft(tmp_path / "draft", other, "medusa")
+    r = run("eval", str(tiny_llama), "--ppl", "--kinds", "docs", "--seq-len", "32", "--max-windows", "1",
+            "--draft", str(draft), "--batch-sizes", "1", "--output-len", "4", "--out", str(tmp_path / "rep"))
+    assert r.returncode != 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert md.startswith("# optllm eval (partial: speculation not measured yet)") and "| ppl docs |" in md
