@@ -133,3 +133,98 @@ class DecodeGraphs:
         aux = self.aux.get(size)
         return (self.hidden[size][:b].clone(), None if aux is None else aux[:b].clone(), self.positions[:b],
                 self._meta(b))
+
+
+class VerifyGraphs:
+    """The speculative step's verify forward (the target over B token trees of n nodes, under
+    the tree mask, over the paged KV) under CUDA graphs: one graph per (batch bucket b, tree
+    size n) with b * n <= max_tokens, captured once at start. The graphs output the hidden rows
+    (and an EAGLE-3 target's auxiliary states) only; the caller computes the logits (one GEMM),
+    so the graphs' memory stays b * n * hidden. Padding trees (rows past B): token 0, slot -1
+    (nothing stored), n keys over block 0 (finite, unused), an identity mask.
+    ``eager_stand_in``: as DecodeGraphs' (the plumbing on a CPU)."""
+
+    def __init__(self, model, max_batch: int, sizes, max_tokens: int, max_blocks_per_seq: int,
+                 device: torch.device, eager_stand_in: bool = False) -> None:
+        self.model, self.eager_stand_in = model, eager_stand_in
+        self.keys = sorted({(b, n) for n in sizes for b in graph_buckets(max_batch) if b * n <= max_tokens})
+        big_b = max((b for b, _ in self.keys), default=0)
+        big_t = max((b * n for b, n in self.keys), default=0)
+        big_m = max((b * n * n for b, n in self.keys), default=0)
+        self.ids = torch.zeros(big_t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(big_t, dtype=torch.int64, device=device)
+        self.slots = torch.full((big_t,), -1, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(big_b, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(big_b, dtype=torch.int32, device=device)
+        self.mask = torch.zeros(big_m, dtype=torch.bool, device=device)
+        self.cu = {k: (torch.arange(k[0] + 1, device=device) * k[1]).to(torch.int32) for k in self.keys}
+        self.offsets = {k: torch.arange(k[0], device=device) * (k[1] * k[1]) for k in self.keys}
+        self.eye = {n: torch.eye(n, dtype=torch.bool, device=device) for _, n in self.keys}
+        self.graphs: dict = {}
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.aux: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._capture(device)
+
+    def _meta(self, b: int, n: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slots[:b * n], block_tables=self.tables[:b],
+                                 seq_lens=self.seq_lens[:b], decode=False, cu_seqlens_q=self.cu[(b, n)], max_seqlen_q=n,
+                                 mask=self.mask[:b * n * n], mask_offsets=self.offsets[(b, n)])
+
+    def _run(self, b: int, n: int):
+        hidden = self.model(self.ids[:b * n], self.positions[:b * n], self._meta(b, n))
+        return hidden, getattr(self.model.model, "aux_hidden", None)
+
+    @torch.inference_mode()
+    def _capture(self, device) -> None:
+        for b, n in self.keys:  # a valid tree for the warm-up runs: each padding tree's identity mask
+            self.mask[:b * n * n].copy_(self.eye[n].expand(b, n, n).reshape(-1))
+        self.seq_lens.fill_(max((n for _, n in self.keys), default=1))
+        if self.eager_stand_in:
+            for key in self.keys:
+                run = functools.partial(self._run, *key)
+                self.hidden[key], aux = (t.clone() if t is not None else None for t in run())
+                self.aux[key] = aux
+                self.graphs[key] = _EagerStandIn(run, (self.hidden[key], aux))
+            return
+        pool = None
+        for key in sorted(self.keys, key=lambda k: -k[0] * k[1]):
+            self._run(*key)  # warm-up: Triton compiles and autotunes outside the capture
+            torch.cuda.synchronize(device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.hidden[key], self.aux[key] = self._run(*key)
+            pool = g.pool()
+            self.graphs[key] = g
+        torch.cuda.synchronize(device)
+
+    def bucket(self, bsz: int, n: int) -> int | None:
+        return next((b for b, m in self.keys if m == n and b >= bsz), None)
+
+    @torch.inference_mode()
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+            seq_lens: torch.Tensor, mask: torch.Tensor):
+        """(hidden [B * n, H], aux or None) of B trees: tokens / positions int64 [B, n], slots int64
+        [B * n], tables int32 [B, width], seq_lens int32 [B] (keys including the tree), mask bool
+        [B, n, n]; None when no graph has this n and a bucket >= B. The outputs are the graph's
+        own: valid until the next run."""
+        bsz, n = tokens.shape
+        b = self.bucket(bsz, n)
+        if b is None:
+            return None
+        t, width = bsz * n, tables.shape[1]
+        self.ids[:t].copy_(tokens.reshape(-1))
+        self.positions[:t].copy_(positions.reshape(-1))
+        self.slots[:t].copy_(slots)
+        self.tables[:bsz, :width].copy_(tables)
+        self.seq_lens[:bsz].copy_(seq_lens)
+        self.mask[:t * n].copy_(mask.reshape(-1))
+        if b > bsz:  # padding trees
+            self.ids[t:b * n].zero_()
+            self.positions[t:b * n].zero_()
+            self.slots[t:b * n].fill_(-1)
+            self.tables[bsz:b].zero_()
+            self.seq_lens[bsz:b].fill_(n)
+            self.mask[t * n:b * n * n].copy_(self.eye[n].expand(b - bsz, n, n).reshape(-1))
+        self.graphs[(b, n)].replay()
+        aux = self.aux[(b, n)]
+        return self.hidden[(b, n)][:t], None if aux is None else aux[:t]

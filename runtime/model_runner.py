@@ -18,13 +18,14 @@ from ..hub.loader import parse_dtype, resolve_device
 from ..kernels.paged_attention import default_num_splits
 from .block_table import BlockTables
 from .config import EngineConfig
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, VerifyGraphs
 from .kv_cache import KVCache, KVCacheSpec, cache_dtype
 from .loader import ModelSource, build_model, init_random_weights, load_weights
 from .models.llama import BuildOptions, head_dim_of
 from .sampler import Sampler, token_logprobs
 from .step_inputs import StepInputs, host_batch, to_device
 
+_VERIFY_GRAPH_TOKENS = 2048  # the most tree tokens a verify graph takes
 _LOGPROB_ROWS = 1024  # prompt-logprob rows whose logits are formed at once
 _SAMPLER_RESERVE = 4  # float32 [max_num_seqs, vocab] copies the sampler may hold at once
 
@@ -96,7 +97,14 @@ class ModelRunner:
         if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, config.cuda_graph_max_batch),
                                        self.max_blocks_per_seq, self.vocab_size, self.device, self.decode_splits)
+        self.verify_graphs = None
         if self.spec is not None:
+            if self.graphs is not None:  # the speculative step's verify forward, per (batch bucket, tree size);
+                # larger verify batches (compute-bound, where launches matter less) run eager: each graph
+                # keeps its hidden output, so the token cap bounds the graphs' memory
+                self.verify_graphs = VerifyGraphs(self.model, self.graphs.max_batch, self.spec.sizes,
+                                                  min(config.max_num_batched_tokens, _VERIFY_GRAPH_TOKENS),
+                                                  self.max_blocks_per_seq, self.device)
             self.spec.start()  # the adaptive policy's cost profile: measured on the paths steps take
 
     @property

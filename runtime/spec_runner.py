@@ -341,11 +341,17 @@ class SpecDecoder:
         # verify: every node at once, K/V to slots c + i, positions c + depth
         pos = ctx[:, None] + torch.arange(n, device=dev)[None, :]
         slots = (tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
-        meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=tables, seq_lens=(ctx + n).to(torch.int32), decode=False,
-            cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
-            mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
-        hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
+        graphs = self.runner.verify_graphs
+        out = None if graphs is None else graphs.run(tree.tokens, tree.positions(ctx), slots, tables,
+                                                      (ctx + n).to(torch.int32), tree.mask)
+        if out is None:
+            meta = AttentionMetadata(
+                slot_mapping=slots, block_tables=tables, seq_lens=(ctx + n).to(torch.int32), decode=False,
+                cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
+                mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
+            hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
+        else:  # the graph's own outputs: used up within this step
+            hidden, self.model.model.aux_hidden = out
         self.verify_aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
         if all(p.temperature < GREEDY_EPS for p in params):

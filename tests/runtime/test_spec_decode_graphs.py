@@ -1,16 +1,17 @@
 """Ordinary decode steps through the decode graphs with a draft loaded (runtime/cuda_graphs.py
-step_outputs, ModelRunner._execute's graph branch, SpecDecoder.measure's plain-step cost), on a
-CPU: DecodeGraphs' eager stand-in keeps the same static buffers and outputs and refills them at
-every "replay", so a draft state that aliased a graph output, the wrong bucket's auxiliary
-hidden states or stale positions would change the tokens. Greedy speculative tokens must equal
-plain greedy decoding for Medusa, EAGLE and EAGLE-3 drafts."""
+step_outputs, ModelRunner._execute's graph branch, SpecDecoder.measure's plain-step cost), and
+the speculative step's verify forward through VerifyGraphs (padding trees included), on a CPU:
+the graphs' eager stand-in keeps the same static buffers and outputs and refills them at every
+"replay", so a draft state that aliased a graph output, the wrong bucket's auxiliary hidden
+states or stale positions would change the tokens. Greedy speculative tokens must equal plain
+greedy decoding for Medusa, EAGLE and EAGLE-3 drafts."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import write_draft
 
-from optllm.runtime.cuda_graphs import DecodeGraphs
+from optllm.runtime.cuda_graphs import DecodeGraphs, VerifyGraphs
 from optllm.runtime.llm import LLM
 from optllm.runtime.sampling_params import SamplingParams
 
@@ -66,3 +67,40 @@ def test_cost_profile_times_the_graph_replay(tiny_llama, tmp_path):
     table = llm.engine.runner.spec.measure(batches=[1, 2, 8], repeats=1)
     assert replays and max(replays) <= 4  # batches that fit a graph replay it; 8 runs eager
     assert set(table.ms) == {1, *llm.engine.runner.spec.sizes} and all(v > 0 for v in table.ms[1])
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_verify_forward_replays_graphs_and_speculation_stays_exact(tiny_llama, tmp_path, method, policy):
+    """The verify forward through VerifyGraphs' stand-in (batch 5 pads to bucket 8; the adaptive
+    policy's smaller trees have their own graphs), ordinary steps through the decode graphs."""
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), device="cpu", dtype="float32").generate(PROMPTS,
+                                                                                                        GREEDY)]
+    kw = dict(seed=2, noise=0.3, draft_vocab=150) if method == "eagle3" else {}
+    draft = write_draft(tmp_path / method, tiny_llama, method, **kw)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
+              spec_num_draft=10, spec_policy="fixed", max_num_seqs=8)
+    r = llm.engine.runner
+    _with_stand_in_graphs(llm, 8)
+    if policy == "adaptive":  # a menu of smaller trees (each its own graphs)
+        r.spec.sizes = [2, 4, 6, r.spec.num_nodes]
+    r.verify_graphs = VerifyGraphs(r.model, 8, r.spec.sizes, r.config.max_num_batched_tokens, r.max_blocks_per_seq,
+                                   r.device, eager_stand_in=True)
+    if policy == "adaptive":  # the cost profile through both kinds of graphs
+        r.spec.adaptive = True
+        r.spec.start()
+    runs: list[tuple[int, int]] = []
+    run = r.verify_graphs.run
+
+    def counted(tokens, *args):
+        out = run(tokens, *args)
+        if out is not None:  # a graph took it (None: no graph of that tree size and bucket -> eager)
+            runs.append(tuple(tokens.shape))
+        return out
+
+    r.verify_graphs.run = counted
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == want
+    assert runs and llm.engine.stats().speculation["seq_steps"] > 0
+    if policy == "fixed":
+        assert any(b == 5 for b, _ in runs)  # a batch that pads to its bucket
