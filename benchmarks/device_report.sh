@@ -40,8 +40,9 @@ draft=/root/d/eagle
 models="smollm2-135m"
 for m in awq gptq w8a8 fp8 nvfp4; do [ -f "/root/q/$m/config.json" ] && models="$models /root/q/$m"; done
 dargs=(); [ -f "$draft/config.json" ] && dargs=(--draft "$draft" --temperatures "${TEMPS:-0}")
+# eval rewrites its report after each phase: a time limit keeps the finished sections
 step 420 python3 -m optllm eval $models --device cuda --kernels --tasks ppl,optllm_offline --speed \
-  --batch-sizes 1,8,32,64 "${dargs[@]}" --out /root/report
+  --batch-sizes "${BS:-1,8,64}" "${dargs[@]}" --out /root/report
 # issue 14 part 8: the quantized checkpoints' perplexity through the torch reference of their kernels
 step 150 python3 -m optllm eval ${models#smollm2-135m } --device cuda --dequant --tasks ppl --out /root/ref
 [ -f /root/ref/report.json ] && [ -f /root/report/report.json ] && python3 benchmarks/kernel_vs_ref.py \

@@ -11,6 +11,8 @@
 # Environment: STEPS (training steps, default 2000), PROMPTS (default 2048), TRAIN_S (seconds per
 # training run, default 150), BS (default 1,8,32,64), OUTPUT_LEN (128), POLICY (auto), TESTS=1 runs
 # the speculative GPU tests first, BUDGET.
+# Wheels: .whl/ must hold compressed-tensors (and its needs missing on the GPU image) for the AWQ
+# rows: train-draft loads a quantized target through transformers, which needs that package.
 set -uo pipefail
 source benchmarks/device_stage.sh
 T0=$SECONDS
