@@ -82,7 +82,9 @@ def candidate_name(args: QuantArgs | None) -> str:
 
 def parse_candidates(names: tuple[str, ...] | list[str], base: QuantArgs) -> list[Candidate]:
     """The menu NAMES (w{bits}[g{group}] or bf16) as Candidates with base's symmetry and
-    column order; ValueError naming the bad entry."""
+    column order, except 8-bit ones, always symmetric: vLLM serves 8-bit zero points on Hopper
+    only (formats/vllm_compat.py), so an asymmetric run's 8-bit units would make the whole
+    checkpoint unloadable elsewhere. ValueError naming the bad entry."""
     allowed = (
         f"w{{bits}}g{{group}} (e.g. {', '.join(DEFAULT_CANDIDATES[:3])}), w{{bits}} (per channel, e.g. w8) or {BF16}"
     )
@@ -99,10 +101,11 @@ def parse_candidates(names: tuple[str, ...] | list[str], base: QuantArgs) -> lis
             raise ValueError(f"mixed candidate {raw!r} is not allowed; allowed: {allowed}")
         bits, group = int(m.group(1)), m.group(2)
         try:
+            sym = True if bits == 8 else base.symmetric
             if group is None:
-                args = dataclasses.replace(base, num_bits=bits, group_size=None, strategy=CHANNEL)
+                args = dataclasses.replace(base, num_bits=bits, group_size=None, strategy=CHANNEL, symmetric=sym)
             else:
-                args = dataclasses.replace(base, num_bits=bits, group_size=int(group), strategy="group")
+                args = dataclasses.replace(base, num_bits=bits, group_size=int(group), strategy="group", symmetric=sym)
         except ValueError as e:
             raise ValueError(f"mixed candidate {raw!r}: {e}") from None
         out.append(Candidate(name, args))
@@ -406,6 +409,8 @@ def frozen_overrides(mixed: dict) -> tuple[dict[str, dict], list[str]]:
             keep += u["linears"]
             continue
         spec = {"num_bits": int(m.group(1)), "group_size": int(m.group(2)) if m.group(2) else CHANNEL}
+        if spec["num_bits"] == 8:  # as parse_candidates: 8-bit candidates are symmetric in any run
+            spec["symmetric"] = True
         overrides.update({n: dict(spec) for n in u["linears"]})
     return overrides, keep
 

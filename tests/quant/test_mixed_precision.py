@@ -59,7 +59,8 @@ def test_candidates_parse_with_the_runs_grid_and_refuse_what_is_not_one():
     c = parse_candidates(["W4G32", "w8", "bf16"], asym)
     assert [x.name for x in c] == ["w4g32", "w8", "bf16"]
     assert c[0].args == QuantArgs(4, 32, symmetric=False, actorder="static")
-    assert c[1].args.strategy == "channel" and c[1].args.num_bits == 8 and not c[1].args.symmetric
+    # 8 bits stay symmetric (what transformers + compressed-tensors and vLLM load): no zero point to count
+    assert c[1].args.strategy == "channel" and c[1].args.num_bits == 8 and c[1].args.symmetric
     assert c[2].args is None
     for bad, msg in (
         ("w5g64", "num_bits=5 is not supported"),

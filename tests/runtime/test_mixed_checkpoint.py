@@ -216,3 +216,21 @@ def test_a_quantized_module_no_group_targets_is_one_error(mixed, tmp_path):
         r"config.json targets it",
     ):
         LLM(bad, device="cpu")
+
+
+def test_an_asymmetric_mixed_checkpoint_keeps_8_bits_symmetric(tiny_llama, tmp_path):
+    """--asym --target-bits: 4-bit units get zero points, 8-bit ones stay symmetric (vLLM serves
+    8-bit zero points on Hopper only); our runtime serves it as its dequantized weights give.
+    (transformers 5.24 + compressed-tensors 0.20 do not read asymmetric checkpoints of several
+    config groups, either way: run compressed, their modules expect unpacked zero points;
+    dequantizing, the weight conversion fails. README says so.)"""
+    cfg = QuantizeConfig(scheme="w4a16-rtn", target_bits=5.5, mixed_candidates=("w4g64", "w8"), symmetric=False,
+                         num_samples=2, seq_len=16, holdout=0)
+    quantize(str(tiny_llama), tmp_path / "m", cfg, progress=False)
+    groups = read_quantization(json.loads((tmp_path / "m" / "config.json").read_text())).groups
+    assert {(g.weights.num_bits, g.weights.symmetric) for g in groups} == {(4, False), (8, True)}
+    ref, _, _ = load_quantized(tmp_path / "m")
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([PROMPT])).logits[0].double(), -1)
+    _, lps = ours(tmp_path / "m", "dequant")
+    assert max(abs(a - b) for a, b in zip(lps, expected(want))) < 1e-4
