@@ -47,6 +47,29 @@ class _EagerStandIn:
                 dst.copy_(src)
 
 
+@torch.inference_mode()
+def _capture_all(graphs: dict, runs: dict, device, eager_stand_in: bool) -> dict:
+    """Capture runs[key]() (largest first: they share one memory pool) into graphs[key]; returns
+    {key: the outputs the graph refills at each replay}. eager_stand_in: _EagerStandIn instead."""
+    outputs = {}
+    if eager_stand_in:
+        for key, run in runs.items():
+            outputs[key] = tuple(t.clone() if t is not None else None for t in run())
+            graphs[key] = _EagerStandIn(run, outputs[key])
+        return outputs
+    pool = None
+    for key, run in runs.items():
+        run()  # warm-up: Triton compiles and autotunes outside the capture
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            outputs[key] = run()
+        pool = g.pool()
+        graphs[key] = g
+    torch.cuda.synchronize(device)
+    return outputs
+
+
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
                  num_splits_for, eager_stand_in: bool = False) -> None:
@@ -61,9 +84,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.aux: dict[int, torch.Tensor | None] = {}
+        self.outputs: dict[int, tuple] = {}  # bucket -> (logits, hidden, aux or None), refilled by each replay
         self.num_splits_for = num_splits_for
         self._capture(device)
 
@@ -76,25 +97,9 @@ class DecodeGraphs:
         hidden = self.model(self.ids[:b], self.positions[:b], self._meta(b))
         return self.model.compute_logits(hidden), hidden, getattr(self.model.model, "aux_hidden", None)
 
-    @torch.inference_mode()
     def _capture(self, device) -> None:
-        if self.eager_stand_in:
-            for b in self.buckets:
-                run = functools.partial(self._run, b)
-                self.logits[b], self.hidden[b], aux = (t.clone() if t is not None else None for t in run())
-                self.aux[b] = aux
-                self.graphs[b] = _EagerStandIn(run, (self.logits[b], self.hidden[b], aux))
-            return
-        pool = None
-        for b in reversed(self.buckets):
-            self._run(b)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize(device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.logits[b], self.hidden[b], self.aux[b] = self._run(b)
-            pool = g.pool()
-            self.graphs[b] = g
-        torch.cuda.synchronize(device)
+        self.outputs = _capture_all(self.graphs, {b: functools.partial(self._run, b) for b in reversed(self.buckets)},
+                                    device, self.eager_stand_in)
 
     def bucket(self, b: int) -> int | None:
         for size in self.buckets:
@@ -123,16 +128,17 @@ class DecodeGraphs:
         self.tables[:size, :width].copy_(i32[size:].view(size, width))
         self.graphs[size].replay()
         self.last = (size, b)
-        return self.logits[size][:b]
+        return self.outputs[size][0][:b]
 
     def step_outputs(self):
-        """After replay(): (hidden [b, H], aux [b, ...] or None, positions [b], metadata) of the
-        step just replayed, for the draft. hidden and aux are copies (the next replay overwrites
-        the graph's outputs); positions and metadata view the static inputs (valid until then)."""
+        """After replay(): (hidden [b, H], positions [b], metadata) of the step just replayed, for
+        the draft; the target's auxiliary hidden states (EAGLE-3) go where an eager forward leaves
+        them, model.model.aux_hidden. hidden and aux are copies (the next replay overwrites the
+        graph's outputs); positions and metadata view the static inputs (valid until then)."""
         size, b = self.last
-        aux = self.aux.get(size)
-        return (self.hidden[size][:b].clone(), None if aux is None else aux[:b].clone(), self.positions[:b],
-                self._meta(b))
+        _, hidden, aux = self.outputs[size]
+        self.model.model.aux_hidden = None if aux is None else aux[:b].clone()
+        return hidden[:b].clone(), self.positions[:b], self._meta(b)
 
 
 class VerifyGraphs:
@@ -161,8 +167,7 @@ class VerifyGraphs:
         self.offsets = {k: torch.arange(k[0], device=device) * (k[1] * k[1]) for k in self.keys}
         self.eye = {n: torch.eye(n, dtype=torch.bool, device=device) for _, n in self.keys}
         self.graphs: dict = {}
-        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
-        self.aux: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.outputs: dict[tuple[int, int], tuple] = {}  # (b, n) -> (hidden, aux or None), refilled by each replay
         self._capture(device)
 
     def _meta(self, b: int, n: int) -> AttentionMetadata:
@@ -174,28 +179,12 @@ class VerifyGraphs:
         hidden = self.model(self.ids[:b * n], self.positions[:b * n], self._meta(b, n))
         return hidden, getattr(self.model.model, "aux_hidden", None)
 
-    @torch.inference_mode()
     def _capture(self, device) -> None:
         for b, n in self.keys:  # a valid tree for the warm-up runs: each padding tree's identity mask
             self.mask[:b * n * n].copy_(self.eye[n].expand(b, n, n).reshape(-1))
         self.seq_lens.fill_(max((n for _, n in self.keys), default=1))
-        if self.eager_stand_in:
-            for key in self.keys:
-                run = functools.partial(self._run, *key)
-                self.hidden[key], aux = (t.clone() if t is not None else None for t in run())
-                self.aux[key] = aux
-                self.graphs[key] = _EagerStandIn(run, (self.hidden[key], aux))
-            return
-        pool = None
-        for key in sorted(self.keys, key=lambda k: -k[0] * k[1]):
-            self._run(*key)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize(device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.hidden[key], self.aux[key] = self._run(*key)
-            pool = g.pool()
-            self.graphs[key] = g
-        torch.cuda.synchronize(device)
+        runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: -k[0] * k[1])}
+        self.outputs = _capture_all(self.graphs, runs, device, self.eager_stand_in)
 
     def bucket(self, bsz: int, n: int) -> int | None:
         return next((b for b, m in self.keys if m == n and b >= bsz), None)
@@ -203,10 +192,11 @@ class VerifyGraphs:
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             seq_lens: torch.Tensor, mask: torch.Tensor):
-        """(hidden [B * n, H], aux or None) of B trees: tokens / positions int64 [B, n], slots int64
-        [B * n], tables int32 [B, width], seq_lens int32 [B] (keys including the tree), mask bool
-        [B, n, n]; None when no graph has this n and a bucket >= B. The outputs are the graph's
-        own: valid until the next run."""
+        """hidden [B * n, H] of B trees: tokens / positions int64 [B, n], slots int64 [B * n], tables
+        int32 [B, width], seq_lens int32 [B] (keys including the tree), mask bool [B, n, n]; None
+        when no graph has this n and a bucket >= B. The target's auxiliary hidden states (EAGLE-3)
+        go where an eager forward leaves them, model.model.aux_hidden. The outputs are the
+        graph's own: valid until the next run."""
         bsz, n = tokens.shape
         b = self.bucket(bsz, n)
         if b is None:
@@ -226,5 +216,6 @@ class VerifyGraphs:
             self.seq_lens[bsz:b].fill_(n)
             self.mask[t * n:b * n * n].copy_(self.eye[n].expand(b - bsz, n, n).reshape(-1))
         self.graphs[(b, n)].replay()
-        aux = self.aux[(b, n)]
-        return self.hidden[(b, n)][:t], None if aux is None else aux[:t]
+        hidden, aux = self.outputs[(b, n)]
+        self.model.model.aux_hidden = None if aux is None else aux[:t]
+        return hidden[:t]

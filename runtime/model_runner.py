@@ -200,8 +200,7 @@ class ModelRunner:
         if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.replay(hb)
             if observe:  # the draft's inputs, from the graph's outputs
-                hidden, aux, positions, meta = self.graphs.step_outputs()
-                self.model.model.aux_hidden = aux
+                hidden, positions, meta = self.graphs.step_outputs()
                 rows = torch.arange(len(seqs), device=hidden.device)
                 inputs = StepInputs(None, positions, meta, rows, [(i, i) for i in range(len(seqs))], [])
         else:

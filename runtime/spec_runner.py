@@ -202,8 +202,7 @@ class SpecDecoder:
                     hb = HostBatch([0] * b, [ctx_len] * b, slots.tolist(), [ctx_len + 1] * b, None,
                                    tables.cpu().numpy(), list(range(b)), [(i, i) for i in range(b)], [])
                     logits = graphs.replay(hb)
-                    hidden, aux, pos, meta = graphs.step_outputs()
-                    self.model.model.aux_hidden = aux
+                    hidden, pos, meta = graphs.step_outputs()
                 else:
                     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
                                              seq_lens=(ctx + 1).to(torch.int32), decode=True,
@@ -342,16 +341,15 @@ class SpecDecoder:
         pos = ctx[:, None] + torch.arange(n, device=dev)[None, :]
         slots = (tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
         graphs = self.runner.verify_graphs
-        out = None if graphs is None else graphs.run(tree.tokens, tree.positions(ctx), slots, tables,
-                                                      (ctx + n).to(torch.int32), tree.mask)
-        if out is None:
+        hidden = None if graphs is None else graphs.run(tree.tokens, tree.positions(ctx), slots, tables,
+                                                         (ctx + n).to(torch.int32), tree.mask)
+        if hidden is None:
             meta = AttentionMetadata(
                 slot_mapping=slots, block_tables=tables, seq_lens=(ctx + n).to(torch.int32), decode=False,
                 cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
                 mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
             hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
-        else:  # the graph's own outputs: used up within this step
-            hidden, self.model.model.aux_hidden = out
+        # (from a graph: its own outputs, used up within this step)
         self.verify_aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
         if all(p.temperature < GREEDY_EPS for p in params):

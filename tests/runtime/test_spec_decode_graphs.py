@@ -35,14 +35,20 @@ def _with_stand_in_graphs(llm: LLM, max_batch: int) -> list[int]:
     return replays
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
-def test_plain_steps_replay_graphs_and_speculation_stays_exact(tiny_llama, tmp_path, method):
+def _plain_then_speculative(tiny_llama, tmp_path, method: str):
+    """(plain greedy tokens of PROMPTS, an LLM with a draft of METHOD under the fixed policy)."""
     want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), device="cpu", dtype="float32").generate(PROMPTS,
                                                                                                         GREEDY)]
     kw = dict(seed=2, noise=0.3, draft_vocab=150) if method == "eagle3" else {}
     draft = write_draft(tmp_path / method, tiny_llama, method, **kw)
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
               spec_num_draft=10, spec_policy="fixed", max_num_seqs=8)
+    return want, llm
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+def test_plain_steps_replay_graphs_and_speculation_stays_exact(tiny_llama, tmp_path, method):
+    want, llm = _plain_then_speculative(tiny_llama, tmp_path, method)
     replays = _with_stand_in_graphs(llm, 8)  # buckets 1, 2, 4, 8: the batch of 5 pads to 8
     spec = llm.engine.runner.spec
     plans: list[int] = []
@@ -74,12 +80,7 @@ def test_cost_profile_times_the_graph_replay(tiny_llama, tmp_path):
 def test_verify_forward_replays_graphs_and_speculation_stays_exact(tiny_llama, tmp_path, method, policy):
     """The verify forward through VerifyGraphs' stand-in (batch 5 pads to bucket 8; the adaptive
     policy's smaller trees have their own graphs), ordinary steps through the decode graphs."""
-    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), device="cpu", dtype="float32").generate(PROMPTS,
-                                                                                                        GREEDY)]
-    kw = dict(seed=2, noise=0.3, draft_vocab=150) if method == "eagle3" else {}
-    draft = write_draft(tmp_path / method, tiny_llama, method, **kw)
-    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
-              spec_num_draft=10, spec_policy="fixed", max_num_seqs=8)
+    want, llm = _plain_then_speculative(tiny_llama, tmp_path, method)
     r = llm.engine.runner
     _with_stand_in_graphs(llm, 8)
     if policy == "adaptive":  # a menu of smaller trees (each its own graphs)

@@ -33,6 +33,18 @@ def _run(model, prompts, params, **kw):
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
+def _stepped_engine(model, draft, num_draft: int, max_tokens: int, steps: int):
+    """An engine with an EAGLE-type draft (top-k 3, depth 3, 16-token steps: prompts arrive in
+    chunks) after `steps` steps of greedy requests for PROMPTS, mid-generation."""
+    eng = LLM(str(model), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=3,
+              spec_num_draft=num_draft, max_num_batched_tokens=16).engine
+    for p in PROMPTS:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    for _ in range(steps):
+        eng.step()
+    return eng
+
+
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_speculative_greedy_equals_plain_greedy(tiny_llama, drafts, method):
     want, _ = _run(tiny_llama, PROMPTS, GREEDY)
@@ -148,13 +160,7 @@ def test_eagle_draft_state_and_cache_follow_the_sequence(tiny_llama, tmp_path):
     from optllm.speculative.target import last_hidden
 
     folder = write_draft(tmp_path / "eagle", tiny_llama, "eagle", seed=3, noise=0.3)
-    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(folder), spec_top_k=3, spec_depth=3,
-              spec_num_draft=6, max_num_batched_tokens=16)
-    eng = llm.engine
-    for p in PROMPTS:
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    for _ in range(12):
-        eng.step()
+    eng = _stepped_engine(tiny_llama, folder, num_draft=6, max_tokens=60, steps=12)
     hf = _hf(tiny_llama)
     ref = EagleDraft.from_target(hf)
     ref.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
@@ -244,12 +250,7 @@ def test_eagle3_greedy_equals_plain_and_its_state_follows_the_sequence(tiny_llam
     got, llm = _run(tiny_llama, PROMPTS, GREEDY, draft=str(folder), spec_top_k=3, spec_depth=3, spec_num_draft=8)
     assert got == want and llm.engine.stats().speculation["seq_steps"] > 0
 
-    eng = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(folder), spec_top_k=3, spec_depth=3,
-              spec_num_draft=8, max_num_batched_tokens=16).engine
-    for p in PROMPTS:
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    for _ in range(10):
-        eng.step()
+    eng = _stepped_engine(tiny_llama, folder, num_draft=8, max_tokens=40, steps=10)
     hf = _hf(tiny_llama)
     ref = Eagle3Draft.from_target(hf)
     if draft_vocab:
