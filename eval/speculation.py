@@ -111,6 +111,8 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
         for label in ("plain", "spec"):
             extra = {} if label == "plain" else dict(draft=str(draft), spec_policy=policy, **(spec_options or {}))
             llm = LLM(str(model), **_engine_args(batch_sizes, output_len, device, dtype, longest), **extra)
+            spec = getattr(llm.engine.runner, "spec", None) if label == "spec" else None
+            table = getattr(spec, "cost_table", None)  # the adaptive policy's start-up profile
             for t, bs in cases:
                 params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, detokenize=False)
                 batches = [prompts[bs][r * bs:(r + 1) * bs] for r in range(reps + 1)]
@@ -127,6 +129,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
                 r[f"{label}_ids"] = ids
                 if label == "spec":
                     r["counts"] = _delta(_spec_counts(llm), before)
+                    r["cost_ms"] = None if table is None else {"batches": table.batches, "ms": table.ms}
                     if t == 0:
                         r["margins"] = _divergence_margins(llm, [p for b in batches[1:] for p in b], r["plain_ids"],
                                                            ids)
@@ -149,7 +152,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
             accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth,
-            identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None,
+            identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None, cost_ms=r.get("cost_ms"),
             **(_identity(r["margins"]) if t == 0 else {}),
         ))
     return rows

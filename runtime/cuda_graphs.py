@@ -7,8 +7,9 @@ is stored; key count 1 over block 0: finite, unused output). Logits are computed
 graph. Every graph shares one memory pool (captured largest first).
 
 With a draft loaded (speculative decoding), the ordinary decode steps still run here: each
-bucket's graph also leaves the final hidden rows (and an EAGLE-3 target's auxiliary hidden
-states) in static outputs, which ``step_outputs`` hands to the draft after a replay.
+bucket's graph also hands its hidden rows (and an EAGLE-3 target's auxiliary hidden states) to
+``sink`` inside the capture -- the draft's feature cache (runtime/spec_runner.py FeatureStore),
+one more kernel a step.
 
 ``DecodeGraphs(..., eager_stand_in=True)`` records the same static buffers and outputs but
 "replays" by running the model again and copying into them: the plumbing on a CPU (tests).
@@ -48,7 +49,7 @@ class _EagerStandIn:
 
 
 @torch.inference_mode()
-def _capture_all(graphs: dict, runs: dict, device, eager_stand_in: bool) -> dict:
+def capture_graphs(graphs: dict, runs: dict, device, eager_stand_in: bool) -> dict:
     """Capture runs[key]() (largest first: they share one memory pool) into graphs[key]; returns
     {key: the outputs the graph refills at each replay}. eager_stand_in: _EagerStandIn instead."""
     outputs = {}
@@ -72,8 +73,8 @@ def _capture_all(graphs: dict, runs: dict, device, eager_stand_in: bool) -> dict
 
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
-                 num_splits_for, eager_stand_in: bool = False) -> None:
-        self.model = model
+                 num_splits_for, eager_stand_in: bool = False, sink=None) -> None:
+        self.model, self.sink = model, sink
         self.eager_stand_in = eager_stand_in
         self.buckets = graph_buckets(max_batch)
         self.max_batch, self.width = self.buckets[-1], max_blocks_per_seq
@@ -84,7 +85,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple] = {}  # bucket -> (logits, hidden, aux or None), refilled by each replay
+        self.outputs: dict[int, tuple] = {}  # bucket -> (logits,), refilled by each replay
         self.num_splits_for = num_splits_for
         self._capture(device)
 
@@ -92,13 +93,15 @@ class DecodeGraphs:
         return AttentionMetadata(slot_mapping=self.slots[:b], block_tables=self.tables[:b], seq_lens=self.seq_lens[:b],
                                  decode=True, num_splits=self.num_splits_for(b))
 
-    def _run(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(logits, hidden, the target's auxiliary hidden states or None) of bucket b."""
+    def _run(self, b: int) -> tuple[torch.Tensor]:
+        """(logits,) of bucket b; the hidden rows go to the sink."""
         hidden = self.model(self.ids[:b], self.positions[:b], self._meta(b))
-        return self.model.compute_logits(hidden), hidden, getattr(self.model.model, "aux_hidden", None)
+        if self.sink is not None:
+            self.sink(hidden, getattr(self.model.model, "aux_hidden", None), self.slots[:b])
+        return (self.model.compute_logits(hidden),)
 
     def _capture(self, device) -> None:
-        self.outputs = _capture_all(self.graphs, {b: functools.partial(self._run, b) for b in reversed(self.buckets)},
+        self.outputs = capture_graphs(self.graphs, {b: functools.partial(self._run, b) for b in reversed(self.buckets)},
                                     device, self.eager_stand_in)
 
     def bucket(self, b: int) -> int | None:
@@ -127,18 +130,7 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(i32[:size])
         self.tables[:size, :width].copy_(i32[size:].view(size, width))
         self.graphs[size].replay()
-        self.last = (size, b)
         return self.outputs[size][0][:b]
-
-    def step_outputs(self):
-        """After replay(): (hidden [b, H], positions [b], metadata) of the step just replayed, for
-        the draft; the target's auxiliary hidden states (EAGLE-3) go where an eager forward leaves
-        them, model.model.aux_hidden. hidden and aux are copies (the next replay overwrites the
-        graph's outputs); positions and metadata view the static inputs (valid until then)."""
-        size, b = self.last
-        _, hidden, aux = self.outputs[size]
-        self.model.model.aux_hidden = None if aux is None else aux[:b].clone()
-        return hidden[:b].clone(), self.positions[:b], self._meta(b)
 
 
 class VerifyGraphs:
@@ -184,7 +176,7 @@ class VerifyGraphs:
             self.mask[:b * n * n].copy_(self.eye[n].expand(b, n, n).reshape(-1))
         self.seq_lens.fill_(max((n for _, n in self.keys), default=1))
         runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: -k[0] * k[1])}
-        self.outputs = _capture_all(self.graphs, runs, device, self.eager_stand_in)
+        self.outputs = capture_graphs(self.graphs, runs, device, self.eager_stand_in)
 
     def bucket(self, bsz: int, n: int) -> int | None:
         return next((b for b, m in self.keys if m == n and b >= bsz), None)

@@ -23,7 +23,7 @@ from .kv_cache import KVCache, KVCacheSpec, cache_dtype
 from .loader import ModelSource, build_model, init_random_weights, load_weights
 from .models.llama import BuildOptions, head_dim_of
 from .sampler import Sampler, token_logprobs
-from .step_inputs import StepInputs, host_batch, to_device
+from .step_inputs import host_batch, to_device
 
 _VERIFY_GRAPH_TOKENS = 2048  # the most tree tokens a verify graph takes
 _LOGPROB_ROWS = 1024  # prompt-logprob rows whose logits are formed at once
@@ -59,7 +59,9 @@ class ModelRunner:
             with torch.inference_mode():
                 draft = load_draft(config.draft, self.model, source.config, source.folder, dtype=self.dtype,
                                    device=self.device, backend=self.backend, max_position=max_model_len)
-        self._extra_kv_layers = 1 if draft is not None and draft.method == "eagle" else 0
+        # EAGLE's draft layer keeps its own KV beside the target's (one more cache layer)
+        self._extra_kv_layers = 1 if draft is not None and draft.method in ("eagle", "eagle3") else 0
+        self._draft = draft
         hf = source.config
         self.vocab_size = hf.vocab_size
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
@@ -74,7 +76,10 @@ class ModelRunner:
         if num_blocks < self.max_blocks_per_seq:
             raise UserError(f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
                             f"max_model_len={max_model_len}; lower --max-model-len or raise the memory given")
-        self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        # with a draft: one block more, which no sequence is given (speculative graphs' padding rows
+        # write there)
+        self._pad_blocks = 1 if draft is not None else 0
+        self.kv_cache = KVCache(self.kv_spec, num_blocks + self._pad_blocks, self.device)
         self.kv_cache.bind(self.model.attention_layers())
         # The decode kernel's split count along the sequence, from the batch size and the longest
         # sequence the engine admits (so a CUDA graph and an eager step agree). A partial, not a
@@ -91,25 +96,40 @@ class ModelRunner:
             opts = SpecOptions(config.spec_top_k, config.spec_depth, config.spec_num_draft, config.medusa_choices,
                                policy)
             self.spec = SpecDecoder(self, draft, opts, seed=config.seed)
-        self.graphs = None
-        # ordinary decode steps replay graphs with a draft loaded too: the graphs also leave the hidden
-        # rows (and EAGLE-3's auxiliary ones) the draft needs (DecodeGraphs.step_outputs)
+            self.spec.bind(self.kv_cache.num_blocks)
+        self.graphs = self.verify_graphs = None
         if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0:
-            self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, config.cuda_graph_max_batch),
-                                       self.max_blocks_per_seq, self.vocab_size, self.device, self.decode_splits)
-        self.verify_graphs = None
+            self.make_graphs(min(config.max_num_seqs, config.cuda_graph_max_batch))
         if self.spec is not None:
-            if self.graphs is not None:  # the speculative step's verify forward, per (batch bucket, tree size);
-                # larger verify batches (compute-bound, where launches matter less) run eager: each graph
-                # keeps its hidden output, so the token cap bounds the graphs' memory
-                self.verify_graphs = VerifyGraphs(self.model, self.graphs.max_batch, self.spec.sizes,
-                                                  min(config.max_num_batched_tokens, _VERIFY_GRAPH_TOKENS),
-                                                  self.max_blocks_per_seq, self.device)
             self.spec.start()  # the adaptive policy's cost profile: measured on the paths steps take
+
+    def make_graphs(self, max_batch: int, eager_stand_in: bool = False, step_graphs: bool = True) -> None:
+        """Capture the CUDA graphs (eager_stand_in: their CPU stand-ins, tests): decode steps per
+        batch bucket up to max_batch -- with a draft loaded each also stores its rows' features for
+        the draft (the sink), inside the graph -- and with a draft, per (batch bucket, tree size),
+        the greedy speculative step whole (SpecStepGraphs; step_graphs=False: none) and the verify
+        forward of sampling steps. Larger trees x batches (compute-bound, where launches matter
+        less) run eager, so the token cap bounds the graphs' memory."""
+        spec = self.spec
+        self.graphs = DecodeGraphs(self.model, max_batch, self.max_blocks_per_seq, self.vocab_size, self.device,
+                                   self.decode_splits, eager_stand_in=eager_stand_in,
+                                   sink=None if spec is None else spec.store.store)
+        if spec is None:
+            return
+        from .spec_runner import SpecStepGraphs
+
+        cap = min(self.config.max_num_batched_tokens, _VERIFY_GRAPH_TOKENS)
+        self.verify_graphs = VerifyGraphs(self.model, self.graphs.max_batch, spec.sizes, cap, self.max_blocks_per_seq,
+                                          self.device, eager_stand_in=eager_stand_in)
+        spec.graphs = None
+        if step_graphs:
+            spec.graphs = SpecStepGraphs(spec, self.graphs.max_batch, spec.sizes, cap, self.max_blocks_per_seq,
+                                         self.num_blocks, eager_stand_in=eager_stand_in)
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
+        """Blocks the scheduler hands out (the speculative graphs' padding block excluded)."""
+        return self.kv_cache.num_blocks - self._pad_blocks
 
     def linear_methods(self) -> dict[str, int]:
         """How many linear layers run each method ("dense", "w4a16 g64 (triton)", ...)."""
@@ -124,6 +144,8 @@ class ModelRunner:
     def _blocks_that_fit(self) -> int:
         layers = self.kv_spec.num_layers
         per_block = self.kv_spec.bytes_per_block() * (layers + self._extra_kv_layers) // layers
+        if self._draft is not None:  # the draft's feature cache: one row per slot
+            per_block += self.block_size * self._draft.hidden_size * torch.empty((), dtype=self.dtype).element_size()
         if self.device.type != "cuda":
             return max(1, int(self.config.cpu_kv_cache_gib * 2**30) // per_block)
         gc.collect()  # an engine dropped earlier in this process gives its cache back first
@@ -186,7 +208,7 @@ class ModelRunner:
             seqs = [batch.seqs[i] for i in plain]
             counts = [batch.num_new_tokens[i] for i in plain]
             decode = all(k == 1 for k in counts) and all(batch.sampling[i] for i in plain)
-            for i, tok in zip(plain, self._execute(seqs, counts, decode, observe=True)):
+            for i, tok in zip(plain, self._execute(seqs, counts, decode)):
                 result[i] = tok
         spec = [i for i, s in enumerate(batch.speculate) if s]
         if spec:
@@ -194,25 +216,20 @@ class ModelRunner:
                 result[i] = toks
         return result
 
-    def _execute(self, seqs, num_new_tokens, decode: bool, observe: bool = False) -> list[int | None]:
+    def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:
         hb = host_batch(seqs, num_new_tokens, self.block_size, self.block_tables)
-        hidden = inputs = None
         if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            logits = self.graphs.replay(hb)
-            if observe:  # the draft's inputs, from the graph's outputs
-                hidden, positions, meta = self.graphs.step_outputs()
-                rows = torch.arange(len(seqs), device=hidden.device)
-                inputs = StepInputs(None, positions, meta, rows, [(i, i) for i in range(len(seqs))], [])
+            logits = self.graphs.replay(hb)  # (with a draft: the rows' features stored inside)
         else:
             inputs = to_device(hb, self.device, decode, self.decode_splits(len(seqs)) if decode else None)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if self.spec is not None:  # the draft's inputs for every row computed
+                self.spec.store.store(hidden, self.model.model.aux_hidden, inputs.meta.slot_mapping)
             if hb.prompt_lp:
                 self._prompt_logprobs(seqs, hidden, inputs)
             rows = inputs.logits_rows[[r for _, r in hb.sample]] if hb.prompt_lp else inputs.logits_rows
             logits = self.model.compute_logits(hidden[rows]) if hb.sample else None
         if not hb.sample:
-            if observe:
-                self.spec.observe(seqs, num_new_tokens, inputs, hidden, [None] * len(seqs))
             return [None] * len(seqs)
         sampling = [seqs[i] for i, _ in hb.sample]
         out = self.sampler(logits, sampling)
@@ -222,8 +239,6 @@ class ModelRunner:
         result: list[int | None] = [None] * len(seqs)
         for (i, _), tok in zip(hb.sample, ids):
             result[i] = tok
-        if observe:
-            self.spec.observe(seqs, num_new_tokens, inputs, hidden, result)
         return result
 
     def _record_logprobs(self, seqs, ids, out) -> None:

@@ -4,41 +4,54 @@ accepted path's KV into place.
 
 The engine's step splits its decodes in two: sequences that can speculate (``eligible``) go
 through ``SpecDecoder.step``; the rest (prefill chunks, requests with penalties or a seed,
-those still inside min_tokens or too near max_model_len) run the ordinary step, after which
-``observe`` brings the draft's state up to date from the rows that step computed.
+those still inside min_tokens or too near max_model_len) run the ordinary step.
+
+The draft's inputs live in a feature cache paged like the KV (``FeatureStore``: one row per
+cache slot): every target forward -- ordinary steps eager or under the decode graphs, and the
+accepted rows of a speculative step -- stores the draft's input for each position it computed
+(Medusa: the target's last hidden state; EAGLE: the same; EAGLE-3: its fused low / middle /
+high states). An ordinary step runs nothing of the draft, so with speculation off (the adaptive
+policy's choice on a busy engine) a step costs what it costs without a draft. The draft catches
+up when a sequence speculates.
 
 Per sequence with c = num_computed_tokens and root x_c (its last, sampled token):
-- the draft state ``seq.spec_state`` [H]: Medusa, the target's hidden state at c - 1 (the
-  row that sampled x_c); EAGLE, the draft's predicted feature at c (its output on (f_{c-1},
-  x_c)), its KV cache filled for every position < c.
+- the draft state: Medusa, the feature at c - 1 (the row that sampled x_c); EAGLE, the draft's
+  predicted feature at c: its output on (f_{c-1}, x_c), after the draft has run over every
+  row p < c, p >= u (u: the rows it ran over before, ``seq.spec_state``), each on (f_p,
+  x_{p+1}), its own KV for those positions in its cache layer (one prefill-like forward).
 - propose: Medusa, the heads' top-k over the static tree's choices; EAGLE-2, a dynamic tree
   grown ``depth - 1`` times from the top_k best frontier nodes (tree.py), each expansion one
   draft forward over the frontier nodes so far under their ancestor mask, their K/V in the
   draft's scratch slots c + row.
 - verify: the target over the N tree nodes at positions c + depth, K/V to slots c + i,
   logits at every node; acceptance greedy (every row greedy) or by rejection sampling over the
-  tree (lossless, acceptance.py); the accepted path's KV moved to c .. c + k (kv_compact.py).
+  tree (lossless, acceptance.py); the accepted path's KV moved to c .. c + k (kv_compact.py) and
+  its features stored at those slots.
 - the sequence gains k accepted draft tokens and one token of the target's: k + 1 tokens of
-  KV computed (root + accepted nodes); the draft catches up on those rows (EAGLE: one draft
-  forward over them; Medusa: the hidden state at the last accepted node).
+  KV computed (root + accepted nodes).
+Greedy steps run under CUDA graphs (``SpecStepGraphs``: catch-up of the last G rows, proposal,
+verify, acceptance, KV move -- one replay and one host sync a step); sampling steps run eager,
+their verify forward under ``VerifyGraphs``.
 Blocks: the scheduler allocates ``lookahead`` slots past the root for an eligible decode;
 what rejected nodes wrote past the new length is never read and is overwritten next step.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_graphs import capture_graphs, graph_buckets
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import AttentionMetadata
 from .sampler import token_logprobs
 from .sampling_params import GREEDY_EPS, SamplingParams
-from .spec.acceptance import accepted_per_size, greedy_accept, rejection_accept, target_probs
+from .spec.acceptance import AcceptResult, accepted_per_size, greedy_accept, rejection_accept, target_probs
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import DynamicTreeBuilder, StaticTree
-from .step_inputs import HostBatch
+from .step_inputs import HostBatch, host_tensor
 
 # Medusa's tree when none is given: ranks of the heads' top-k along each path, widest near the
 # root (where acceptance is likeliest), cut to the heads the draft has.
@@ -89,9 +102,37 @@ class SpecStats:
 _GREEDY = SamplingParams(temperature=0)
 
 
+class FeatureStore:
+    """The draft's per-position inputs, paged like the KV cache: features[slot] for every cache
+    slot, plus one dump row (index num_slots) where rows with slot -1 (padding) go. ``store`` is
+    what every target forward calls on the rows it computed (the decode graphs call it inside
+    their capture). Holds no reference to the runner (the graphs keep it)."""
+
+    def __init__(self, draft, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.draft = draft
+        self.fused = draft.method in ("eagle", "eagle3")  # EAGLE's context_features (EAGLE-3: fc over 3 states)
+        self.dump = num_slots
+        self.features = torch.zeros(num_slots + 1, draft.hidden_size, dtype=dtype, device=device)
+
+    def store(self, hidden: torch.Tensor, aux: torch.Tensor | None, slots: torch.Tensor) -> None:
+        """hidden [T, H] (and EAGLE-3's aux [T, 3H]) of rows whose cache slots are slots [T] (-1: none)."""
+        feats = self.draft.context_features(hidden, aux) if self.fused else hidden
+        idx = torch.where(slots >= 0, slots, self.dump).long()
+        self.features.index_copy_(0, idx, feats.to(self.features.dtype))
+
+    def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.features[slots]
+
+
+def _slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots int64 of positions pos int64 [B, L] through block tables [B, W]."""
+    return tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+
+
 class SpecDecoder:
     """The speculative half of a ModelRunner: ``runner`` gives the target model, its KV cache,
-    block size, block tables, device and max_model_len."""
+    block size, block tables, device and max_model_len. ``bind(num_slots)`` (once the cache is
+    sized) allocates the feature cache."""
 
     def __init__(self, runner, draft, options: SpecOptions, seed: int = 0) -> None:
         self.runner, self.draft, self.options = runner, draft, options
@@ -100,9 +141,10 @@ class SpecDecoder:
         self.block_size = runner.block_size
         self.eagle = draft.method in ("eagle", "eagle3")  # a draft layer with its own KV; EAGLE-2 trees
         self.stats = SpecStats()
-        self.verify_aux = None  # the last verify forward's auxiliary hidden states (EAGLE-3)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.store: FeatureStore | None = None
+        self.graphs = None  # SpecStepGraphs (runner on CUDA)
         if options.policy not in ("fixed", "adaptive"):
             raise ValueError(f"policy={options.policy!r} is not allowed; allowed: fixed, adaptive")
         if self.eagle:
@@ -111,10 +153,7 @@ class SpecDecoder:
                                depth=o.depth, num_draft=o.num_draft)  # checks the options now
             self.num_nodes = o.num_draft + 1
             self.scratch = (o.depth - 1) * o.top_k
-            spec = runner.kv_spec
-            self.draft_kv = KVCache(KVCacheSpec(1, draft.num_kv_heads, draft.head_dim, spec.block_size, spec.dtype),
-                                    runner.num_blocks, self.device)
-            self.draft_kv.bind(draft.attention_layers())
+            self.catch_rows = o.depth + 1  # a graphed step's catch-up: rows c - G .. c - 1 (a step emits <= depth + 1)
         else:
             choices = options.medusa_choices or tuple(c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= draft.num_heads)
             full = StaticTree.from_choices(choices)
@@ -125,6 +164,7 @@ class SpecDecoder:
             # its first n nodes are a tree too (parents precede children): the smaller sizes
             self.trees = {n: StaticTree.from_choices(full.choices[1:n]) for n in range(2, self.num_nodes + 1)}
             self.scratch = 0
+            self.catch_rows = 1
         # the tree sizes a step may verify: the whole tree and, adaptively, about halves of it
         self.sizes = sorted({self.num_nodes} | ({max(2, self.num_nodes >> i) for i in range(1, 5)}
                                                 if options.policy == "adaptive" else set()))
@@ -132,13 +172,33 @@ class SpecDecoder:
         self.policy = None
         self.adaptive = options.policy == "adaptive"
 
+    def feature_bytes_per_slot(self) -> int:
+        return self.draft.hidden_size * torch.empty((), dtype=self.runner.dtype).element_size()
+
+    def bind(self, num_blocks: int) -> None:
+        """The feature cache over num_blocks blocks (the KV cache's, its padding block included);
+        EAGLE's own KV cache layer over the same blocks."""
+        spec = self.runner.kv_spec
+        self.store = FeatureStore(self.draft, num_blocks * self.block_size, self.runner.dtype, self.device)
+        if self.eagle:
+            self.draft_kv = KVCache(KVCacheSpec(1, self.draft.num_kv_heads, self.draft.head_dim, spec.block_size,
+                                                spec.dtype), num_blocks, self.device)
+            self.draft_kv.bind(self.draft.attention_layers())
+
     def start(self) -> None:
-        """Once the runner is complete (its decode graphs captured): the adaptive policy, with
-        the cost profile measured on the paths the steps will take."""
+        """Once the runner is complete (its graphs captured): the adaptive policy, with the cost
+        profile measured on the paths the steps will take."""
         if self.adaptive and self.policy is None:
             from .spec.policy import AdaptivePolicy
 
-            self.policy = AdaptivePolicy(self.sizes, self.measure())
+            self.policy = AdaptivePolicy(self.sizes, self.measure(), max_accept={n: self.max_accept(n)
+                                                                                   for n in self.sizes})
+
+    def max_accept(self, n: int) -> int:
+        """The most draft tokens a tree of n nodes can give (its depth; EAGLE: at most depth)."""
+        if self.eagle:
+            return min(n - 1, self.options.depth)
+        return self.trees[n].num_heads
 
     @property
     def lookahead(self) -> int:
@@ -163,12 +223,12 @@ class SpecDecoder:
     # ---- the start-up cost profile
     @torch.inference_mode()
     def measure(self, batches: list[int] | None = None, repeats: int = 2):
-        """The policy's CostTable: milliseconds of a plain decode step (n = 1) and of a
-        speculative step of each menu size (draft proposal, verify, acceptance, KV move, and
-        EAGLE's catch-up over two rows a sequence), for batch sizes up to max_num_seqs whose
-        B * n fits the step budget, on the engine's own KV cache before any request (blocks
-        from 0, contexts of 32 tokens, random draft states). One warm-up run each (kernel
-        compilation), then the best of ``repeats``."""
+        """The policy's CostTable: milliseconds of a plain decode step (n = 1: the decode graph's
+        replay, feature store included) and of a greedy speculative step of each menu size (the
+        draft's catch-up over two rows a sequence, proposal, verify, acceptance, KV move: the
+        speculative step's graph where one exists), for batch sizes up to max_num_seqs whose B * n
+        fits the step budget, on the engine's own caches before any request (blocks from 0,
+        contexts of 32 tokens). One warm-up run each, then the best of ``repeats``."""
         import time
 
         from .spec.policy import CostTable
@@ -183,8 +243,6 @@ class SpecDecoder:
             batches.append(cfg.max_num_seqs)
         per_row = -(-(ctx_len + max(self.num_nodes, self.scratch + 1)) // bs)
         batches = [b for b in batches if b * per_row <= self.runner.num_blocks] or [1]
-        h = self.draft.hidden_size
-        gen = torch.Generator(device=dev).manual_seed(0)
 
         def sync():
             if dev.type == "cuda":
@@ -196,36 +254,27 @@ class SpecDecoder:
             tables = torch.arange(b * per_row, device=dev, dtype=torch.int32).view(b, per_row)
             ctx = torch.full((b,), ctx_len, dtype=torch.int64, device=dev)
             if n == 1:  # an ordinary decode step as the runner runs it: a graph replay when one fits
-                pos = ctx.clone()
                 slots = tables.long()[:, ctx_len // bs] * bs + ctx_len % bs
                 if graphs is not None and b <= graphs.max_batch:
                     hb = HostBatch([0] * b, [ctx_len] * b, slots.tolist(), [ctx_len + 1] * b, None,
                                    tables.cpu().numpy(), list(range(b)), [(i, i) for i in range(b)], [])
                     logits = graphs.replay(hb)
-                    hidden, pos, meta = graphs.step_outputs()
                 else:
                     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
                                              seq_lens=(ctx + 1).to(torch.int32), decode=True,
                                              num_splits=self.runner.decode_splits(b))
-                    hidden = self.model(torch.zeros(b, dtype=torch.int64, device=dev), pos, meta)
+                    hidden = self.model(torch.zeros(b, dtype=torch.int64, device=dev), ctx, meta)
+                    self.store.store(hidden, self.model.model.aux_hidden, slots)
                     logits = self.model.compute_logits(hidden)
                 logits.argmax(dim=-1).tolist()
-                if self.eagle:  # observe(): the draft over the step's rows
-                    feats = self.draft.context_features(hidden, self.model.model.aux_hidden)
-                    self.draft(feats, torch.zeros(b, dtype=torch.int64, device=dev), pos, meta)
                 return
-            states = torch.randn(b, h, generator=gen, device=dev).to(self.runner.dtype)
-            roots = torch.zeros(b, dtype=torch.int64, device=dev)
-            _, hidden, _, res, _ = self._draft_and_verify(roots, states, ctx, tables, [_GREEDY] * b, n)
-            res.num_accepted.tolist()
-            if self.eagle:
-                rows = torch.arange(2 * b, device=dev)
-                pos = ctx.repeat_interleave(2) + rows % 2
-                slots = tables.long()[rows // 2, pos // bs] * bs + pos % bs
-                meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(ctx + 2).to(torch.int32),
-                                         decode=False, cu_seqlens_q=(torch.arange(b + 1, device=dev) * 2).to(
-                                             torch.int32), max_seqlen_q=2)
-                self.draft(hidden[:2 * b], torch.zeros(2 * b, dtype=torch.int64, device=dev), pos, meta)
+            ids = torch.zeros(b, self.catch_rows, dtype=torch.int64, device=dev)
+            if self.graphs is not None and self.graphs.bucket(b, n) is not None:
+                out = self.graphs.run(ids, ctx, tables, n)[0]
+            else:
+                states = self._states_fixed(ids[:, -2:] if self.eagle else ids, ctx, tables)
+                out = self._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n)[3]
+            out.num_accepted.tolist()
             sync()
 
         ms: dict[int, list[float]] = {}
@@ -251,39 +300,69 @@ class SpecDecoder:
     def eligible(self, seq) -> bool:
         """Whether the sequence's next decode can be a speculative step."""
         p = seq.params
-        return (getattr(seq, "spec_state", None) is not None and not p.uses_penalties
+        return (seq.num_computed_tokens > 0 and not p.uses_penalties
                 and (p.seed is None or p.temperature < GREEDY_EPS)
                 and seq.num_output_tokens >= p.min_tokens
                 and seq.num_tokens + max(self.num_nodes, self.scratch) - 1 <= self.runner.max_model_len)
 
-    # ---- the ordinary step's rows
+    def _upto(self, seq) -> int:
+        """EAGLE: the positions the draft has run over (its KV), 0 after a preemption."""
+        st = getattr(seq, "spec_state", None)
+        return st[1] if st is not None and st[0] == seq.num_preemptions else 0
+
+    # ---- the draft states
     @torch.inference_mode()
-    def observe(self, seqs, num_new_tokens, inputs, hidden: torch.Tensor, sampled: list) -> None:
-        """After an ordinary step: hidden [T, H] of its rows (seqs[i]'s rows in order, its
-        tokens [num_computed_tokens, + num_new_tokens[i])), sampled[i] the token it sampled
-        or None. Sets the sampling sequences' draft state; EAGLE also runs the draft over
-        every row (its KV for those positions)."""
+    def states(self, seqs, stop: list[int] | None = None) -> torch.Tensor:
+        """The draft states [B, H] of sequences about to speculate (EAGLE: the draft runs over each
+        sequence's rows [u, c) first: one forward). stop[b] < c: run over [u, stop[b]) only (the
+        rows a graphed step's catch-up leaves out); the states returned are then meaningless."""
+        dev, bs = self.device, self.block_size
+        ctx = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64, device=dev)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.from_numpy(self.runner.block_tables.gather(seqs, width)).to(dev)
         if not self.eagle:
-            if inputs.sample:
-                rows = inputs.logits_rows[[r for _, r in inputs.sample]]
-                for (i, _), h in zip(inputs.sample, hidden[rows]):
-                    seqs[i].spec_state = h
-            return
-        next_ids, last_rows, row = [], [], 0
-        for seq, k, tok in zip(seqs, num_new_tokens, sampled):
-            start = seq.num_computed_tokens
-            nxt = seq.token_ids[start + 1: start + k + 1]
-            if len(nxt) < k:  # the last row's next token is the one just sampled
-                nxt = nxt + [tok]
-            next_ids += nxt
-            row += k
-            last_rows.append(row - 1)
-        ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
-        feats = self.draft.context_features(hidden, self.model.model.aux_hidden)
-        pred = self.draft(feats, ids, inputs.positions, inputs.meta)
-        for seq, tok, r in zip(seqs, sampled, last_rows):
-            if tok is not None:
-                seq.spec_state = pred[r]
+            return self.store[_slots(tables, (ctx - 1)[:, None], bs)[:, 0]]
+        ids, pos, which, cu, ends = [], [], [], [0], []
+        for b, s in enumerate(seqs):
+            u, c = self._upto(s), s.num_computed_tokens if stop is None else stop[b]
+            if c <= u:
+                continue
+            ids += s.token_ids[u + 1: c + 1]
+            pos += range(u, c)
+            which += [b] * (c - u)
+            cu.append(cu[-1] + c - u)
+            ends.append(c)
+            s.spec_state = (s.num_preemptions, c)
+        if len(cu) == 1:
+            return None
+        h = host_tensor("q", ids, pos, which).to(dev)
+        n = len(ids)
+        ids_t, pos_t, which_t = h[:n], h[n:2 * n], h[2 * n:]
+        slots = tables.long()[which_t, pos_t // bs] * bs + pos_t % bs
+        rows = sorted(set(which))
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables[rows],
+                                 seq_lens=torch.tensor(ends, dtype=torch.int32, device=dev), decode=False,
+                                 cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+                                 max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])))
+        pred = self.draft(self.store[slots], ids_t, pos_t, meta)
+        return pred[torch.tensor(cu[1:], device=dev) - 1]
+
+    def _states_fixed(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Tensor-only states (a graphed step's): EAGLE, the draft over the last G rows of each
+        sequence, positions c - G .. c - 1, ids int64 [B, G] the tokens at c - G + 1 .. c (the root
+        last); rows the draft ran over before are recomputed to the same values. Medusa: the
+        feature at c - 1 (ids unused)."""
+        bsz, bs, dev = ctx.shape[0], self.block_size, self.device
+        if not self.eagle:
+            return self.store[_slots(tables, (ctx - 1)[:, None], bs)[:, 0]]
+        g = ids.shape[1]
+        pos = ctx[:, None] - g + torch.arange(g, device=dev)[None, :]
+        slots = _slots(tables, pos, bs).reshape(-1)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=ctx.to(torch.int32), decode=False,
+                                 cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * g).to(torch.int32),
+                                 max_seqlen_q=g)
+        pred = self.draft(self.store[slots], ids.reshape(-1), pos.reshape(-1), meta)
+        return pred.view(bsz, g, -1)[:, -1]
 
     # ---- the speculative step
     @torch.inference_mode()
@@ -292,27 +371,35 @@ class SpecDecoder:
         num_computed_tokens + lookahead); returns each one's new tokens (accepted + 1)."""
         dev = self.device
         bsz = len(seqs)
-        ctx = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64, device=dev)
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.from_numpy(self.runner.block_tables.gather(seqs, width)).to(dev)
-        roots = torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=dev)
-        states = torch.stack([s.spec_state for s in seqs])
         params = [s.params for s in seqs]
-        tree, hidden, logits, res, ranks = self._draft_and_verify(roots, states, ctx, tables, params, self.n)
-        n = tree.num_nodes
+        g = self.catch_rows
+        greedy = all(p.temperature < GREEDY_EPS and p.logprobs is None for p in params)
+        key = self.graphs.bucket(bsz, self.n) if self.graphs is not None and greedy else None
+        if key is not None and all(s.num_computed_tokens >= g for s in seqs):
+            if self.eagle:  # the rows before the graph's catch-up window, eager
+                if any(s.num_computed_tokens - self._upto(s) > g for s in seqs):
+                    self.states(seqs, stop=[s.num_computed_tokens - g for s in seqs])
+                for s in seqs:
+                    s.spec_state = (s.num_preemptions, s.num_computed_tokens)
+            res, ranks = self.graphs.run_seqs(seqs, self.n)
+            n = self.n
+            logits = None
+        else:
+            ctx = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64, device=dev)
+            width = max(len(s.block_table) for s in seqs)
+            tables = torch.from_numpy(self.runner.block_tables.gather(seqs, width)).to(dev)
+            roots = torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=dev)
+            states = self.states(seqs)
+            tree, _, logits, res, ranks = self._draft_and_verify(roots, states, ctx, tables, params, self.n)
+            n = tree.num_nodes
         num_acc = res.num_accepted.tolist()  # the step's host sync
         tokens = res.tokens.tolist()
         out = [tokens[b][:num_acc[b] + 1] for b in range(bsz)]
         if self.policy is not None:
             self._observe_sizes(seqs, res, ranks, n)
-        rows = torch.arange(bsz, device=dev)[:, None] * n + res.accepted.clamp_min(0)  # [B, N] hidden rows on the path
-        self._record_logprobs(seqs, out, logits.view(bsz * n, -1), rows)
-        if self.eagle:
-            self._catch_up(seqs, out, hidden, rows, ctx, tables)
-        else:
-            last = rows.gather(1, res.num_accepted[:, None])[:, 0]
-            for s, h in zip(seqs, hidden[last]):
-                s.spec_state = h
+        if logits is not None:
+            rows = torch.arange(bsz, device=dev)[:, None] * n + res.accepted.clamp_min(0)  # [B, N] rows on the path
+            self._record_logprobs(seqs, out, logits.view(bsz * n, -1), rows)
         st = self.stats
         st.steps += 1
         st.seq_steps += bsz
@@ -324,11 +411,12 @@ class SpecDecoder:
             st.histogram[k] += 1
         return out
 
-    def _draft_and_verify(self, roots, states, ctx, tables, params, n):
-        """Propose trees of n nodes, verify them in one target forward, accept, and move the
-        accepted KV into place. Returns (tree, hidden [B * N, H], logits [B, N, V], the
-        AcceptResult, each node's rank int64 [B, N]: the trees of the first m ranks are the
-        smaller trees of the menu)."""
+    def _draft_and_verify(self, roots, states, ctx, tables, params, n, inner: bool = False):
+        """Propose trees of n nodes, verify them in one target forward, accept, move the accepted
+        KV into place and store the accepted rows' features. Returns (tree, hidden [B * N, H],
+        logits [B, N, V], the AcceptResult, each node's rank int64 [B, N]: the trees of the first m
+        ranks are the smaller trees of the menu). inner: inside a
+        SpecStepGraphs capture (greedy; the verify forward runs in it, not in VerifyGraphs)."""
         dev, bs = self.device, self.block_size
         bsz = roots.shape[0]
         if self.eagle:
@@ -339,8 +427,8 @@ class SpecDecoder:
         n = tree.num_nodes
         # verify: every node at once, K/V to slots c + i, positions c + depth
         pos = ctx[:, None] + torch.arange(n, device=dev)[None, :]
-        slots = (tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
-        graphs = self.runner.verify_graphs
+        slots = _slots(tables, pos, bs).reshape(-1)
+        graphs = None if inner else self.runner.verify_graphs
         hidden = None if graphs is None else graphs.run(tree.tokens, tree.positions(ctx), slots, tables,
                                                          (ctx + n).to(torch.int32), tree.mask)
         if hidden is None:
@@ -349,8 +437,7 @@ class SpecDecoder:
                 cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
                 mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
             hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
-        # (from a graph: its own outputs, used up within this step)
-        self.verify_aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
+        aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
         if all(p.temperature < GREEDY_EPS for p in params):
             res = greedy_accept(tree, logits.argmax(dim=-1))
@@ -359,6 +446,10 @@ class SpecDecoder:
         kv = self.runner.kv_cache
         src, dst = accepted_kv_slots(tables, ctx, res.accepted, bs)
         move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
+        # the accepted rows' features at positions c .. c + k (the rest: the dump row)
+        rows = (torch.arange(bsz, device=dev)[:, None] * n + res.accepted.clamp_min(0)).reshape(-1)
+        self.store.store(hidden[rows], None if aux is None else aux[rows],
+                         torch.where(res.accepted.reshape(-1) >= 0, slots, -1))
         return tree, hidden, logits, res, ranks
 
     def _observe_sizes(self, seqs, res, ranks, n) -> None:
@@ -400,8 +491,7 @@ class SpecDecoder:
             if masks is not None:
                 new[:, :m - k, :m - k] = masks
                 new[:, m - k:, :m - k] = masks.gather(1, parent_row[:, :, None].expand(bsz, k, m - k))
-            new[:, torch.arange(m - k, m), torch.arange(m - k, m)] = True
-            masks = new
+            masks = new | torch.eye(m, dtype=torch.bool, device=dev)  # (no host scalar: graph-safe)
             rows_pos = ctx[:, None] + torch.arange(m, device=dev)[None, :]
             slots = (tables.long().gather(1, rows_pos // bs) * bs + rows_pos % bs).reshape(-1)
             positions = (ctx[:, None] + torch.arange(d, device=dev).repeat_interleave(k)[None, :]).reshape(-1)
@@ -420,30 +510,6 @@ class SpecDecoder:
         order = torch.sort(builder.kept_scores, dim=1, descending=True, stable=True).indices
         return tree, torch.argsort(order, dim=1)
 
-    def _catch_up(self, seqs, out, hidden, rows, ctx, tables) -> None:
-        """EAGLE: the draft over the accepted rows (positions c .. c + k, each with the next
-        emitted token), its KV in place of the scratch; the last row is the new state."""
-        dev, bs = self.device, self.block_size
-        lens = [len(o) for o in out]
-        sel = torch.cat([rows[b, :lens[b]] for b in range(len(seqs))])
-        aux = self.verify_aux
-        feats = self.draft.context_features(hidden[sel], None if aux is None else aux[sel])
-        ids = torch.tensor([t for o in out for t in o], dtype=torch.int64, device=dev)
-        offs = torch.tensor([i for n_ in lens for i in range(n_)], dtype=torch.int64, device=dev)
-        which = torch.tensor([b for b, n_ in enumerate(lens) for _ in range(n_)], dtype=torch.int64, device=dev)
-        pos = ctx[which] + offs
-        slots = tables.long()[which, pos // bs] * bs + pos % bs
-        cu = [0]
-        for n_ in lens:
-            cu.append(cu[-1] + n_)
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(ctx + torch.tensor(
-            lens, device=dev)).to(torch.int32), decode=False, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32,
-                                                                                          device=dev),
-            max_seqlen_q=max(lens))
-        pred = self.draft(feats, ids, pos, meta)
-        for s, e in zip(seqs, cu[1:]):
-            s.spec_state = pred[e - 1]
-
     def _record_logprobs(self, seqs, out, logits, rows) -> None:
         """Raw log-probabilities of the emitted tokens, from the target's logits at the path's
         nodes (node i of the path scores emitted token i), for sequences that asked."""
@@ -460,3 +526,72 @@ class SpecDecoder:
                 for t, v in zip(tids[j], tlp[j]):
                     entry.setdefault(t, v)
                 seq.output_logprobs.append(entry)
+
+
+class SpecStepGraphs:
+    """Greedy speculative steps under CUDA graphs: one graph per (batch bucket b, tree size n)
+    with b * n <= max_tokens, captured once at start, each the whole of a SpecDecoder step: the
+    draft states (EAGLE: its catch-up over each sequence's last G = depth + 1 rows), the proposal,
+    the verify forward, greedy acceptance, the KV move and the feature store. Outputs: the
+    AcceptResult's tensors and the node ranks; the caller's one host sync reads them.
+
+    Static inputs: ids int64 [b, G] (the tokens at positions c - G + 1 .. c, the root last;
+    Medusa: G = 1, the root), ctx int64 [b], tables int32 [b, width]. Padding rows (past B) run in
+    ``pad_block``, a block of the caches no sequence is given: their tables point only at it,
+    so whatever they write lands there. ``eager_stand_in``: as DecodeGraphs' (the plumbing on a
+    CPU)."""
+
+    def __init__(self, spec: SpecDecoder, max_batch: int, sizes, max_tokens: int, width: int, pad_block: int,
+                 eager_stand_in: bool = False) -> None:
+        dev = spec.device
+        self.spec, self.pad_block, self.width, self.g = spec, pad_block, width, spec.catch_rows
+        self.keys = sorted({(b, n) for n in sizes for b in graph_buckets(max_batch) if b * n <= max_tokens})
+        big = max((b for b, _ in self.keys), default=1)
+        self.ids = torch.zeros(big, self.g, dtype=torch.int64, device=dev)
+        self.ctx = torch.full((big,), self.g, dtype=torch.int64, device=dev)
+        self.tables = torch.full((big, width), pad_block, dtype=torch.int32, device=dev)
+        self.graphs: dict = {}
+        runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: -k[0] * k[1])}
+        self.outputs = capture_graphs(self.graphs, runs, dev, eager_stand_in)
+
+    def _run(self, b: int, n: int):
+        spec = self.spec
+        ids, ctx, tables = self.ids[:b], self.ctx[:b], self.tables[:b]
+        states = spec._states_fixed(ids, ctx, tables)
+        _, _, _, res, ranks = spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n, inner=True)
+        return res.accepted, res.num_accepted, res.tokens, ranks
+
+    def bucket(self, bsz: int, n: int) -> int | None:
+        return next((b for b, m in self.keys if m == n and b >= bsz), None)
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, n: int):
+        """(AcceptResult, ranks) of B sequences' greedy step with trees of n nodes: ids int64 [B, G],
+        ctx int64 [B] (c >= G), tables int32 [B, w <= width]; the outputs are the graph's own
+        (valid until its next replay). Needs a bucket: ``bucket(B, n)`` is not None."""
+        bsz, w = ids.shape[0], tables.shape[1]
+        b = self.bucket(bsz, n)
+        self.ids[:bsz].copy_(ids)
+        self.ctx[:bsz].copy_(ctx)
+        self.tables[:bsz, :w].copy_(tables)
+        self.tables[:bsz, w:].fill_(self.pad_block)
+        if b > bsz:  # padding rows from an earlier, larger step
+            self.ids[bsz:b].zero_()
+            self.ctx[bsz:b].fill_(self.g)
+            self.tables[bsz:b].fill_(self.pad_block)
+        self.graphs[(b, n)].replay()
+        acc, num, tok, ranks = self.outputs[(b, n)]
+        return AcceptResult(acc[:bsz], num[:bsz], tok[:bsz]), ranks[:bsz]
+
+    def run_seqs(self, seqs, n: int):
+        """``run`` for scheduled sequences (each with num_computed_tokens >= G)."""
+        g, dev = self.g, self.spec.device
+        rows = []
+        for s in seqs:
+            c = s.num_computed_tokens
+            rows.append(s.token_ids[c - g + 1: c + 1])
+        host = host_tensor("q", *rows, [s.num_computed_tokens for s in seqs]).to(dev, non_blocking=True)
+        bsz = len(seqs)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.from_numpy(self.spec.runner.block_tables.gather(seqs, width)).to(dev, non_blocking=True)
+        return self.run(host[:bsz * g].view(bsz, g), host[bsz * g:], tables, n)

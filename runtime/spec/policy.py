@@ -18,14 +18,17 @@ acceptance the path a smaller prefix-tree accepts is the full tree's accepted pa
 first node outside the prefix (only one child of a node can match the target's argmax), so
 one verify scores every smaller size exactly (sampling: the same count, an estimate). Each
 sequence keeps an exponential moving average per size, starting from the engine-wide average
-of the sequences seen so far. While speculation is off nothing is observed, so every
-``explore_every``-th step in a row without it verifies the smallest tree to keep the
-estimates fresh. Plain Python, no torch.
+of the sequences seen so far. A size that could not win even if every draft token were
+accepted (``max_accept``: the tree's depth) is never chosen. While speculation is off nothing
+is observed, so now and then a step verifies the smallest size that could win, to keep the
+estimates fresh: after ``explore_every`` steps without speculation at least, and rarely enough
+that exploring costs at most ``explore_budget`` of the plain steps' time. Plain Python, no torch.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 
@@ -72,9 +75,11 @@ class AdaptivePolicy:
     sizes: list[int]
     cost: CostTable
     prior: dict[int, float] | None = None
+    max_accept: dict[int, int] | None = None  # the most draft tokens each size can give (None: n - 1)
     decay: float = 0.8  # weight of the past in each sequence's average
     margin: float = 1.02  # speculation must be this much faster than a plain step
     explore_every: int = 16
+    explore_budget: float = 0.01
     _seq: dict[int, dict[int, float]] = field(default_factory=dict)
     _global: dict[int, float] = field(default_factory=dict)
     _global_n: int = 0
@@ -101,20 +106,29 @@ class AdaptivePolicy:
         b = len(seq_ids)
         if b == 0:
             return 1
-        plain = b / self.cost.cost(1, b)
+        plain_ms = self.cost.cost(1, b)
+        plain = b / plain_ms
         best, best_rate = 1, plain * self.margin
+        can_win = []
         for n in self.sizes:
             if budget is not None and b * n > budget:
                 continue
+            top = (self.max_accept or {}).get(n, n - 1)
+            if b * (1.0 + top) / self.cost.cost(n, b) <= plain * self.margin:
+                continue  # slower than plain even if every draft token were accepted
+            can_win.append(n)
             gain = sum(1.0 + self.expected(s)[n] for s in seq_ids)
             rate = gain / self.cost.cost(n, b)
             if rate > best_rate:
                 best, best_rate = n, rate
         if best == 1:
             self._idle += 1
-            if self._idle >= self.explore_every and (budget is None or b * self.sizes[0] <= budget):
-                self._idle = 0
-                best = self.sizes[0]
+            if can_win:
+                n = can_win[0]
+                extra = max(self.cost.cost(n, b) / plain_ms - 1.0, 0.0)
+                if self._idle >= max(self.explore_every, math.ceil(extra / self.explore_budget)):
+                    self._idle = 0
+                    best = n
         else:
             self._idle = 0
         self.last_choice = best

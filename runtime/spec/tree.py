@@ -180,14 +180,17 @@ class TreeBatch:
                 raise ValueError("sizes, parents: allowed: 1 <= sizes[b] <= N and 0 <= parents[b, i] < i "
                                  "for 1 <= i < sizes[b]")
         tokens = torch.where(valid, tokens.to(torch.int64), 0)
-        # ancestor-or-self: walk every node's ancestor chain up, N - 1 steps at most
+        # ancestor-or-self: the reflexive-transitive closure of "j is i's parent" by squaring
+        # (ceil(log2 N) boolean products; 0/1 sums <= N are exact in float32 and TF32)
         eye = torch.eye(n, dtype=torch.bool, device=dev)
-        mask = eye[None] & valid[:, :, None]
-        anc = parents
-        for _ in range(n - 1):
-            has = anc >= 0
-            mask |= (idx[None, None, :] == anc[:, :, None]) & has[:, :, None]
-            anc = torch.where(has, parents.gather(1, anc.clamp_min(0)), -1)
+        reach = (eye[None] & valid[:, :, None]) | ((idx[None, None, :] == parents[:, :, None])
+                                                   & (parents[:, :, None] >= 0))
+        span = 1
+        while span < n - 1:
+            r = reach.float()
+            reach = torch.bmm(r, r) > 0
+            span *= 2
+        mask = reach
         depths = mask.sum(dim=-1) - valid.long()
         # paths[b, i, depth(j)] = j for every j on i's path; the rest -1 (dumped into column N)
         col = torch.where(mask, depths[:, None, :], n)
@@ -277,16 +280,21 @@ class StaticTree:
             raise ValueError(f"topk_ids: must be [B={root_tokens.shape[0]}, heads >= {self.num_heads}, "
                              f"K >= {self.top_k}], got {tuple(topk_ids.shape)}")
         k = topk_ids.shape[2]
-        flat = torch.tensor([(len(c) - 1) * k + c[-1] for c in self.choices[1:]], dtype=torch.int64,
-                            device=topk_ids.device)
+        flat = _const(tuple((len(c) - 1) * k + c[-1] for c in self.choices[1:]), topk_ids.device)
         drafts = topk_ids.reshape(topk_ids.shape[0], -1).index_select(1, flat)
         return torch.cat([root_tokens.to(topk_ids.device, torch.int64)[:, None], drafts.long()], dim=1)
 
     def batch(self, root_tokens: torch.Tensor, topk_ids: torch.Tensor) -> TreeBatch:
         """The TreeBatch of B copies of this tree with tokens as ``tokens`` gives them."""
         tok = self.tokens(root_tokens, topk_ids)
-        par = torch.tensor(self.tree.parents, dtype=torch.int64, device=tok.device).expand_as(tok)
+        par = _const(self.tree.parents, tok.device).expand_as(tok)
         return TreeBatch.build(tok, par.contiguous(), validate=False)
+
+
+@functools.lru_cache(maxsize=512)
+def _const(values: tuple, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of fixed values, made once per device (no host copy inside a graph capture)."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 # --------------------------------------------------------------------------- EAGLE-2

@@ -1,29 +1,30 @@
-"""Ordinary decode steps through the decode graphs with a draft loaded (runtime/cuda_graphs.py
-step_outputs, ModelRunner._execute's graph branch, SpecDecoder.measure's plain-step cost), and
-the speculative step's verify forward through VerifyGraphs (padding trees included), on a CPU:
-the graphs' eager stand-in keeps the same static buffers and outputs and refills them at every
-"replay", so a draft state that aliased a graph output, the wrong bucket's auxiliary hidden
-states or stale positions would change the tokens. Greedy speculative tokens must equal plain
-greedy decoding for Medusa, EAGLE and EAGLE-3 drafts."""
+"""Speculation under CUDA graphs, on a CPU through the graphs' eager stand-ins (the same static
+buffers and outputs, refilled at every "replay"): ordinary decode steps through the decode graphs
+with a draft loaded (their feature sink), the greedy speculative step whole through
+SpecStepGraphs (catch-up window, proposal, verify, acceptance, KV move; padding rows in the pad
+block) and the verify forward of the other steps through VerifyGraphs. A feature stored at the
+wrong slot, a padding row writing a live block, a stale static input or the wrong bucket's
+outputs would change the tokens: greedy speculative tokens must equal plain greedy decoding for
+Medusa, EAGLE and EAGLE-3 drafts."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import write_draft
 
-from optllm.runtime.cuda_graphs import DecodeGraphs, VerifyGraphs
 from optllm.runtime.llm import LLM
 from optllm.runtime.sampling_params import SamplingParams
+from optllm.runtime.spec.policy import CostTable
 
 PROMPTS = ["The interpreter reads", "def main():\n    return", "In the beginning of the module the", "x = 1\ny",
            "a b c d e"]
 GREEDY = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
 
 
-def _with_stand_in_graphs(llm: LLM, max_batch: int) -> list[int]:
+def _with_stand_in_graphs(llm: LLM, max_batch: int, step_graphs: bool = True) -> list[int]:
+    """The runner's graphs as CPU stand-ins; returns the list the decode replays' batch sizes go to."""
     r = llm.engine.runner
-    r.graphs = DecodeGraphs(r.model, max_batch, r.max_blocks_per_seq, r.vocab_size, r.device, r.decode_splits,
-                            eager_stand_in=True)
+    r.make_graphs(max_batch, eager_stand_in=True, step_graphs=step_graphs)
     replays: list[int] = []
     replay = r.graphs.replay
 
@@ -77,19 +78,44 @@ def test_cost_profile_times_the_graph_replay(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_verify_forward_replays_graphs_and_speculation_stays_exact(tiny_llama, tmp_path, method, policy):
-    """The verify forward through VerifyGraphs' stand-in (batch 5 pads to bucket 8; the adaptive
-    policy's smaller trees have their own graphs), ordinary steps through the decode graphs."""
+def test_speculative_steps_replay_graphs_and_stay_exact(tiny_llama, tmp_path, method, policy):
+    """Greedy steps through SpecStepGraphs (batch 5 pads to bucket 8; the adaptive policy's smaller
+    trees have their own graphs), ordinary steps through the decode graphs."""
     want, llm = _plain_then_speculative(tiny_llama, tmp_path, method)
     r = llm.engine.runner
-    _with_stand_in_graphs(llm, 8)
     if policy == "adaptive":  # a menu of smaller trees (each its own graphs)
         r.spec.sizes = [2, 4, 6, r.spec.num_nodes]
-    r.verify_graphs = VerifyGraphs(r.model, 8, r.spec.sizes, r.config.max_num_batched_tokens, r.max_blocks_per_seq,
-                                   r.device, eager_stand_in=True)
-    if policy == "adaptive":  # the cost profile through both kinds of graphs
+    replays = _with_stand_in_graphs(llm, 8)
+    if policy == "adaptive":  # the cost profile through the graphs; then costs under which trees pay
         r.spec.adaptive = True
         r.spec.start()
+        pol = r.spec.policy
+        pol.cost = CostTable(pol.cost.batches, {n: [1.0 if n == 1 else 0.6 + 0.05 * n] * len(pol.cost.batches)
+                                                for n in pol.cost.ms})
+    runs: list[tuple[int, int]] = []
+    run = r.spec.graphs.run
+
+    def counted(ids, ctx, tables, n):
+        runs.append((ids.shape[0], n))
+        return run(ids, ctx, tables, n)
+
+    r.spec.graphs.run = counted
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == want
+    assert runs and llm.engine.stats().speculation["seq_steps"] > 0
+    assert replays or policy == "fixed"
+    if policy == "fixed":
+        assert any(b == 5 for b, _ in runs)  # a batch that pads to its bucket
+    else:
+        assert len({n for _, n in runs}) > 1, runs  # several tree sizes
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_verify_forward_replays_graphs_and_speculation_stays_exact(tiny_llama, tmp_path, method):
+    """Without the step graphs (as sampling steps run): the verify forward through VerifyGraphs."""
+    want, llm = _plain_then_speculative(tiny_llama, tmp_path, method)
+    r = llm.engine.runner
+    _with_stand_in_graphs(llm, 8, step_graphs=False)
     runs: list[tuple[int, int]] = []
     run = r.verify_graphs.run
 
@@ -102,6 +128,4 @@ def test_verify_forward_replays_graphs_and_speculation_stays_exact(tiny_llama, t
     r.verify_graphs.run = counted
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert got == want
-    assert runs and llm.engine.stats().speculation["seq_steps"] > 0
-    if policy == "fixed":
-        assert any(b == 5 for b, _ in runs)  # a batch that pads to its bucket
+    assert any(b == 5 for b, _ in runs)  # a batch that pads to its bucket

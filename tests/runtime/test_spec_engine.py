@@ -166,14 +166,15 @@ def test_eagle_draft_state_and_cache_follow_the_sequence(tiny_llama, tmp_path):
     ref.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
     seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 2]
     assert seqs and eng.stats().speculation["steps"] > 0
-    for s in seqs:
+    states = eng.runner.spec.states(seqs)  # the draft over the rows it has not seen yet
+    for s, state in zip(seqs, states):
         c = s.num_computed_tokens
         ids = torch.tensor([s.token_ids[: c + 1]])
         feats = last_hidden(hf, ids[:, :c])
         with torch.no_grad():
             pred, _ = ref(feats, ids[:, 1:c + 1])
-        err = (s.spec_state - pred[0, -1]).abs().max()
-        assert torch.allclose(s.spec_state, pred[0, -1], atol=1e-4, rtol=1e-4), (s, err)
+        err = (state - pred[0, -1]).abs().max()
+        assert torch.allclose(state, pred[0, -1], atol=1e-4, rtol=1e-4), (s, err)
 
 
 def test_medusa_state_is_the_targets_last_hidden_state(tiny_llama, drafts):
@@ -186,10 +187,11 @@ def test_medusa_state_is_the_targets_last_hidden_state(tiny_llama, drafts):
     for _ in range(6):
         eng.step()
     hf = _hf(tiny_llama)
-    for s in eng.scheduler.running:
+    seqs = list(eng.scheduler.running)
+    for s, state in zip(seqs, eng.runner.spec.states(seqs)):
         c = s.num_computed_tokens
         want = last_hidden(hf, torch.tensor([s.token_ids[:c]]))[0, -1]
-        assert torch.allclose(s.spec_state, want, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(state, want, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_drafts_are_one_line(tiny_llama, drafts, tmp_path, caplog):
@@ -259,13 +261,13 @@ def test_eagle3_greedy_equals_plain_and_its_state_follows_the_sequence(tiny_llam
     draft = eng.runner.spec.draft
     seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 2]
     assert seqs and eng.stats().speculation["steps"] > 0
-    for s in seqs:
+    for s, state in zip(seqs, eng.runner.spec.states(seqs)):
         c = s.num_computed_tokens
         ids = torch.tensor([s.token_ids[: c + 1]])
         with torch.no_grad():
             aux = eagle3_features(hf, ids[:, :c], None, ref.aux_layers)
             want_lg = ref.ttt(aux, ids[:, 1:c + 1], 1)[0][0, -1]
-            got_lg = draft.logits(s.spec_state[None])[0]
+            got_lg = draft.logits(state[None])[0]
         kept = ref.d2t + torch.arange(ref.draft_vocab_size)
         torch.testing.assert_close(got_lg[kept], want_lg, rtol=1e-4, atol=1e-4)
         if draft_vocab:

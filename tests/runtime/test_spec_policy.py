@@ -55,9 +55,27 @@ def test_policy_speculates_when_it_pays_and_not_when_the_batch_is_busy():
 
 def test_policy_explores_the_smallest_tree_while_off():
     sizes = [3, 6]
-    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4)
+    # bs 16: a tree of 3 costs 1.4 ms against 1 ms, 40% more: a 10% budget explores every 4th step
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4,
+                         explore_budget=0.1)
     picks = [pol.choose(list(range(16))) for _ in range(12)]
     assert picks == [1, 1, 1, 3] * 3
+    # the default 1% budget: every 40th step
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4)
+    picks = [pol.choose(list(range(16))) for _ in range(80)]
+    assert [i for i, p in enumerate(picks) if p != 1] == [39, 79]
+
+
+def test_policy_never_tries_a_tree_that_cannot_win():
+    """bs 64 with trees whose depth bounds what they can give: a tree of 3 nodes (depth 2: at most 3
+    tokens a sequence for 3.4 ms against 64 tokens per ms plain) can never win, so it is neither
+    chosen nor explored, whatever its estimate."""
+    sizes = [3, 6]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 2.0, 6: 5.0}, max_accept={3: 2, 6: 2},
+                         explore_every=1, explore_budget=1e9)
+    assert [pol.choose(list(range(64))) for _ in range(50)] == [1] * 50
+    # bs 1 the same trees pay: 3 tokens for 1.4 ms
+    assert pol.choose([0]) in (3, 6)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -129,14 +147,16 @@ def test_adaptive_engine_keeps_the_output(tiny_llama, tmp_path, method):
 
 def test_policy_turned_off_by_costs_only_explores(tiny_llama, tmp_path, monkeypatch):
     """Costs that make every tree a loss: the engine decodes plainly but for the exploration
-    steps, with the same output."""
+    steps, with the same output; costs no tree could beat even with every draft accepted: it
+    never speculates."""
     from optllm.runtime import spec_runner
 
     draft = write_draft(tmp_path / "medusa", tiny_llama, "medusa")
+    spec_ms = 50.0
 
     def expensive(self, batches=None, repeats=2):
         b = [1, 2, 4]
-        self.cost_table = CostTable(b, {1: [1.0, 1.0, 1.0], **{n: [50.0] * 3 for n in self.sizes}})
+        self.cost_table = CostTable(b, {1: [1.0, 1.0, 1.0], **{n: [spec_ms] * 3 for n in self.sizes}})
         return self.cost_table
 
     monkeypatch.setattr(spec_runner.SpecDecoder, "measure", expensive)
@@ -146,6 +166,13 @@ def test_policy_turned_off_by_costs_only_explores(tiny_llama, tmp_path, monkeypa
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive")
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    st = llm.engine.stats().speculation
-    explore = llm.engine.runner.spec.policy.explore_every
-    assert 0 < st["steps"] <= 40 // explore + 1
+    assert llm.engine.stats().speculation["steps"] == 0  # 50 ms for at most 5 tokens: never
+    # 1.1 ms a tree: a loss with nothing accepted, a win with enough: starting from no acceptance
+    # the policy explores, and speculates where that pays
+    spec_ms = 1.1
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive")
+    pol = llm.engine.runner.spec.policy
+    pol._global = {n: 0.0 for n in pol._global}
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.stats().speculation["steps"] > 0
