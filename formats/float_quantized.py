@@ -49,6 +49,13 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
+def fp8_scale(amax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """absmax / 448 in scale_dtype; a zero scale (an all-zero row) becomes the dtype's eps,
+    as compressed-tensors' calculate_qparams does, so nothing divides by zero."""
+    scale = (amax.float() / E4M3_MAX).to(scale_dtype)
+    return torch.where(scale == 0, torch.full_like(scale, torch.finfo(scale_dtype).eps), scale)
+
+
 @dataclass
 class FloatQuantizedWeight(QuantizedWeight):
     """q: float8_e4m3fn [N, K]; scale [N, 1] (per channel) or [1] (per tensor), checkpoint

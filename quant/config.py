@@ -16,6 +16,7 @@ from ..errors import UserError
 from ..formats.args import CHANNEL, GROUP_SIZES
 from .algorithm import ALGORITHMS
 from .awq import AWQOptions
+from .fp8 import FP8Options
 from .kv_cache import kv_cache_scheme
 from .mixed import DEFAULT_CANDIDATES, override_candidate, parse_candidates
 from .recipe import check_overrides, check_types, compile_steps
@@ -90,6 +91,8 @@ class QuantizeConfig:
     awq: AWQOptions = field(default_factory=AWQOptions)
     # the w8a8-int8 schemes' smoothing and weight quantizer (smoothquant.SmoothQuantOptions)
     smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
+    # the fp8 schemes' weight quantizer on the E4M3 grid (fp8.FP8Options: rtn or gptq)
+    fp8: FP8Options = field(default_factory=FP8Options)
 
     def __post_init__(self) -> None:
         self._check_group_size()
@@ -238,6 +241,11 @@ class QuantizeConfig:
                 data["smoothquant"] = SmoothQuantOptions(**data["smoothquant"])
             except (TypeError, ValueError) as e:
                 raise UserError(f"smoothquant options: {e}") from None
+        if isinstance(data.get("fp8"), dict):
+            try:
+                data["fp8"] = FP8Options(**data["fp8"])
+            except (TypeError, ValueError) as e:
+                raise UserError(f"fp8 options: {e}") from None
         if "ignore" in data:
             data["ignore"] = tuple(data["ignore"] or ())
         if isinstance(data.get("mixed_candidates"), list):
@@ -259,6 +267,6 @@ def _check_fields(cls, data: dict, where: str = "") -> None:
     if "scheme" in data and not isinstance(data["scheme"], str):
         raise UserError(f"{where}scheme={data['scheme']!r} names no scheme; allowed: {', '.join(available_schemes())}")
     check_types(cls, data, where)
-    for name, options in (("awq", AWQOptions), ("smoothquant", SmoothQuantOptions)):
+    for name, options in (("awq", AWQOptions), ("smoothquant", SmoothQuantOptions), ("fp8", FP8Options)):
         if isinstance(data.get(name), dict):
             check_types(options, data[name], f"{where}{name}.")

@@ -1,10 +1,14 @@
 """FP8 (E4M3) W8A8: the ``fp8`` and ``fp8-dynamic`` schemes and the algorithm that finds them.
 
-Weights: round to nearest on the E4M3 grid with one scale per output channel (or per tensor),
-scale = absmax / 448 rounded to the checkpoint dtype first, values saturated to +-448 (never
-NaN): what compressed-tensors' calculate_qparams + _quantize compute (formats/float_quantized.py
-cites them). No search: at 3 mantissa bits plus an exponent, the grid is relative, and RTN is
-what llm-compressor's FP8 presets use too.
+Weights: one scale per output channel (or per tensor), scale = absmax / 448 rounded to the
+checkpoint dtype first, values saturated to +-448 (never NaN): what compressed-tensors'
+calculate_qparams + _quantize compute (formats/float_quantized.py cites them). The values are
+the nearest E4M3 ones (RTN, the default; what llm-compressor's FP8 presets use) or, with
+``fp8: {weights: gptq}`` (a recipe's steps: ``[gptq: {...}]`` under an fp8 scheme, as
+llm-compressor's GPTQModifier takes an FP8 scheme), GPTQ's on the same E4M3 grid: each
+column's rounding error pushed onto the columns not yet rounded through the inverse Hessian
+of the layer's inputs (quant/gptq.py), columns visited by decreasing activation energy. The
+grid (the scales) is the same either way, so the checkpoint is too: only the E4M3 values move.
 
 Input activations: ``fp8-dynamic`` quantizes them per token at run time (no calibration);
 ``fp8`` calibrates one static per-tensor input scale per linear, absmax / 448 over every
@@ -20,8 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..formats.args import QuantArgs
-from ..formats.float_quantized import E4M3_MAX, FloatQuantizedWeight, to_e4m3
+from ..formats.float_quantized import FloatQuantizedWeight, fp8_scale, to_e4m3
 from .algorithm import Algorithm, BlockContext, BlockResult, quantize_in_place, register_algorithm
+from .gptq import GPTQOptions, gptq_per_channel_step
 from .scheme import QuantScheme, register_scheme
 from .sequential import capture_inputs, run_block
 
@@ -31,21 +36,33 @@ if TYPE_CHECKING:
 FORMAT = "float-quantized"
 
 
+WEIGHT_ALGORITHMS = ("rtn", "gptq")
+
+
 @dataclass(frozen=True)
 class FP8Options:
-    static_input: bool = False  # calibrate a static per-tensor input scale per linear
+    """QuantizeConfig.fp8 (a recipe's ``fp8:`` mapping)."""
+
+    weights: str = "rtn"  # the weight quantizer on the E4M3 grid: "rtn" or "gptq" (the run's GPTQ options)
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_ALGORITHMS:
+            raise ValueError(f"fp8.weights={self.weights!r} is not allowed; allowed: {', '.join(WEIGHT_ALGORITHMS)}")
 
 
-def fp8_options(config: "QuantizeConfig") -> FP8Options:
+@dataclass(frozen=True)
+class FP8Step:
+    """What the block step needs from the run: the FP8 options, whether the inputs are static
+    (calibrated input scales), and GPTQ's options (used when fp8.weights is gptq)."""
+
+    fp8: FP8Options
+    static_input: bool
+    gptq: GPTQOptions
+
+
+def fp8_options(config: "QuantizeConfig") -> FP8Step:
     acts = config.quant_scheme().input_activations
-    return FP8Options(static_input=acts is not None and not acts.dynamic)
-
-
-def _scale(amax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    """absmax / 448 in scale_dtype; a zero scale (an all-zero row) becomes the dtype's eps,
-    as compressed-tensors' calculate_qparams does, so nothing divides by zero."""
-    scale = (amax.float() / E4M3_MAX).to(scale_dtype)
-    return torch.where(scale == 0, torch.full_like(scale, torch.finfo(scale_dtype).eps), scale)
+    return FP8Step(config.fp8, acts is not None and not acts.dynamic, GPTQOptions.from_config(config))
 
 
 def fp8_quantize_weight(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> FloatQuantizedWeight:
@@ -60,7 +77,7 @@ def fp8_quantize_weight(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dty
         amax = wf.abs().amax().reshape(1)
     else:
         raise ValueError(f"FP8 weights take strategy 'channel' or 'tensor', not {args.strategy!r}")
-    scale = _scale(amax, scale_dtype)
+    scale = fp8_scale(amax, scale_dtype)
     return FloatQuantizedWeight(q=to_e4m3(wf / scale.float()), scale=scale, zero=None, args=args)
 
 
@@ -77,13 +94,17 @@ def input_absmax(ctx: BlockContext) -> dict[str, float]:
     return amax
 
 
-def fp8_step(ctx: BlockContext, options: FP8Options) -> BlockResult:
-    """Every linear of the block to E4M3 (RTN); with static inputs, then each one's input scale."""
-    result = quantize_in_place(ctx, lambda _name, w: fp8_quantize_weight(w, ctx.weights, ctx.scale_dtype))
-    if options.static_input:
+def fp8_step(ctx: BlockContext, opts: FP8Step) -> BlockResult:
+    """Every linear of the block to E4M3 (RTN, or GPTQ on the same grid); with static inputs,
+    then each one's input scale."""
+    if opts.fp8.weights == "gptq":
+        result = gptq_per_channel_step(ctx, opts.gptq)
+    else:
+        result = quantize_in_place(ctx, lambda _name, w: fp8_quantize_weight(w, ctx.weights, ctx.scale_dtype))
+    if opts.static_input:
         amax = input_absmax(ctx)
         for name, qw in result.qweights.items():
-            qw.input_scale = _scale(torch.tensor([amax[name]]), ctx.scale_dtype)
+            qw.input_scale = fp8_scale(torch.tensor([amax[name]]), ctx.scale_dtype)
     return result
 
 

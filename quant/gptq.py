@@ -10,12 +10,14 @@ U[i, i]² is the inverse-Hessian diagonal of the still-free columns that scales 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ..formats.args import QuantArgs
+from ..formats.float_quantized import FloatQuantizedWeight, fp8_scale, to_e4m3
 from ..formats.qweight import QuantizedWeight
 from . import observers
 from .algorithm import Algorithm, BlockContext, BlockResult, install, register_algorithm
@@ -165,7 +167,8 @@ def gptq_quantize(
     ½ tr((W - Ŵ) H_damped (W - Ŵ)ᵀ), i.e. ‖X Wᵀ - X Ŵᵀ‖² / n plus the dampening term.
     """
     res = _gptq(w, hessian, args, block_size, dampening, scale_dtype, shrink)
-    return QuantizedWeight(q=res.q, scale=res.scale, zero=res.zero, args=args), res.loss
+    cls = FloatQuantizedWeight if args.type == "float" else QuantizedWeight
+    return cls(q=res.q, scale=res.scale, zero=res.zero, args=args), res.loss
 
 
 def _check_inputs(w: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, block_size: int, dampening: float,
@@ -226,6 +229,7 @@ def _gptq(
     _check_inputs(w, hessian, args, block_size, dampening, shrink)
     n, k = w.shape
     sdt = scale_dtype or w.dtype
+    fp8 = args.type == "float"
     num_groups = args.groups(k)
     gsize = k // num_groups
     dynamic_groups = args.group_size is not None and args.actorder != "static"
@@ -248,7 +252,11 @@ def _gptq(
     # Per-group grid [N, groups]; float32 copies of the stored (rounded) scale for the maths.
     scale = torch.empty(n, num_groups, dtype=sdt, device=W.device)
     zero = None if args.symmetric else torch.empty(n, num_groups, dtype=torch.int8, device=W.device)
-    if not dynamic_groups:
+    if fp8:
+        # E4M3: absmax / 448 per row (or tensor), from the original weight, as fp8_quantize_weight
+        amax = W.abs().amax(dim=1, keepdim=True) if args.strategy == "channel" else W.abs().amax().expand(n, 1)
+        scale.copy_(fp8_scale(amax, sdt))
+    elif not dynamic_groups:
         # Per-channel, or static act-order: the grid comes from the original weight's natural
         # groups, so the codes need no g_idx whatever order the columns are visited in.
         s, z = observers.minmax_qparams(W, args)
@@ -301,13 +309,17 @@ def _gptq(
                     zero32[:, g] = zero[:, g].float()
             col = W1[:, i]
             s32 = scale32[:, g]
-            q = torch.round(col / s32)
-            if zero32 is not None:
-                q = q + zero32[:, g]
-            q = torch.clamp(q, args.qmin, args.qmax)
+            if fp8:  # the nearest E4M3 value (saturated); E4M3 values are exact in float32
+                q = to_e4m3(col / s32).float()
+            else:
+                q = torch.round(col / s32)
+                if zero32 is not None:
+                    q = q + zero32[:, g]
+                q = torch.clamp(q, args.qmin, args.qmax)
             qz = q if zero32 is None else q - zero32[:, g]
-            # (q - z)·s is exact in float32 for these small integers; one rounding to the
-            # scale dtype then gives the very value dequantize() computes in that dtype.
+            # (q - z)·s is exact in float32 for these small integers (and for E4M3 values, 4
+            # significant bits, times a 16-bit scale); one rounding to the scale dtype then gives
+            # the very value dequantize() computes in that dtype.
             dq = (qz * s32).to(sdt).float()
             Q[:, j] = q
             DQ[:, j] = dq
@@ -325,7 +337,10 @@ def _gptq(
         Q = Q[:, inv]
         DQ = DQ[:, inv]
     loss = 0.5 * col_loss.double().sum().item()
-    return _GPTQResult(q=Q.to(torch.int8), scale=scale, zero=zero, dq=DQ, loss=loss)
+    codes = to_e4m3(Q) if fp8 else Q.to(torch.int8)
+    if fp8 and args.strategy == "tensor":
+        scale = scale[:1, 0]  # one scale, stored [1]
+    return _GPTQResult(q=codes, scale=scale, zero=zero, dq=DQ, loss=loss)
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -362,6 +377,19 @@ def gptq_step(ctx: BlockContext, opts: GPTQOptions) -> BlockResult:
             result.errors.append((name, relative_error(w, qw.dequantize(torch.float32).to(w.device), h)))
             del h
             result.qweights[name] = install(lin, qw)
+    return result
+
+
+def gptq_per_channel_step(ctx: BlockContext, opts: GPTQOptions) -> BlockResult:
+    """gptq_step for weights of one scale per output channel (or per tensor), the W8A8 schemes'
+    (int8, FP8): the columns are visited by decreasing Hessian diagonal (act-order), which with
+    a single group per row changes only the order, not the grid, so the checkpoint needs no
+    g_idx and records no actorder: its weights' arguments stay ctx.weights."""
+    if ctx.weights.strategy not in ("channel", "tensor"):
+        raise ValueError(f"gptq_per_channel_step takes per-channel or per-tensor weights, not {ctx.weights.strategy!r}")
+    result = gptq_step(dataclasses.replace(ctx, weights=dataclasses.replace(ctx.weights, actorder="static")), opts)
+    for qw in result.qweights.values():
+        qw.args = ctx.weights
     return result
 
 

@@ -17,8 +17,10 @@ A recipe is either a mapping of QuantizeConfig's fields (as before), or such a m
 
 Steps that prepare (smoothquant: smoothing folded into the weights; mixed: a scheme per
 linear) come first, each at most once; then exactly one step that quantizes (rtn, awq, gptq,
-fp8, nvfp4), last. compile_steps checks that and turns the steps into the fields they stand
-for, with one line per mistake (unknown step, bad order, unknown field, a field given twice).
+fp8, nvfp4), last. Under ``scheme: fp8`` or ``fp8-dynamic``, a gptq step puts GPTQ on the
+E4M3 grid (``fp8: {weights: gptq}``) with its options. compile_steps checks that and turns the
+steps into the fields they stand for, with one line per mistake (unknown step, bad order,
+unknown field, a field given twice).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .awq import AWQOptions
+from .fp8 import FP8Options
 from .scheme import SCHEMES
 from .smoothquant import SmoothQuantOptions
 
@@ -93,6 +96,8 @@ def compile_steps(data: dict, where: str = "recipe") -> dict:
         sq = prep.get("smoothquant")
         options = {"smooth": sq is not None, **(sq.options if sq else {}), "weights": quant.name}
         put("smoothquant", options, sq or quant)
+    if SCHEMES.get(scheme).algorithm == "fp8" and quant.name == "gptq":
+        put("fp8", {"weights": "gptq"}, quant)
     if quant.name == "awq" and quant.options:
         put("awq", dict(quant.options), quant)
     for s in (prep.get("mixed"), quant if quant.name == "gptq" else None):
@@ -222,7 +227,8 @@ def _check_order(parsed: list[_Step], where: str) -> _Step:
 
 def _scheme(given, parsed: list[_Step], quant: _Step, where: str) -> str:
     """The run's scheme: the recipe's, checked against the steps, or the one they imply
-    (smoothquant -> w8a8-int8; rtn/awq/gptq -> w4a16-*; fp8 -> fp8; nvfp4 -> nvfp4)."""
+    (smoothquant -> w8a8-int8; rtn/awq/gptq -> w4a16-*; fp8 -> fp8; nvfp4 -> nvfp4). A gptq step
+    also quantizes the weights of a w8a8-int8 or fp8 scheme the recipe names."""
     smoothed = any(s.name == "smoothquant" for s in parsed)
     if given is None:
         if smoothed:
@@ -244,6 +250,13 @@ def _scheme(given, parsed: list[_Step], quant: _Step, where: str) -> str:
     if smoothed:
         step = next(s for s in parsed if s.name == "smoothquant")
         raise UserError(f"{where}: steps[{step.index}]: smoothquant needs a w8a8-int8 scheme, not {given!r}")
+    if algorithm == "fp8" and quant.name == "gptq":  # GPTQ on the E4M3 grid (fp8: {weights: gptq})
+        if quant.overrides is not None:
+            raise UserError(
+                f"{where}: steps[{quant.index}]: overrides need a weight-only integer scheme "
+                f"(w4a16-*, w8a16-*), not {given!r}"
+            )
+        return given
     if algorithm != quant.name:
         raise UserError(
             f"{where}: steps[{quant.index}]: {quant.name} does not match scheme {given!r}, whose "
@@ -267,6 +280,7 @@ _KINDS = {
     "dict": (lambda v: v is None or isinstance(v, dict), "a mapping"),
     "AWQOptions": (lambda v: isinstance(v, (dict, AWQOptions)), "a mapping of AWQ options"),
     "SmoothQuantOptions": (lambda v: isinstance(v, (dict, SmoothQuantOptions)), "a mapping of SmoothQuant options"),
+    "FP8Options": (lambda v: isinstance(v, (dict, FP8Options)), "a mapping of FP8 options"),
 }
 _YAML_NAMES = {
     bool: "true/false",

@@ -24,9 +24,10 @@ int8 weights and its inputs quantized as the runtime quantizes them.
 
 Then the weights: int8, symmetric, per output channel (scale = absmax / 127.5, codes in
 [-128, 127]: compressed-tensors' grid), by RTN or, when asked (``weights: gptq``), by the GPTQ
-step of quant/gptq.py on the smoothed block. Input activations: ``w8a8-int8`` quantizes them
-per token at run time; ``w8a8-int8-static`` calibrates one per-tensor input scale per linear,
-absmax / 127.5 over every calibration token reaching it with the block's weights quantized.
+step of quant/gptq.py on the smoothed block (gptq_per_channel_step: columns in act-order).
+Input activations: ``w8a8-int8`` quantizes them per token at run time; ``w8a8-int8-static``
+calibrates one per-tensor input scale per linear, absmax / 127.5 over every calibration token
+reaching it with the block's weights quantized.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from . import observers
 from .algorithm import Algorithm, BlockContext, BlockResult, quantize_in_place, register_algorithm
 from .awq import apply_scales
 from .fp8 import input_absmax
-from .gptq import GPTQOptions, gptq_step
+from .gptq import GPTQOptions, gptq_per_channel_step
 from .rtn import rtn_quantize
 from .scheme import QuantScheme, register_scheme
 from .sequential import BlockInputs, capture_inputs, run_block
@@ -270,7 +271,7 @@ def smoothquant_step(ctx: BlockContext, opts: SmoothQuantStep) -> BlockResult:
                 # how far each input's channel range was flattened: max|X_j| / min|X_j| before and after
                 stats["smoothed"] = {name: _spread(amax[name], s) for name, s in scales.items()}
     if sq.weights == "gptq":
-        result = gptq_step(ctx, opts.gptq)
+        result = gptq_per_channel_step(ctx, opts.gptq)
         result.qweights = {n: IntQuantizedWeight(q=qw.q, scale=qw.scale, zero=None, args=qw.args)
                            for n, qw in result.qweights.items()}
     else:

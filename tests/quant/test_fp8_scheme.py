@@ -2,7 +2,8 @@
 float-quantized checkpoint that our runtime serves (CPU: the FP8 kernels' torch reference)
 within a measured bound of the float model's prompt log-probs, that a wrong scale breaks,
 and that transformers (through the compressed-tensors package) loads to the same log-probs;
-fp8 with a group size is one line."""
+fp8 with a group size is one line; GPTQ weights on the E4M3 grid (fp8: {weights: gptq})
+make a checkpoint of the same format and scales."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from optllm import LLM, SamplingParams
 from optllm.formats.args import QuantArgs
+from optllm.formats.float_quantized import E4M3
 from optllm.kernels.fp8 import FP8Weight, fp8_linear_ref
-from optllm.quant.fp8 import fp8_quantize_weight
+from optllm.quant.config import QuantizeConfig
+from optllm.quant.fp8 import FP8Options, fp8_quantize_weight
 from optllm.runtime.layers.linear import ColumnParallelLinear
 from optllm.runtime.layers.linear_methods import FP8Method
 
@@ -150,3 +153,40 @@ def test_gpu_kernels_match_the_cpu_reference(scheme, fp8_checkpoints):
     gpu = torch.tensor([next(iter(d.values())) for o in outs for d in o.prompt_logprobs[1:]])
     diff = (gpu - prompt_logprobs(fp8_checkpoints / scheme)).abs()
     assert diff.mean() < 3e-3 and diff.max() < 1.5e-2, (diff.mean(), diff.max())
+
+
+def test_fp8_options_refuse_an_unknown_weight_quantizer():
+    with pytest.raises(ValueError, match=r"^fp8.weights='awq' is not allowed; allowed: rtn, gptq$"):
+        FP8Options(weights="awq")
+
+
+def test_recipe_gptq_step_under_an_fp8_scheme(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("scheme: fp8\nsteps:\n  - gptq: {dampening: 0.05}\n")
+    c = QuantizeConfig.from_recipe(p)
+    assert (c.scheme, c.fp8.weights, c.dampening) == ("fp8", "gptq", 0.05)
+    assert QuantizeConfig.from_dict({"scheme": "fp8-dynamic"}).fp8.weights == "rtn"  # the default
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8"])
+def test_gptq_weights_make_the_same_checkpoint_format(scheme, tiny_llama, tmp_path):
+    """fp8: {weights: gptq} writes a float-quantized checkpoint like RTN's: the same scales (the
+    grid), E4M3 values that differ from RTN's, input scales where static; the runtime serves it."""
+    from optllm.quant.pipeline import quantize
+
+    common = {"scheme": scheme, "num_samples": 4, "seq_len": 32, "holdout": 0}
+    quantize(str(tiny_llama), tmp_path / "g", QuantizeConfig.from_dict({**common, "fp8": {"weights": "gptq"}}),
+             progress=False)
+    quantize(str(tiny_llama), tmp_path / "r", QuantizeConfig.from_dict(common), progress=False)
+    qc = json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert qc["format"] == "float-quantized" and group["weights"]["strategy"] == "channel"
+    assert group["weights"].get("actorder") is None  # act-order is a visiting order: nothing to record
+    g, r = (load_file(tmp_path / d / "model.safetensors") for d in ("g", "r"))
+    assert g.keys() == r.keys()
+    key = "model.layers.1.mlp.down_proj"
+    assert g[f"{key}.weight"].dtype == E4M3 and torch.equal(g[f"{key}.weight_scale"], r[f"{key}.weight_scale"])
+    assert not torch.equal(g[f"{key}.weight"].view(torch.uint8), r[f"{key}.weight"].view(torch.uint8))
+    assert (f"{key}.input_scale" in g) == (scheme == "fp8")
+    out = LLM(tmp_path / "g", device="cpu").generate([[5, 17, 250, 3]], SamplingParams(max_tokens=2, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 2

@@ -1,4 +1,5 @@
-"""GPTQ: the Hessian, the algorithm's invariants, and that it beats RTN on correlated inputs."""
+"""GPTQ: the Hessian, the algorithm's invariants, and that it beats RTN on correlated inputs; the
+same on the FP8 (E4M3) grid."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 from optllm.formats.args import QuantArgs
+from optllm.formats.float_quantized import E4M3, FloatQuantizedWeight
 from optllm.formats.qweight import QuantizedWeight
+from optllm.quant.fp8 import fp8_quantize_weight
 from optllm.quant.gptq import HessianAccumulator, _gptq, gptq_quantize
 from optllm.quant.rtn import rtn_quantize
 
@@ -358,3 +361,47 @@ def test_shrink_is_gptq_on_the_blended_hessian():
     assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
     with pytest.raises(ValueError, match="shrink"):
         gptq_quantize(w, h, args, shrink=1.0)
+
+
+# --------------------------------------------------------------------------- the FP8 (E4M3) grid
+FP8 = QuantArgs(num_bits=8, group_size=None, type="float", strategy="channel")
+FP8_TENSOR = QuantArgs(num_bits=8, group_size=None, type="float", strategy="tensor")
+
+
+@pytest.mark.parametrize("args", [FP8, FP8_TENSOR])
+def test_identity_hessian_is_rtn_on_the_e4m3_grid(args):
+    """Uncorrelated inputs leave nothing to compensate: GPTQ's values are RTN's, bit for bit,
+    under the very scales fp8_quantize_weight chooses (a wrong scale or rounding differs)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=g) * torch.exp(torch.randn(64, 1, generator=g))
+    qw, _ = gptq_quantize(w, torch.eye(96), args, scale_dtype=torch.bfloat16)
+    rtn = fp8_quantize_weight(w, args, torch.bfloat16)
+    assert isinstance(qw, FloatQuantizedWeight) and qw.q.dtype == E4M3
+    assert qw.scale.shape == rtn.scale.shape == ((64, 1) if args.strategy == "channel" else (1,))
+    assert torch.equal(qw.scale, rtn.scale)
+    assert torch.equal(qw.q.view(torch.uint8), rtn.q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_fp8_dequantize_is_what_gptq_propagated(layer, actorder):
+    w, h, _ = layer
+    args = QuantArgs(num_bits=8, group_size=None, type="float", strategy="channel", actorder=actorder)
+    res = _gptq(w, h, args, scale_dtype=torch.bfloat16)
+    qw = FloatQuantizedWeight(q=res.q, scale=res.scale, zero=None, args=args)
+    assert torch.equal(qw.dequantize(torch.float32), res.dq)
+    # every value on the grid: |q| <= 448 and finite (saturated, never NaN)
+    assert torch.isfinite(res.q.float()).all() and res.q.float().abs().max() <= 448
+
+
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_fp8_gptq_beats_rtn_on_correlated_inputs(layer, actorder):
+    """Held-out output error of GPTQ on the E4M3 grid against RTN's on the same grid.
+    Measured (this layer, bf16 scales): RTN 0.0255; GPTQ 0.0163 (natural order), 0.0092
+    (act-order). Bound: at most 0.75 x RTN's."""
+    w, h, xe = layer
+    args = QuantArgs(num_bits=8, group_size=None, type="float", strategy="channel", actorder=actorder)
+    qw, _ = gptq_quantize(w, h, args, scale_dtype=torch.bfloat16)
+    rtn = fp8_quantize_weight(w, FP8, torch.bfloat16)
+    e_gptq = _out_err(w, qw.dequantize(torch.float32), xe)
+    e_rtn = _out_err(w, rtn.dequantize(torch.float32), xe)
+    assert e_gptq < 0.75 * e_rtn, (e_gptq, e_rtn)
