@@ -9,8 +9,9 @@
 # docs/report/ and link it from the README). Then the quantized checkpoints' perplexity through the
 # torch references of their kernels (--dequant), beside the kernels' (benchmarks/kernel_vs_ref.py:
 # issue 14 part 8's table). Checkpoints already on the machine are reused.
-# Environment: NS (calibration windows, 128), TRAIN_S / PROMPTS / STEPS (draft training when none
-# is there), TEMPS (speculation temperatures, 0), BUDGET (seconds, 570).
+# Environment: SCHEMES (the checkpoints, default "awq gptq w8a8 fp8 nvfp4"), NS (calibration
+# windows, 128), TRAIN_S / PROMPTS / STEPS (draft training when none is there), TEMPS (speculation
+# temperatures, 0), BS (1,8,64), BUDGET (seconds, 570).
 set -uo pipefail
 source benchmarks/device_stage.sh
 T0=$SECONDS
@@ -28,11 +29,9 @@ quant() {  # quant NAME SCHEME [ARGS...]
   [ -f "/root/q/$name/config.json" ] || step 120 python3 -m optllm quantize smollm2-135m --scheme "$scheme" $q \
     --out "/root/q/$name" "$@"
 }
-quant awq w4a16-awq --group-size 64
-quant gptq w4a16-gptq --group-size 64
-quant w8a8 w8a8-int8
-quant fp8 fp8
-quant nvfp4 nvfp4
+declare -A SCHEME=([awq]="w4a16-awq --group-size 64" [gptq]="w4a16-gptq --group-size 64" [w8a8]=w8a8-int8 [fp8]=fp8
+                    [nvfp4]=nvfp4)
+for m in ${SCHEMES:-awq gptq w8a8 fp8 nvfp4}; do quant "$m" ${SCHEME[$m]}; done
 draft=/root/d/eagle
 [ -f "$draft/config.json" ] || step $(( ${TRAIN_S:-120} + 20 )) python3 -m optllm train-draft smollm2-135m --method eagle \
   --out "$draft" --device cuda --num-prompts "${PROMPTS:-2048}" --max-steps "${STEPS:-2000}" --batch-size 16 \

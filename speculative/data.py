@@ -7,10 +7,13 @@ are trained on (``DraftSequence.num_prompt_tokens`` marks the boundary).
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from ..errors import UserError
 from ..runtime.llm import LLM, render_chat
@@ -206,7 +209,13 @@ def build_dataset(target: str, num_prompts: int, prompts_file: str | Path | None
         seqs = answer_prompts(llm, prompts, max_tokens=answer_tokens, temperature=answer_temperature, seed=seed,
                               max_len=max_len)
     finally:
+        # the engine's KV cache takes most of the GPU: give it back before training starts (a
+        # reference cycle would keep it until the next gc run, and the training steps would then
+        # run in what is left, the caching allocator freeing and allocating every step)
         del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if not seqs:
         raise UserError(f"no training sequences: every prompt is at least --seq-len ({max_len}) tokens long")
     log(f"data: {len(seqs)} sequences, {sum(len(s.token_ids) - s.num_prompt_tokens for s in seqs)} answer tokens")

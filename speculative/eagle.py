@@ -75,10 +75,8 @@ class Attention(nn.Module):
         q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)).float() * self.head_dim**-0.5
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-        out = scores.softmax(-1).to(v.dtype) @ v
+        # the fused kernel (flash / memory-efficient on CUDA): no [B, heads, T, T] scores or mask in memory
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -159,12 +157,15 @@ class EagleDraft(nn.Module):
                 "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "fc_bias": self.fc.bias is not None,
                 "input_layernorm": False}
 
-    def forward(self, features: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor,
+                logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(predicted features, logits); logits None when not asked for (training reads the
+        counted positions out itself: eagle_draft_loss)."""
         emb = F.embedding(next_ids, self.embed_tokens).to(features.dtype)
         h = self.fc(torch.cat([emb, features], -1))
         for layer in self.layers:
             h = layer(h)
-        return h, h @ self.lm_head.to(h.dtype).T
+        return h, (F.linear(h, self.lm_head.to(h.dtype)) if logits else None)
 
 
 def eagle_inputs(features: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +199,89 @@ def eagle_loss(pred: torch.Tensor, logits: torch.Tensor, features: torch.Tensor,
     reg = (reg * mask).sum() / n
     ce = (ce * mask.reshape(-1)).sum() / n
     return w_reg * reg + w_cls * ce, torch.stack([reg, ce])
+
+
+def eagle_draft_loss(draft: nn.Module, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                     w_reg: float = REGRESSION_WEIGHT,
+                     w_cls: float = CLASSIFICATION_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
+    """eagle_loss(*draft(*eagle_inputs(features, input_ids)), features, input_ids, loss_mask) (same
+    value and gradients) without the logits of every position: the frozen LM head reads only the
+    positions that count, a chunk of rows at a time (linear_cross_entropy), so no [B, T, V] logits,
+    float32 copies or log-softmax are kept for the backward pass. ``draft`` may be a distributed
+    wrapper of an EagleDraft (its forward is what runs)."""
+    pred, _ = draft(*eagle_inputs(features, input_ids), logits=False)
+    t = input_ids.shape[1]
+    if t < 3:
+        zero = pred.new_zeros(()).float() * pred.sum()
+        return zero, torch.stack([zero, zero])
+    mask = loss_mask[:, 2:]
+    rows = pred[:, : t - 2][mask]  # the counted positions (one host sync: their number)
+    n = max(rows.shape[0], 1)
+    reg = F.smooth_l1_loss(rows.float(), features[:, 1: t - 1][mask].float(), reduction="none").mean(-1).sum() / n
+    ce = linear_cross_entropy(rows, unwrap(draft).lm_head, input_ids[:, 2:][mask], 1.0 / n)
+    return w_reg * reg + w_cls * ce, torch.stack([reg, ce])
+
+
+CE_CHUNK_ELEMENTS = 1 << 26  # logits a chunk of linear_cross_entropy holds at once (256 MiB in float32)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """sum_i scale_i * CE(hidden_i @ weight.T, labels_i) for hidden [N, H], weight [V, H] (an LM head),
+    labels [N], scale a number or [N] (constant weights): the logits in the dtype F.linear computes in
+    here (autocast's under autocast), the log-softmax in float32, as F.cross_entropy over
+    (hidden @ weight.T).float() would. The logits are made a chunk of rows at a time and the
+    gradients (hidden's; weight's when it requires grad) computed with them, so nothing [N, V]
+    outlives its chunk: the GEMMs autograd would run (no recomputation), a fraction of the memory."""
+    return _LinearCrossEntropy.apply(hidden, weight, labels, scale)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, scale):
+        n, v = hidden.shape[0], weight.shape[0]
+        dtype = F.linear(hidden[:1], weight[:1]).dtype  # the compute dtype (autocast's when on)
+        w = weight.detach().to(dtype)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if want_h else None  # every row is written below
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        step = max(1, CE_CHUNK_ELEMENTS // v)
+        for s in range(0, n, step):
+            h = hidden[s: s + step].to(dtype)
+            y = labels[s: s + step, None]
+            sc = scale[s: s + step, None].float() if torch.is_tensor(scale) else float(scale)
+            logits = F.linear(h, w).float()
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            total += ((lse - logits.gather(1, y)) * sc).sum()
+            if want_h or want_w:  # d(scale * CE)/d(logits) = scale * (softmax - one_hot(label))
+                g = logits.sub_(lse).exp_()
+                g.scatter_add_(1, y, torch.full(y.shape, -1.0, dtype=g.dtype, device=g.device))
+                g = g.mul_(sc).to(dtype)
+                if want_h:
+                    grad_h[s: s + step] = g @ w
+                if want_w and dtype == torch.float32:
+                    grad_w.addmm_(g.T, h)
+                elif want_w:
+                    grad_w.add_((g.T @ h).float())
+        # kept on ctx, not saved for backward: they are neither inputs nor outputs, and backward
+        # scales them in place (a graph kept for a second backward would be wrong: refused there)
+        ctx.grads, ctx.weight_dtype = (grad_h, grad_w), weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy: its backward runs once (no retain_graph)")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        return (grad_h.mul_(grad_out.to(grad_h.dtype)) if grad_h is not None else None,
+                grad_w.mul_(grad_out).to(ctx.weight_dtype) if grad_w is not None else None, None, None)
+
+
+def unwrap(draft: nn.Module) -> nn.Module:
+    """The draft a distributed wrapper (DistributedDataParallel's ``module``) wraps, else itself."""
+    return getattr(draft, "module", draft)
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .eagle import MLP, RMSNorm, rotary, target_layer_args
+from .eagle import MLP, RMSNorm, linear_cross_entropy, rotary, target_layer_args, unwrap
 
 STEP_DECAY = 0.8  # step j's loss weight is STEP_DECAY ** j (normalised)
 
@@ -145,17 +145,25 @@ class Eagle3Draft(nn.Module):
                 "intermediate_size": self.intermediate_size, "rms_norm_eps": self.rms_norm_eps,
                 "rope_theta": self.rope_theta, "aux_layers": list(self.aux_layers)}
 
-    def forward(self, aux: torch.Tensor, next_ids: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                counted: torch.Tensor | None = None) -> list[torch.Tensor] | torch.Tensor:
         """The training-time test with this draft's ``ttt_steps`` (what a distributed wrapper calls)."""
-        return self.ttt(aux, next_ids, self.ttt_steps)
+        return self.ttt(aux, next_ids, self.ttt_steps, labels, counted)
 
-    def ttt(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def ttt(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int, labels: torch.Tensor | None = None,
+            counted: torch.Tensor | None = None) -> list[torch.Tensor] | torch.Tensor:
         """The training-time test over one batch: aux [B, T, 3H] at positions 0..T-1 and next_ids
-        [B, T] (x_{t+1}); returns each step's logits [B, T, Vd] (position t predicts x_{t+2})."""
+        [B, T] (x_{t+1}); returns each step's logits [B, T, Vd] (position t predicts x_{t+2}).
+        With labels [B, T'] (draft ids of x_{t+2}, T' <= T) and counted [B, T'] bool: instead, each
+        step j's mean cross-entropy over the counted positions t >= j ([steps]), the LM head read
+        at those positions only (linear_cross_entropy: no [B, T, Vd] logits)."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         b, t, _ = aux.shape
         dev = aux.device
         pos = torch.arange(t, device=dev)
+        if labels is not None:
+            rows_b, rows_t = counted.nonzero(as_tuple=True)  # one host sync: how many positions count
+            rows_y = labels[rows_b, rows_t]
         emb = F.embedding(next_ids, self.embed_tokens).to(aux.dtype)
         hidden = self.fc(aux)
         scale = self.head_dim ** -0.5
@@ -181,9 +189,14 @@ class Eagle3Draft(nn.Module):
             for i, vi in enumerate(chain_v):
                 mixed = mixed + p[..., t + i: t + i + 1] * vi
             o = layer.finish(hidden, mixed.transpose(1, 2).reshape(b, t, -1))
-            out.append(self.lm_head(self.norm(o)))
+            if labels is None:
+                out.append(self.lm_head(self.norm(o)))
+            else:
+                keep = (rows_t >= j).float()
+                out.append(linear_cross_entropy(self.norm(o[rows_b, rows_t]), self.lm_head.weight, rows_y,
+                                                keep / keep.sum().clamp(min=1)))
             hidden = F.pad(o, (0, 0, 1, 0))[:, :t]  # step j + 1 at t reads step j's output at t - 1
-        return out
+        return out if labels is None else torch.stack(out)
 
 
 def eagle3_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -197,39 +210,24 @@ def eagle3_features(target, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return torch.cat([hs[i] for i in aux_layers], dim=-1)
 
 
-def _base(draft) -> Eagle3Draft:
-    return getattr(draft, "module", draft)  # under a distributed wrapper, the draft it wraps
-
-
 def eagle3_loss(draft: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token loss of the training-time test: per step j, cross-entropy of the logits at positions
     t >= j against x_{t+2} (in the draft's vocabulary) where x_{t+2} is a masked-in token, averaged;
     the steps weighted STEP_DECAY ** j (normalised). Returns (loss, per-step cross-entropies [steps])."""
-    base_draft = _base(draft)
+    base_draft = unwrap(draft)
     steps = base_draft.ttt_steps if steps is None else steps
     t = input_ids.shape[1]
     if t < 3:
         zero = aux.new_zeros(()).float() * aux.sum()
         return zero, zero.expand(steps)
-    logits = draft(aux[:, :-1], input_ids[:, 1:]) if steps == base_draft.ttt_steps else \
-        base_draft.ttt(aux[:, :-1], input_ids[:, 1:], steps)
-    draft = base_draft
     tgt = input_ids[:, 2:]
-    in_vocab = draft.t2d[tgt]
-    draft_tgt = _to_draft_ids(draft, tgt)
-    base = loss_mask[:, 2:] & in_vocab
-    ces, weights = [], []
-    for j, lg in enumerate(logits):
-        lg = lg[:, : t - 2].float()
-        m = base.clone()
-        m[:, :j] = False
-        ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), draft_tgt.reshape(-1), reduction="none").view_as(tgt)
-        n = m.sum()
-        ces.append((ce * m).sum() / n.clamp(min=1))
-        weights.append(STEP_DECAY ** j)
-    w = torch.tensor(weights, device=aux.device)
-    ces_t = torch.stack(ces)
+    labels = _to_draft_ids(base_draft, tgt)
+    counted = loss_mask[:, 2:] & base_draft.t2d[tgt]
+    args = (aux[:, :-1], input_ids[:, 1:])
+    ces_t = draft(*args, labels, counted) if steps == base_draft.ttt_steps else \
+        base_draft.ttt(*args, steps, labels, counted)
+    w = torch.tensor([STEP_DECAY ** j for j in range(steps)], device=aux.device)
     return (ces_t * w).sum() / w.sum(), ces_t.detach()
 
 
@@ -245,7 +243,7 @@ def _to_draft_ids(draft: Eagle3Draft, target_ids: torch.Tensor) -> torch.Tensor:
 def eagle3_accuracy(draft: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                     steps: int | None = None) -> tuple[list[int], list[int]]:
     """Per training-time-test step (depth 1..steps): (top-1 hits, counted positions) of x_{t+2}."""
-    draft = _base(draft)
+    draft = unwrap(draft)
     steps = draft.ttt_steps if steps is None else steps
     t = input_ids.shape[1]
     if t < 3:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .eagle import EagleDraft, eagle_accuracy, eagle_inputs, eagle_loss
+from .eagle import EagleDraft, eagle_accuracy, eagle_draft_loss, eagle_inputs
 from .eagle3 import Eagle3Draft, eagle3_accuracy, eagle3_features, eagle3_loss
 from .medusa import MedusaHeads, head_accuracy, medusa_loss
 from .target import last_hidden, lm_head_weight
@@ -53,8 +53,7 @@ class Eagle:
         return last_hidden(target, ids, attn)
 
     def loss(self, draft: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        pred, logits = draft(*eagle_inputs(hidden, ids))
-        return eagle_loss(pred, logits, hidden, ids, mask)[0]
+        return eagle_draft_loss(draft, hidden, ids, mask)[0]
 
     def accuracy(self, draft: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
                  mask: torch.Tensor) -> tuple[list[int], list[int]]:

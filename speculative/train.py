@@ -200,11 +200,12 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
             with acc.autocast():
                 loss = method.loss(heads, hidden.float(), ids, mask)
             acc.backward(loss / cfg.grad_accum)
-            total += loss.item() / cfg.grad_accum
+            total += loss.detach() / cfg.grad_accum
         acc.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        total = float(total)  # read once a step, after its work is queued (not a wait per micro-batch)
         step += 1
         result.losses.append((step, total))
         if cfg.time_limit is not None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from optllm.speculative import eagle
 from optllm.speculative.eagle import EagleDraft, eagle_accuracy, eagle_inputs, eagle_loss
 from optllm.speculative.target import last_hidden, load_target, target_identity
 from optllm.speculative.train import DraftConfig, train_draft
@@ -126,6 +127,54 @@ def test_prompt_tokens_do_not_count():
                                                                                          mask)[1][1])
     # nothing to learn: zero, not NaN
     assert float(eagle_loss(pred, logits, feats, ids, torch.zeros_like(mask))[0]) == 0.0
+
+
+def _loss_and_grads(draft, fn):
+    draft.zero_grad()
+    loss, parts = fn()
+    loss.backward()
+    return loss.detach(), parts.detach(), [p.grad.clone() for p in draft.parameters()]
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 3, 1])
+def test_draft_loss_equals_the_loss_over_all_logits(chunk_rows, monkeypatch):
+    """eagle_draft_loss (the LM head read at the counted positions only, a chunk of rows at a time,
+    its gradient made with the logits) gives eagle_loss over the draft's logits at every position:
+    the same loss, parts and gradients."""
+    draft = _draft(vocab=12, seed=2)
+    if chunk_rows is not None:
+        monkeypatch.setattr(eagle, "CE_CHUNK_ELEMENTS", chunk_rows * 12)
+    g = torch.Generator().manual_seed(8)
+    feats, ids = torch.randn(3, 11, 16, generator=g), torch.randint(0, 12, (3, 11), generator=g)
+    mask = torch.zeros(3, 11, dtype=torch.bool)
+    mask[0, 4:], mask[1, 2:9], mask[2, 10] = True, True, True
+    want = _loss_and_grads(draft, lambda: eagle_loss(*draft(*eagle_inputs(feats, ids)), feats, ids, mask))
+    got = _loss_and_grads(draft, lambda: eagle.eagle_draft_loss(draft, feats, ids, mask))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert float(eagle.eagle_draft_loss(draft, feats, ids, torch.zeros_like(mask))[0].detach()) == 0.0
+
+
+def test_linear_cross_entropy_gradients_as_autograd():
+    """Both gradients (hidden's and a trainable weight's) and per-row weights, against autograd
+    through F.cross_entropy, with chunks of two rows."""
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(7, 5, generator=g, requires_grad=True)
+    w = torch.randn(11, 5, generator=g, requires_grad=True)
+    y, scale = torch.randint(0, 11, (7,), generator=g), torch.rand(7, generator=g)
+    want = (torch.nn.functional.cross_entropy(h @ w.T, y, reduction="none") * scale).sum()
+    eagle.CE_CHUNK_ELEMENTS, old = 2 * 11, eagle.CE_CHUNK_ELEMENTS
+    try:
+        got = eagle.linear_cross_entropy(h, w, y, scale)
+    finally:
+        eagle.CE_CHUNK_ELEMENTS = old
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(3 * got, (h, w), retain_graph=True), torch.autograd.grad(3 * want, (h, w))):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="backward runs once"):  # its gradients were scaled in place
+        torch.autograd.grad(got, (h, w))
 
 
 def test_training_lowers_the_loss_on_a_fixed_batch():

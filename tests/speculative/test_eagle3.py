@@ -10,6 +10,7 @@ import torch
 from conftest import hf_float32
 from safetensors.torch import load_file
 
+from optllm.speculative import eagle, eagle3
 from optllm.speculative.eagle3 import Eagle3Draft, default_aux_layers, eagle3_features, eagle3_loss
 from optllm.speculative.train import DraftConfig, train_draft
 
@@ -85,6 +86,51 @@ def test_loss_trains_and_counts_only_positions_with_context():
     _, a = eagle3_loss(d, aux, ids, mask)
     _, b = eagle3_loss(d, aux, ids, mask2)
     assert not torch.isclose(a[0], b[0]) and torch.allclose(a[1:], b[1:])
+
+
+def _loss_over_logits(d: Eagle3Draft, aux, ids, mask, steps: int):
+    """eagle3_loss written over each step's logits at every position (what it computes)."""
+    t = ids.shape[1]
+    logits = d.ttt(aux[:, :-1], ids[:, 1:], steps)
+    tgt = ids[:, 2:]
+    counted = mask[:, 2:] & d.t2d[tgt]
+    ces = []
+    for j, lg in enumerate(logits):
+        m = counted.clone()
+        m[:, :j] = False
+        ce = torch.nn.functional.cross_entropy(lg[:, : t - 2].reshape(-1, lg.shape[-1]),
+                                               eagle3._to_draft_ids(d, tgt).reshape(-1), reduction="none").view_as(tgt)
+        ces.append((ce * m).sum() / m.sum().clamp(min=1))
+    w = torch.tensor([eagle3.STEP_DECAY ** j for j in range(steps)])
+    return (torch.stack(ces) * w).sum() / w.sum(), torch.stack(ces).detach()
+
+
+@pytest.mark.parametrize("vocab", [None, [1, 2, 3, 5, 8]])
+def test_loss_equals_the_loss_over_all_logits(vocab, monkeypatch):
+    """eagle3_loss reads each step's LM head at the counted positions only (in chunks, its gradients
+    made with the logits): the same loss, per-step losses and gradients as over the logits at every
+    position, the LM head's (trainable) included, with a reduced vocabulary too."""
+    d = _draft(seed=5)
+    if vocab is not None:
+        d.set_vocab(torch.tensor(vocab))
+    d.ttt_steps = 3
+    monkeypatch.setattr(eagle, "CE_CHUNK_ELEMENTS", 4 * d.draft_vocab_size)
+    g = torch.Generator().manual_seed(4)
+    aux = torch.randn(2, 10, 3 * d.hidden_size, generator=g)
+    ids = torch.randint(0, d.vocab_size, (2, 10), generator=g)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :5] = False
+    runs = []
+    for fn in (lambda: _loss_over_logits(d, aux, ids, mask, 3), lambda: eagle3_loss(d, aux, ids, mask)):
+        d.zero_grad()
+        loss, per_step = fn()
+        loss.backward()
+        runs.append((loss.detach(), per_step, [p.grad.clone() for p in d.parameters()]))
+    (want, want_steps, want_grads), (got, got_steps, got_grads) = runs
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_steps, want_steps)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_reduced_vocabulary_maps_both_ways():
