@@ -176,6 +176,11 @@ class QuantizeConfig:
         """The scheme with this run's group size, symmetry and column order."""
         return parse_scheme(self.scheme, self.group_size, self.symmetric, self.actorder)
 
+    def static_inputs(self) -> bool:
+        """Whether the scheme's input activations take calibrated (static) scales."""
+        acts = self.quant_scheme().input_activations
+        return acts is not None and not acts.dynamic
+
     def holdout_windows(self) -> int:
         """Held-out calibration windows: holdout, or for "auto" max(2, num_samples // 8)."""
         return max(2, self.num_samples // 8) if self.holdout == "auto" else int(self.holdout)

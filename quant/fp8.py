@@ -61,8 +61,7 @@ class FP8Step:
 
 
 def fp8_options(config: "QuantizeConfig") -> FP8Step:
-    acts = config.quant_scheme().input_activations
-    return FP8Step(config.fp8, acts is not None and not acts.dynamic, GPTQOptions.from_config(config))
+    return FP8Step(config.fp8, config.static_inputs(), GPTQOptions.from_config(config))
 
 
 def fp8_quantize_weight(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> FloatQuantizedWeight:

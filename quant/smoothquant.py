@@ -105,8 +105,7 @@ class SmoothQuantStep:
 
 
 def smoothquant_options(config: "QuantizeConfig") -> SmoothQuantStep:
-    acts = config.quant_scheme().input_activations
-    return SmoothQuantStep(config.smoothquant, acts is not None and not acts.dynamic, GPTQOptions.from_config(config))
+    return SmoothQuantStep(config.smoothquant, config.static_inputs(), GPTQOptions.from_config(config))
 
 
 # --------------------------------------------------------------------------- statistics
