@@ -194,11 +194,13 @@ class SpecDecoder:
             self.policy = AdaptivePolicy(self.sizes, self.measure(), max_accept={n: self.max_accept(n)
                                                                                    for n in self.sizes})
 
+    def tree_depth(self, n: int) -> int:
+        """EAGLE: the depth a tree of n nodes is grown to (the option, at most n - 1)."""
+        return max(1, min(self.options.depth, n - 1))
+
     def max_accept(self, n: int) -> int:
-        """The most draft tokens a tree of n nodes can give (its depth; EAGLE: at most depth)."""
-        if self.eagle:
-            return min(n - 1, self.options.depth)
-        return self.trees[n].num_heads
+        """The most draft tokens a tree of n nodes can give: its depth."""
+        return self.tree_depth(n) if self.eagle else self.trees[n].num_heads
 
     @property
     def lookahead(self) -> int:
@@ -469,10 +471,13 @@ class SpecDecoder:
         o, dev, bs = self.options, self.device, self.block_size
         bsz, k = roots.shape[0], o.top_k
         root_lp = torch.log_softmax(self.draft.logits(states).float(), dim=-1)
-        builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=o.depth, num_draft=n - 1)
+        # a tree of n nodes is at most n - 1 deep: no expansion past that (a chain of n - 1 is all
+        # the smallest menu sizes can keep)
+        depth = self.tree_depth(n)
+        builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=depth, num_draft=n - 1)
         feats_in, toks, masks = [], [], None
         prev_nodes, prev_out = None, None
-        for d in range(1, o.depth):
+        for d in range(1, depth):
             front = builder.frontier  # [B, k] pool indices, all at depth d
             tok = builder.frontier_tokens
             if d == 1:

@@ -129,3 +129,25 @@ def test_verify_forward_replays_graphs_and_speculation_stays_exact(tiny_llama, t
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert got == want
     assert any(b == 5 for b, _ in runs)  # a batch that pads to its bucket
+
+
+@pytest.mark.parametrize(("method", "noise"), [("eagle", 0.1), ("medusa", 0.02)])
+def test_step_graphs_accept_what_the_eager_step_accepts(tiny_llama, tmp_path, method, noise):
+    """Greedy tokens would match even with a broken draft (the target decides them); the accepted
+    drafts would not: the graphed step (its fixed catch-up window recomputing rows the draft has
+    seen, its own proposal and acceptance) must accept exactly what the eager step accepts, at a
+    batch that fills its bucket (no padding: the same shapes, float32, so the same values). The
+    EAGLE draft's attention and MLP carry noise, so its own KV cache shapes its proposals."""
+    draft = write_draft(tmp_path / method, tiny_llama, method, seed=3, noise=noise)
+    prompts, params = PROMPTS[:4], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
+                  spec_num_draft=10, spec_policy="fixed", max_num_seqs=4)
+        if graphs:
+            _with_stand_in_graphs(llm, 4)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runs.append((out, llm.engine.stats().speculation))
+    (want, eager), (got, graphed) = runs
+    assert got == want
+    assert graphed["histogram"] == eager["histogram"] and eager["accepted"] > eager["seq_steps"] // 4, (eager, graphed)
