@@ -59,9 +59,6 @@ class ModelRunner:
             with torch.inference_mode():
                 draft = load_draft(config.draft, self.model, source.config, source.folder, dtype=self.dtype,
                                    device=self.device, backend=self.backend, max_position=max_model_len)
-        # EAGLE's draft layer keeps its own KV beside the target's (one more cache layer)
-        self._extra_kv_layers = 1 if draft is not None and draft.method in ("eagle", "eagle3") else 0
-        self._draft = draft
         hf = source.config
         self.vocab_size = hf.vocab_size
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
@@ -72,7 +69,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.sampler = Sampler(self.vocab_size, eos_token_ids, seed=config.seed)
         self.block_tables = BlockTables(2 * config.max_num_seqs, self.max_blocks_per_seq)
-        num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        num_blocks = config.num_kv_blocks or self._blocks_that_fit(draft)
         if num_blocks < self.max_blocks_per_seq:
             raise UserError(f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
                             f"max_model_len={max_model_len}; lower --max-model-len or raise the memory given")
@@ -141,11 +138,13 @@ class ModelRunner:
         return counts
 
     # ---- sizing
-    def _blocks_that_fit(self) -> int:
+    def _blocks_that_fit(self, draft) -> int:
         layers = self.kv_spec.num_layers
-        per_block = self.kv_spec.bytes_per_block() * (layers + self._extra_kv_layers) // layers
-        if self._draft is not None:  # the draft's feature cache: one row per slot
-            per_block += self.block_size * self._draft.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        # EAGLE's draft layer keeps its own KV beside the target's (one more cache layer)
+        extra = 1 if draft is not None and draft.method in ("eagle", "eagle3") else 0
+        per_block = self.kv_spec.bytes_per_block() * (layers + extra) // layers
+        if draft is not None:  # the draft's feature cache: one row per slot
+            per_block += self.block_size * draft.hidden_size * self.dtype.itemsize
         if self.device.type != "cuda":
             return max(1, int(self.config.cpu_kv_cache_gib * 2**30) // per_block)
         gc.collect()  # an engine dropped earlier in this process gives its cache back first

@@ -172,9 +172,6 @@ class SpecDecoder:
         self.policy = None
         self.adaptive = options.policy == "adaptive"
 
-    def feature_bytes_per_slot(self) -> int:
-        return self.draft.hidden_size * torch.empty((), dtype=self.runner.dtype).element_size()
-
     def bind(self, num_blocks: int) -> None:
         """The feature cache over num_blocks blocks (the KV cache's, its padding block included);
         EAGLE's own KV cache layer over the same blocks."""
@@ -313,17 +310,28 @@ class SpecDecoder:
         return st[1] if st is not None and st[0] == seq.num_preemptions else 0
 
     # ---- the draft states
+    def _context(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_computed_tokens int64 [B], block tables int32 [B, width]) on the device."""
+        ctx = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64, device=self.device)
+        width = max(len(s.block_table) for s in seqs)
+        return ctx, torch.from_numpy(self.runner.block_tables.gather(seqs, width)).to(self.device)
+
+    def _medusa_states(self, ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Medusa's states: the features at c - 1 (the rows that sampled the roots)."""
+        return self.store[_slots(tables, (ctx - 1)[:, None], self.block_size)[:, 0]]
+
     @torch.inference_mode()
     def states(self, seqs, stop: list[int] | None = None) -> torch.Tensor:
         """The draft states [B, H] of sequences about to speculate (EAGLE: the draft runs over each
         sequence's rows [u, c) first: one forward). stop[b] < c: run over [u, stop[b]) only (the
         rows a graphed step's catch-up leaves out); the states returned are then meaningless."""
-        dev, bs = self.device, self.block_size
-        ctx = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64, device=dev)
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.from_numpy(self.runner.block_tables.gather(seqs, width)).to(dev)
+        return self._catch_up(seqs, *self._context(seqs), stop)
+
+    def _catch_up(self, seqs, ctx: torch.Tensor, tables: torch.Tensor, stop: list[int] | None = None):
+        """``states`` with the sequences' context lengths and block tables already on the device."""
         if not self.eagle:
-            return self.store[_slots(tables, (ctx - 1)[:, None], bs)[:, 0]]
+            return self._medusa_states(ctx, tables)
+        dev, bs = self.device, self.block_size
         ids, pos, which, cu, ends = [], [], [], [0], []
         for b, s in enumerate(seqs):
             u, c = self._upto(s), s.num_computed_tokens if stop is None else stop[b]
@@ -337,17 +345,16 @@ class SpecDecoder:
             s.spec_state = (s.num_preemptions, c)
         if len(cu) == 1:
             return None
+        n, m = len(ids), len(ends)
         h = host_tensor("q", ids, pos, which).to(dev)
-        n = len(ids)
         ids_t, pos_t, which_t = h[:n], h[n:2 * n], h[2 * n:]
+        h32 = host_tensor("i", ends, cu).to(dev)
         slots = tables.long()[which_t, pos_t // bs] * bs + pos_t % bs
-        rows = sorted(set(which))
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables[rows],
-                                 seq_lens=torch.tensor(ends, dtype=torch.int32, device=dev), decode=False,
-                                 cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables[sorted(set(which))], seq_lens=h32[:m],
+                                 decode=False, cu_seqlens_q=h32[m:],
                                  max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])))
         pred = self.draft(self.store[slots], ids_t, pos_t, meta)
-        return pred[torch.tensor(cu[1:], device=dev) - 1]
+        return pred[h32[m + 1:].long() - 1]
 
     def _states_fixed(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Tensor-only states (a graphed step's): EAGLE, the draft over the last G rows of each
@@ -356,7 +363,7 @@ class SpecDecoder:
         feature at c - 1 (ids unused)."""
         bsz, bs, dev = ctx.shape[0], self.block_size, self.device
         if not self.eagle:
-            return self.store[_slots(tables, (ctx - 1)[:, None], bs)[:, 0]]
+            return self._medusa_states(ctx, tables)
         g = ids.shape[1]
         pos = ctx[:, None] - g + torch.arange(g, device=dev)[None, :]
         slots = _slots(tables, pos, bs).reshape(-1)
@@ -387,11 +394,9 @@ class SpecDecoder:
             n = self.n
             logits = None
         else:
-            ctx = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64, device=dev)
-            width = max(len(s.block_table) for s in seqs)
-            tables = torch.from_numpy(self.runner.block_tables.gather(seqs, width)).to(dev)
+            ctx, tables = self._context(seqs)
             roots = torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=dev)
-            states = self.states(seqs)
+            states = self._catch_up(seqs, ctx, tables)
             tree, _, logits, res, ranks = self._draft_and_verify(roots, states, ctx, tables, params, self.n)
             n = tree.num_nodes
         num_acc = res.num_accepted.tolist()  # the step's host sync

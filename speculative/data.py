@@ -210,8 +210,7 @@ def build_dataset(target: str, num_prompts: int, prompts_file: str | Path | None
                               max_len=max_len)
     finally:
         # the engine's KV cache takes most of the GPU: give it back before training starts (a
-        # reference cycle would keep it until the next gc run, and the training steps would then
-        # run in what is left, the caching allocator freeing and allocating every step)
+        # reference cycle would keep it until the next gc run)
         del llm
         gc.collect()
         if torch.cuda.is_available():
