@@ -11,7 +11,9 @@
 # issue 14 part 8's table). Checkpoints already on the machine are reused.
 # Environment: SCHEMES (the checkpoints, default "awq gptq w8a8 fp8 nvfp4"), NS (calibration
 # windows, 128), TRAIN_S / PROMPTS / STEPS (draft training when none is there), TEMPS (speculation
-# temperatures, 0), BS (1,8,64), BUDGET (seconds, 570).
+# temperatures, 0), BS (1,8,64), BUDGET (seconds, 570), PHASE (all | prep: the checkpoints and the
+# draft only | eval: the report only, from what an earlier call of the same warm machine left),
+# PROFILE (1: after the draft, benchmarks/profile_spec_off.py at batch 64 into $OUT/profile_spec_off.txt).
 set -uo pipefail
 source benchmarks/device_stage.sh
 T0=$SECONDS
@@ -31,16 +33,26 @@ quant() {  # quant NAME SCHEME [ARGS...]
 }
 declare -A SCHEME=([awq]="w4a16-awq --group-size 64" [gptq]="w4a16-gptq --group-size 64" [w8a8]=w8a8-int8 [fp8]=fp8
                     [nvfp4]=nvfp4)
-for m in ${SCHEMES:-awq gptq w8a8 fp8 nvfp4}; do quant "$m" ${SCHEME[$m]}; done
+PHASE=${PHASE:-all}
 draft=/root/d/eagle
+if [ "$PHASE" != eval ]; then
+for m in ${SCHEMES:-awq gptq w8a8 fp8 nvfp4}; do quant "$m" ${SCHEME[$m]}; done
 [ -f "$draft/config.json" ] || step $(( ${TRAIN_S:-120} + 20 )) python3 -m optllm train-draft smollm2-135m --method eagle \
   --out "$draft" --device cuda --num-prompts "${PROMPTS:-2048}" --max-steps "${STEPS:-2000}" --batch-size 16 \
   --time-limit "${TRAIN_S:-120}" --overwrite
+grep -h "ms a step\|training on\|data:\|held-out" "$OUT/report.log" | tail -8
+[ "${PROFILE:-0}" = 1 ] && [ -f "$draft/dataset.jsonl" ] && step 60 python3 benchmarks/train_step.py --methods eagle \
+  --steps 12 --dataset "$draft/dataset.jsonl" && step 60 python3 benchmarks/train_step.py --methods eagle --steps 6 && \
+  grep -A1 "per step ms" "$OUT/report.log"
+[ "${PROFILE:-0}" = 1 ] && [ -f "$draft/config.json" ] && step 120 python3 benchmarks/profile_spec_off.py smollm2-135m \
+  --draft "$draft" --batch 64 --profile && sed -n '/profile_spec_off/,$p' "$OUT/report.log" > "$OUT/profile_spec_off.txt"
+fi
+if [ "$PHASE" = prep ]; then echo "elapsed $(( SECONDS - T0 )) s"; ls /root/q /root/d; tail -5 "$OUT/report.log"; exit 0; fi
 models="smollm2-135m"
 for m in awq gptq w8a8 fp8 nvfp4; do [ -f "/root/q/$m/config.json" ] && models="$models /root/q/$m"; done
 dargs=(); [ -f "$draft/config.json" ] && dargs=(--draft "$draft" --temperatures "${TEMPS:-0}")
 # eval rewrites its report after each phase: a time limit keeps the finished sections
-step 420 python3 -m optllm eval $models --device cuda --kernels --tasks ppl,optllm_offline --speed \
+step "${EVAL_S:-420}" python3 -m optllm eval $models --device cuda --kernels --tasks ppl,optllm_offline --speed \
   --batch-sizes "${BS:-1,8,64}" "${dargs[@]}" --out /root/report
 # issue 14 part 8: the quantized checkpoints' perplexity through the torch reference of their kernels
 step 150 python3 -m optllm eval ${models#smollm2-135m } --device cuda --dequant --tasks ppl --out /root/ref

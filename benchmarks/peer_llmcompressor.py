@@ -391,6 +391,18 @@ def cmd_eval(a: argparse.Namespace) -> None:
     print(table)
 
 
+def cmd_merge(a: argparse.Namespace) -> None:
+    """Several eval JSONs (parallel evals over parts of the folders) as one: rows in the order
+    given, the float folder's first (its row is what every "Δ vs float" reads)."""
+    parts = [json.loads(Path(f).read_text()) for f in a.parts]
+    rows = [r for p in parts for r in p["rows"]]
+    rows.sort(key=lambda r: r.get("made_by") != "float")
+    record = {**parts[0], "rows": rows, "merged_from": [str(f) for f in a.parts]}
+    record["table"] = markdown_table(rows)
+    _write_json(Path(a.json), record)
+    print(record["table"])
+
+
 def markdown_table(results: list[dict]) -> str:
     kinds: list[str] = []
     for r in results:
@@ -465,13 +477,17 @@ def main(argv: list[str] | None = None) -> None:
                                                     f"{PREPARE_FILE}]")
     e.add_argument("--json", default=None)
 
+    m = sub.add_parser("merge", help="several eval JSONs as one table")
+    m.add_argument("parts", nargs="+")
+    m.add_argument("--json", required=True)
+
     a = ap.parse_args(argv)
     if a.cmd in ("prepare", "eval"):
         try:
             import optllm  # noqa: F401
         except ImportError:
             raise SystemExit(f"{a.cmd} runs in optllm's venv: .venv/bin/python {sys.argv[0]} {a.cmd} ...") from None
-    {"prepare": cmd_prepare, "quantize": cmd_quantize, "eval": cmd_eval}[a.cmd](a)
+    {"prepare": cmd_prepare, "quantize": cmd_quantize, "eval": cmd_eval, "merge": cmd_merge}[a.cmd](a)
 
 
 if __name__ == "__main__":

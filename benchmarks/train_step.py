@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--cpu-time", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--dataset", default=None, help="a train-draft dataset.jsonl: time steps over its micro-batches "
+                    "as train.py draws them (real, varying lengths) instead of one synthetic batch")
     args = ap.parse_args()
 
     from accelerate import Accelerator
@@ -50,6 +53,14 @@ def main() -> None:
     mask = attn.bool().clone()
     mask[:, : t // 4] = False
     ids, attn, mask = ids.to(acc.device), attn.to(acc.device), mask.to(acc.device)
+    batches = [(ids, attn, mask)] * (args.steps + 1)
+    if args.dataset:
+        from optllm.speculative.data import read_dataset
+        from optllm.speculative.train import _collate, _micro_batch
+
+        seqs = read_dataset(Path(args.dataset))
+        batches = [_collate(_micro_batch(seqs, i, b, 0), acc.device) for i in range(args.steps + 1)]
+        t = round(statistics.mean(x[0].shape[1] for x in batches))
 
     def sync() -> float:
         if cuda:
@@ -63,15 +74,16 @@ def main() -> None:
         opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
         draft, opt = acc.prepare(draft, opt)
 
-        batch = (ids, attn, mask)
-        _step(acc, method, target, draft, opt, batch, sync)  # warm-up
+        _step(acc, method, target, draft, opt, batches[0], sync)  # warm-up
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times: list = []
-        for _ in range(args.steps):
+        for batch in batches[1:]:
             times.append(_step(acc, method, target, draft, opt, batch, sync))
         ms = [1e3 * statistics.median(col) for col in zip(*times)]
         peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
+        if args.dataset:
+            print(f"{name}: per step ms " + " ".join(f"{1e3 * x[0]:.0f}" for x in times), flush=True)
         print(f"{name}: {ms[0]:.1f} ms/step (target fwd {ms[1]:.1f}, draft+loss fwd {ms[2]:.1f}, "
               f"bwd+opt {ms[3]:.1f}) at {b}x{t} on {args.device}{peak}", flush=True)
         if args.profile:
@@ -79,7 +91,7 @@ def main() -> None:
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=acts) as p:
-                for _ in range(2):
+                for batch in batches[1:3]:
                     _step(acc, method, target, draft, opt, batch, sync)
             key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             print(p.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=50), flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 from typing import Optional
@@ -318,9 +319,19 @@ def eval_cmd(
         if draft:
             from ..eval.speculation import evaluate_speculation
 
+            def spec_fields(r: dict) -> dict:
+                return dict(speculation=r["speculation"])
+
+            def spec_partial(done: list[dict]) -> None:
+                """The speculation phase is the longest: the report is rewritten after each model."""
+                if out is not None:
+                    write_report(add_results(copy.deepcopy(rows), models, done, spec_fields), out,
+                                 title=f"optllm eval (partial: speculation measured for {len(done)} of "
+                                       f"{len(models)} models)")
+
             results = evaluate_speculation(models, draft, spec_sizes, spec_len, device=dev, dtype=dtype,
-                                           temperatures=temps, policy=spec_policy)
-            rows = add_results(rows, models, results, lambda r: dict(speculation=r["speculation"]))
+                                           temperatures=temps, policy=spec_policy, on_model=spec_partial)
+            rows = add_results(rows, models, results, spec_fields)
     except (UserError, ValueError) as e:
         _fail(str(e))
     if want_ppl:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -184,9 +184,10 @@ def _identity(margins: list[float | None]) -> dict:
 def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequence[int], output_len: int,
                          device: str = "cpu", dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0),
                          reps: int = 1, policy: str = "auto", spec_options: dict | None = None,
-                         progress: bool = True) -> list[dict]:
+                         progress: bool = True, on_model: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """measure_speculation for each model with the one draft: [{"speculation": rows, "scheme",
-    "seconds"}], as eval's other measurements return them."""
+    "seconds"}], as eval's other measurements return them. on_model(results so far) runs after
+    each model but the last (eval rewrites its partial report there)."""
     from ..runtime.models.draft import read_draft_config
 
     method = read_draft_config(draft)["method"]  # a bad folder is one line before anything loads
@@ -199,6 +200,8 @@ def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequenc
             r.update(draft=str(draft), draft_method=method, policy=policy)
         out.append(dict(speculation=rows, scheme=checkpoint_kind(resolve_model(name)),
                         seconds=time.perf_counter() - t0))
+        if on_model is not None and len(out) < len(models):
+            on_model(list(out))
     return out
 
 

@@ -188,7 +188,8 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
     if step == 0 and held:
         result.accuracy = _evaluate(acc, target, method, heads, held, cfg.batch_size)
         log(f"step 0/{plan.total}  held-out top-1 {_fmt(result.accuracy)}")
-    first, t_first = step, None
+    first, t_first, padded = step, None, 0
+    log(f"training on {acc.device}{_memory_note(acc.device)}")
     while step < plan.total:
         heads.train()
         total = 0.0
@@ -196,6 +197,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
             ids, attn, mask = _collate(_micro_batch(train, position * acc.num_processes + acc.process_index,
                                                     cfg.batch_size, cfg.seed), acc.device)
             position += 1
+            padded += ids.numel()
             hidden = method.features(acc.unwrap_model(heads), target, ids, attn)
             with acc.autocast():
                 loss = method.loss(heads, hidden.float(), ids, mask)
@@ -210,9 +212,11 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         result.losses.append((step, total))
         if cfg.time_limit is not None:
             if step == first + 1:
-                t_first = time.monotonic()  # the first step compiles and warms up: timed from here
+                t_first, padded = time.monotonic(), 0  # the first step compiles and warms up: timed from here
             elif step == first + _PROBE_STEPS + 1 and t_first is not None:
                 per_step = (time.monotonic() - t_first) / _PROBE_STEPS
+                log(f"{per_step * 1e3:.1f} ms a step over steps {first + 2}-{step}, "
+                    f"{padded / _PROBE_STEPS:.0f} padded tokens a step{_memory_note(acc.device)}")
                 left = cfg.time_limit - (time.monotonic() - t0) - _SAVE_RESERVE_S
                 fit = _agree(acc, step + max(0, int(left / per_step)))
                 if fit < plan.total:
@@ -331,6 +335,19 @@ def _evaluate(acc, target, method, heads, held: list[DraftSequence], batch_size:
         counts = c if counts is None else [a + b for a, b in zip(counts, c)]
     heads.train()
     return [a / b if b else 0.0 for a, b in zip(hits, counts)]
+
+
+def _memory_note(device) -> str:
+    """On CUDA, the allocator's state (a step slowed by a nearly full GPU shows as retries:
+    cudaFree and cudaMalloc again, each a device-wide synchronisation)."""
+    if torch.device(device).type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    gib = 1 << 30
+    return (f" (GPU memory: {torch.cuda.memory_allocated(device) / gib:.1f} GiB allocated, "
+            f"{torch.cuda.memory_reserved(device) / gib:.1f} GiB reserved, {free / gib:.1f} of {total / gib:.1f} GiB "
+            f"free; {stats.get('num_alloc_retries', 0)} allocator retries, {stats.get('num_ooms', 0)} OOMs)")
 
 
 def _fmt(accuracy: list[float]) -> str:

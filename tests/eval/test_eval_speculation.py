@@ -99,3 +99,20 @@ def test_eval_draft_bad_input_is_one_line(tiny_llama, tmp_path, measured):
         r = run(*args)
         lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
         assert r.returncode == 2 and len(lines) == 1 and pattern in lines[0], r.stderr
+
+
+def test_each_finished_model_is_handed_on_before_the_next(tiny_llama, tmp_path, monkeypatch):
+    """eval rewrites its partial report after each model's speculation runs (on_model): a run
+    cut short by a time limit keeps the models it finished. The last model gets no call (the
+    full report follows)."""
+    import optllm.eval.speculation as spec
+
+    draft = write_draft(tmp_path / "medusa", tiny_llama, "medusa")
+    measured_models, seen = [], []
+    monkeypatch.setattr(spec, "measure_speculation",
+                        lambda name, *a: measured_models.append(name) or [{"batch_size": 1, "model": name}])
+    models = [str(tiny_llama)] * 3
+    res = evaluate_speculation(models, str(draft), [1], 4, on_model=lambda done: seen.append(
+        (len(measured_models), [r["speculation"][0]["model"] for r in done])))
+    assert len(res) == 3 and [len(d) for _, d in seen] == [1, 2]
+    assert [n for n, _ in seen] == [1, 2]  # called right after each model, before the next is measured
