@@ -40,7 +40,11 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--bound", type=float, default=0.001, help="relative difference allowed (0.1%%)")
     a = p.parse_args()
-    text, ok = table(json.loads(a.kernel.read_text()), json.loads(a.ref.read_text()), a.bound)
+    def rows(path):  # {"provenance", "rows"}, or a bare list of rows (reports written before the provenance)
+        data = json.loads(path.read_text())
+        return data["rows"] if isinstance(data, dict) else data
+
+    text, ok = table(rows(a.kernel), rows(a.ref), a.bound)
     text += f"\nevery row within {a.bound * 100:.2f}%: {'yes' if ok else 'NO'}\n"
     if a.out:
         a.out.write_text(text)

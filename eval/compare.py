@@ -30,8 +30,10 @@ def load_report(path: str | Path) -> list[dict]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"--compare {p}: not JSON ({e}); allowed: a report.json written by `optllm eval --out`") \
             from None
+    if isinstance(rows, dict):  # {"provenance", "rows"}; a bare list of rows before the provenance was kept
+        rows = rows.get("rows")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "model" in r for r in rows):
-        raise UserError(f"--compare {p}: not an optllm eval report (a list of rows with a model each)")
+        raise UserError(f"--compare {p}: not an optllm eval report (its rows, with a model each)")
     return rows
 
 

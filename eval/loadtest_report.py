@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
+from .provenance import provenance, provenance_md
 
 if TYPE_CHECKING:
     from .loadtest import LoadTestConfig, RequestRecord, Target
@@ -110,9 +111,11 @@ class Report:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            prov = provenance()  # the client's side: command, code, versions, the machine it ran on
             (tmp / "report.json").write_text(json.dumps(
-                {"summary": self.summary, "requests": [asdict(r) for r in self.requests]}, indent=1))
-            (tmp / "report.md").write_text(self.markdown())
+                {"summary": self.summary, "requests": [asdict(r) for r in self.requests], "provenance": prov},
+                indent=1))
+            (tmp / "report.md").write_text(self.markdown() + "\n" + provenance_md(prov))
             if out.is_dir():
                 shutil.rmtree(out)
             os.replace(tmp, out)

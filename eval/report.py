@@ -159,10 +159,16 @@ def speed_intro(rows: list) -> str:
 
 
 def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval", comparison: list | None = None,
-                 comparison_md: str = "") -> Path:
+                 comparison_md: str = "", provenance: dict | None = None) -> Path:
     """Write report.md, report.json and the plots whose data the rows carry (see the module
     docstring) into out_dir (atomically, via a temp folder); with a comparison against an
-    earlier report (eval/compare.py), its table in report.md and its entries in compare.json."""
+    earlier report (eval/compare.py), its table in report.md and its entries in compare.json.
+    provenance (eval/provenance.py; None: this process's): date, command, commit, versions and
+    hardware, report.md's last section and report.json's ``provenance`` beside its ``rows``."""
+    from .provenance import provenance as this_run
+    from .provenance import provenance_md
+
+    prov = provenance if provenance is not None else this_run()
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -196,8 +202,10 @@ def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval", co
     if comparison is not None:
         md += "\n## Compared with an earlier run\n\n" + (comparison_md or "No measurement in common.\n")
         (tmp / "compare.json").write_text(json.dumps(comparison, indent=2) + "\n")
+    md += "\n" + provenance_md(prov)
     (tmp / "report.md").write_text(md)
-    (tmp / "report.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    report = {"provenance": prov, "rows": [asdict(r) for r in rows]}
+    (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if out.exists():
         import shutil
 

@@ -52,7 +52,7 @@ def test_smollm2_awq_quantize_and_eval(tmp_path):
         capture_output=True, text=True,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((tmp_path / "rep" / "report.json").read_text())
+    rows = json.loads((tmp_path / "rep" / "report.json").read_text())["rows"]
     fp, rtn, awq = (row["ppl"] for row in rows)
     print(f"SmolLM2-135M ppl: baseline {fp:.3f}, w4a16-rtn g64 {rtn:.3f}, w4a16-awq g64 {awq:.3f}")
     assert 5 < fp < 40  # the model reads the Python docs well

@@ -65,7 +65,7 @@ def test_eval_per_kind_and_a_text_file(tiny_llama, tmp_path):
             "--max-windows", "2", "--device", "cpu", "--out", str(tmp_path / "rep"))
     assert r.returncode == 0, r.stderr
     assert "| ppl code | Δ code | ppl chat | Δ chat | ppl notes | Δ notes |" in r.stdout
-    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())
+    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())["rows"]
     assert list(row["ppl_by_kind"]) == ["code", "chat", "notes"] and row["ppl"] == row["ppl_by_kind"]["code"]
     assert row["windows_by_kind"] == {"code": 2, "chat": 2, "notes": 2}
 
@@ -169,7 +169,7 @@ def test_eval_lm_eval_tasks_beside_perplexity(tiny_llama, tmp_path):
     assert "| ppl docs |" in r.stdout and "optllm_mc acc_norm" in r.stdout and "optllm_gen exact_match" in r.stdout
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "## lm-eval tasks" in md and (tmp_path / "rep" / "ppl.png").is_file()
-    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())
+    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())["rows"]
     assert set(row["tasks"]) == {"optllm_mc", "optllm_gen"}
     assert 0.0 <= row["tasks"]["optllm_mc"]["acc"] <= 1.0 and row["task_main"]["optllm_mc"][0] == "acc_norm"
     # tasks only: no perplexity table, no plot
@@ -204,7 +204,7 @@ def test_eval_speed_alone_and_beside_perplexity(tiny_llama, tmp_path):
     assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == [
         "latency.png", "report.json", "report.md", "speed.png"]
     assert _png(tmp_path / "rep" / "speed.png") and _png(tmp_path / "rep" / "latency.png")
-    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())
+    (row,) = json.loads((tmp_path / "rep" / "report.json").read_text())["rows"]
     assert [s["batch_size"] for s in row["speed"]] == [1, 2] and row["num_windows"] == 0
     for s in row["speed"]:
         assert s["output_tokens"] == 2 * s["batch_size"] * 8 and s["itl_count"] == 2 * s["batch_size"] * 7
@@ -241,7 +241,7 @@ def test_eval_compare_marks_regressions_against_an_earlier_report(tiny_llama, tm
     assert "## Compared with an earlier run" in (tmp_path / "b" / "report.md").read_text()
     # an earlier run that was better: marked
     old = json.loads((tmp_path / "a" / "report.json").read_text())
-    old[0]["ppl_by_kind"]["docs"] *= 0.9
+    old["rows"][0]["ppl_by_kind"]["docs"] *= 0.9
     (tmp_path / "better.json").write_text(json.dumps(old))
     r = run(*args, "--compare", str(tmp_path / "better.json"), "--out", str(tmp_path / "c"))
     assert r.returncode == 0, r.stderr

@@ -84,7 +84,7 @@ def test_report_has_the_speculation_section_and_plot(measured, tmp_path):
     png = (out / "acceptance.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     saved = json.loads((out / "report.json").read_text())
-    assert saved[0]["speculation"][0]["histogram"] == res[0]["speculation"][0]["histogram"]
+    assert saved["rows"][0]["speculation"][0]["histogram"] == res[0]["speculation"][0]["histogram"]
 
 
 def test_eval_draft_bad_input_is_one_line(tiny_llama, tmp_path, measured):

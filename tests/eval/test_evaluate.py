@@ -90,7 +90,15 @@ def test_report_has_a_column_and_a_delta_per_kind(tmp_path):
     assert "| base | float | 10.0000 | +0.00% | 4.0000 | +0.00% |" in table
     out = write_report(rows, tmp_path / "rep")
     data = json.loads((out / "report.json").read_text())
-    assert data[1]["ppl_by_kind"] == {"docs": 11.0, "code": 4.2} and data[1]["ppl"] == 11.0
-    assert "ppl code" in (out / "report.md").read_text() and (out / "ppl.png").stat().st_size > 1000
+    assert data["rows"][1]["ppl_by_kind"] == {"docs": 11.0, "code": 4.2} and data["rows"][1]["ppl"] == 11.0
+    md = (out / "report.md").read_text()
+    assert "ppl code" in md and (out / "ppl.png").stat().st_size > 1000
+    # where the numbers came from: report.md's last section and report.json's provenance
+    import torch
+
+    prov = data["provenance"]
+    assert prov["versions"]["torch"] == torch.__version__ and prov["commit"] and prov["command"]
+    assert "cpu" in prov["hardware"].lower() and md.rstrip().split("\n## ")[-1].startswith("Provenance")
+    assert f"torch {torch.__version__}" in md and f"commit {prov['commit']}" in md
     # rows from before kinds (no per-kind dicts) still print
     assert "| x | float | 5.0000 | +0.00% |" in markdown_table([EvalRow("x", "float", 5.0, 1.6, 10, 1, 0.1)])

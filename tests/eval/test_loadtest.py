@@ -189,6 +189,7 @@ def test_cli_writes_the_report(server, tmp_path):
     assert "| requests | ok | failed |" in r.stdout and "| TTFT |" in r.stdout
     saved = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert (saved["summary"]["ok"], saved["summary"]["good"], len(saved["requests"])) == (4, 4, 4)
+    assert saved["provenance"]["command"] and "## Provenance" in (tmp_path / "rep" / "report.md").read_text()
     assert saved["summary"]["goodput"] == pytest.approx(4 / saved["summary"]["duration_s"])
     assert (tmp_path / "rep" / "report.md").read_text().startswith("tiny at ")
 

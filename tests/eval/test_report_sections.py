@@ -21,7 +21,8 @@ from conftest import write_draft
 
 # every "## " section write_report can emit, in the order it writes them. Perplexity has no
 # heading of its own: it is the part between the title and the first "## ".
-SECTIONS = ("## lm-eval tasks", "## Speed", "## Speculative decoding", "## Compared with an earlier run")
+SECTIONS = ("## lm-eval tasks", "## Speed", "## Speculative decoding", "## Compared with an earlier run",
+            "## Provenance")
 # every plot write_report can write: perplexity per kind, quality against bits, tok/s and
 # latency against batch size, accepted draft tokens per step
 PNGS = {"ppl.png", "quality_bits.png", "speed.png", "latency.png", "acceptance.png"}
@@ -96,6 +97,8 @@ def test_eval_report_has_every_section_and_plot_for_two_checkpoints(tiny_llama, 
     assert "| TTFT p50 ms |" in sections["## Speed"] and "greedily to exactly 4 tokens" in sections["## Speed"]
     assert "| spec tok/s | speedup | τ |" in sections["## Speculative decoding"]
     assert "0 regression(s)" in sections["## Compared with an earlier run"]  # same models, same windows
+    prov = sections["## Provenance"]  # how to run it again, and on what
+    assert "- command: `optllm eval " in prov and "--draft" in prov and "- hardware: " in prov and "torch " in prov
 
     # each model a row of every table: once in perplexity and tasks, per batch size in speed,
     # per temperature and batch size in speculation, per text kind in the comparison
@@ -109,7 +112,7 @@ def test_eval_report_has_every_section_and_plot_for_two_checkpoints(tiny_llama, 
         for m in models:
             assert f"| {m} | {schemes[m]} |" in sections[section], (section, m)
 
-    rows = json.loads((rep / "report.json").read_text())
+    rows = json.loads((rep / "report.json").read_text())["rows"]
     assert [(row["model"], row["kind"]) for row in rows] == [(m, schemes[m]) for m in models]
     for row in rows:
         assert list(row["ppl_by_kind"]) == list(KINDS) and all(1 < v < math.inf for v in row["ppl_by_kind"].values())

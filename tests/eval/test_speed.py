@@ -145,7 +145,7 @@ def test_report_speed_table_and_plots(tiny_llama, tmp_path):
     assert files == {"report.md", "report.json", "speed.png", "latency.png"}  # no perplexity, no ppl plots
     assert _png(tmp_path / "speed-only" / "speed.png") and _png(tmp_path / "speed-only" / "latency.png")
     assert "## Speed" in (tmp_path / "speed-only" / "report.md").read_text()
-    assert json.loads((tmp_path / "speed-only" / "report.json").read_text())[1]["speed"][1]["tok_s"] == 1200.0
+    assert json.loads((tmp_path / "speed-only" / "report.json").read_text())["rows"][1]["speed"][1]["tok_s"] == 1200.0
     # perplexities too: the quality-vs-bits plot joins (bits read from each model's config.json)
     for r, ppl in zip(rows, (10.0, 10.5)):
         r.ppl, r.num_windows, r.num_tokens = ppl, 1, 31
