@@ -38,7 +38,8 @@ def quantize(
                                          "w8a8-int8 | w8a8-int8-static | fp8 | fp8-dynamic | nvfp4 | nvfp4a16"),
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
     group_size: Optional[str] = typer.Option(None, help="32, 64, 128 or 'channel' [default: the scheme's, 128]"),
-    asym: Optional[bool] = typer.Option(None, "--asym/--sym", help="asymmetric grid with zero points [default sym]"),
+    asym: Optional[bool] = typer.Option(None, "--asym/--sym",
+                                        help="zero points per group [default: asym at 4 and 3 bits, sym at 8]"),
     actorder: Optional[bool] = typer.Option(
         None, "--actorder/--no-actorder", help="GPTQ act-order with static groups [default: on for gptq]"
     ),

@@ -42,10 +42,11 @@ def compare_checkpoint(model: str, out: Path, config, *, other_symmetry: bool, m
     scheme = config.quant_scheme()
     algo = scheme.algorithm
     bits = scheme.weights.num_bits
-    plan = [("rtn", config.symmetric)]  # (algorithm, symmetric) of the extra checkpoints
+    symmetric = scheme.weights.symmetric  # the run's, or the scheme's own
+    plan = [("rtn", symmetric)]  # (algorithm, symmetric) of the extra checkpoints
     if other_symmetry:
-        plan += [(algo, not config.symmetric), ("rtn", not config.symmetric)]
-    plan = [p for p in plan if p != (algo, config.symmetric)]
+        plan += [(algo, not symmetric), ("rtn", not symmetric)]
+    plan = [p for p in plan if p != (algo, symmetric)]
     if not get_algorithm(algo).rtn_baseline:
         plan = []
     tmp = Path(tempfile.mkdtemp(prefix=".optllm-compare-", dir=out.parent))
@@ -69,7 +70,7 @@ def compare_checkpoint(model: str, out: Path, config, *, other_symmetry: bool, m
 
         shutil.rmtree(tmp, ignore_errors=True)
     kinds = list(rows[0].ppl_by_kind)
-    labels = [("float", None, None), (f"{scheme.name} (this checkpoint)", algo, config.symmetric)]
+    labels = [("float", None, None), (f"{scheme.name} (this checkpoint)", algo, symmetric)]
     labels += [(f"w{bits}a16-{a}", a, s) for a, s, _f in extra]
     table = []
     for (label, a, sym), row in zip(labels, rows):

@@ -38,7 +38,9 @@ class QuantizeConfig:
     # the weights' group size: a positive multiple of 8, "channel" (one scale per output
     # channel), or None on construction: the scheme's own (128 for the w*a16 schemes)
     group_size: int | str | None = None
-    symmetric: bool = True
+    # the weights' grid: None on construction: the scheme's own (asymmetric for w4a16-* / w3a16-*,
+    # symmetric for 8-bit and float schemes); measured out of domain (docs/BENCHMARKS.md, issue 12)
+    symmetric: bool | None = None
     # GPTQ column order: "static" (act-order with static groups; the default for GPTQ, as in
     # llm-compressor: it measured 18.4 vs 19.3-19.9 ppl on SmolLM2 W4 g64) or None
     actorder: str | None = "auto"
@@ -174,7 +176,12 @@ class QuantizeConfig:
 
     def quant_scheme(self) -> QuantScheme:
         """The scheme with this run's group size, symmetry and column order."""
-        return parse_scheme(self.scheme, self.group_size, self.symmetric, self.actorder)
+        symmetric = self.symmetric
+        if symmetric is None and (self.target_bits is not None or self.overrides):
+            # several config groups: transformers + compressed-tensors 0.20 read those only when
+            # symmetric, so a mixed or overridden run keeps the symmetric grid unless told otherwise
+            symmetric = True
+        return parse_scheme(self.scheme, self.group_size, symmetric, self.actorder)
 
     def static_inputs(self) -> bool:
         """Whether the scheme's input activations take calibrated (static) scales."""

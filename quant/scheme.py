@@ -9,7 +9,12 @@ group size and symmetry and the column order (parse_scheme). A new scheme is one
 register_scheme call in the module that needs it.
 
 The weight-only integer schemes read ``w{bits}a16-{algorithm}`` (``w4a16-awq``,
-``w3a16-gptq``...): ``pack-quantized``, group 128, symmetric unless the run says otherwise.
+``w3a16-gptq``...): ``pack-quantized``, group 128; 4- and 3-bit ones asymmetric (a zero point per
+group), 8-bit ones symmetric, unless the run says otherwise. Asymmetric because it measured better
+on every text kind, calibrated or not, for RTN, AWQ and GPTQ alike (SmolLM2-135M W4 / W3 g64,
+128 x 512 and 16 x 256 calibration tokens: docs/BENCHMARKS.md, *Calibration that generalises*), and
+vLLM serves 4-bit zero points (formats/vllm_compat.py); vLLM serves no 8-bit zero points on
+Hopper, so 8 bits stay symmetric.
 """
 
 from __future__ import annotations
@@ -77,4 +82,5 @@ def parse_scheme(
 
 for _bits in (4, 3, 8):
     for _algo in ("rtn", "awq", "gptq"):
-        register_scheme(QuantScheme(f"w{_bits}a16-{_algo}", _algo, QuantArgs(num_bits=_bits, group_size=128)))
+        register_scheme(QuantScheme(f"w{_bits}a16-{_algo}", _algo,
+                                    QuantArgs(num_bits=_bits, group_size=128, symmetric=_bits == 8)))
