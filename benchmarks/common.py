@@ -6,8 +6,6 @@ shapes (configs of random-weight folders) and the provenance every result record
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,18 +79,9 @@ def provenance() -> dict:
     import torch
     import transformers
 
-    def git(*args) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            return ""
+    from optllm.eval.provenance import commit
 
-    commit = os.environ.get("OPTLLM_COMMIT", "")
-    if not commit:
-        commit = git("rev-parse", "--short", "HEAD")
-        if commit and git("status", "--porcelain", "--untracked-files=no"):
-            commit += "+dirty"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, commit=commit or "?",
+                transformers=transformers.__version__, commit=commit(),
                 command=" ".join(sys.argv))

@@ -15,7 +15,7 @@ Q="python3 benchmarks/quality.py --device cuda --bits 4 --symmetry asym --group-
 ( timeout ${SWEEP_S:-420} $Q --out /root/sweep/awq --algos rtn,awq \
     --variant "awq-alltok:awq:awq={scale_tokens: null}" --variant "awq-8k:awq:awq={scale_tokens: 8192}" \
     --variant "awq-grid40:awq:awq={n_grid: 40}" > "$OUT/logs/sweep_awq.log" 2>&1;
-  cp /root/sweep/awq/quality.* "$OUT/" 2>/dev/null; mv "$OUT/quality.md" "$OUT/sweep_awq.md"; mv "$OUT/quality.json" "$OUT/sweep_awq.json" ) &
+  cp /root/sweep/awq/quality.md "$OUT/sweep_awq.md"; cp /root/sweep/awq/quality.json "$OUT/sweep_awq.json" ) &
 ( timeout ${SWEEP_S:-420} $Q --out /root/sweep/gptq --algos rtn,gptq \
     --variant "gptq-shrink5:gptq:hessian_shrink=0.5" --variant "gptq-cap4:gptq:token_cap=4" \
     --variant "gptq-damp1:gptq:dampening=0.1" > "$OUT/logs/sweep_gptq.log" 2>&1;

@@ -159,16 +159,15 @@ def speed_intro(rows: list) -> str:
 
 
 def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval", comparison: list | None = None,
-                 comparison_md: str = "", provenance: dict | None = None) -> Path:
+                 comparison_md: str = "") -> Path:
     """Write report.md, report.json and the plots whose data the rows carry (see the module
     docstring) into out_dir (atomically, via a temp folder); with a comparison against an
     earlier report (eval/compare.py), its table in report.md and its entries in compare.json.
-    provenance (eval/provenance.py; None: this process's): date, command, commit, versions and
-    hardware, report.md's last section and report.json's ``provenance`` beside its ``rows``."""
-    from .provenance import provenance as this_run
-    from .provenance import provenance_md
+    This process's provenance (eval/provenance.py: date, command, commit, versions, hardware) is
+    report.md's last section and report.json's ``provenance`` beside its ``rows``."""
+    from .provenance import provenance, provenance_md
 
-    prov = provenance if provenance is not None else this_run()
+    prov = provenance()
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
