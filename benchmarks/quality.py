@@ -59,8 +59,21 @@ def variants(items: list[str]) -> list[tuple[str, str, dict]]:
         if len(parts) < 2:
             raise SystemExit(f"--variant {item!r}: expected NAME:ALGO[:FIELD=VALUE,...]")
         fields = parts[2] if len(parts) == 3 else ""
-        out.append((parts[0], parts[1], overrides([f for f in fields.split(",") if f])))
+        out.append((parts[0], parts[1], overrides([f for f in _split_top(fields) if f])))
     return out
+
+
+def _split_top(text: str) -> list[str]:
+    """text split at the commas outside {...} / [...] (a field's value may be a YAML mapping)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "{[" and 1 or ch in "}]" and -1 or 0
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py [--target smollm2-135m] [--methods medusa,eagle,eagle3]
         [--batch-size 16] [--seq-len 512] [--steps 10] [--device cuda] [--cpu-time] [--profile]
+        [--dataset DATASET.jsonl [--pad-to N]]
 
 The step is train.py's (accelerate, bf16 autocast on CUDA, float32 on the CPU): the frozen target's
 features (no grad), the draft's loss, backward, gradient clipping, AdamW. The batch is right-padded
@@ -34,6 +35,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--dataset", default=None, help="a train-draft dataset.jsonl: time steps over its micro-batches "
                     "as train.py draws them (real, varying lengths) instead of one synthetic batch")
+    ap.add_argument("--pad-to", type=int, default=None, help="--dataset: round padded lengths up to a multiple of "
+                    "this (default: train.py's own on this device)")
     args = ap.parse_args()
 
     from accelerate import Accelerator
@@ -56,10 +59,11 @@ def main() -> None:
     batches = [(ids, attn, mask)] * (args.steps + 1)
     if args.dataset:
         from optllm.speculative.data import read_dataset
-        from optllm.speculative.train import _collate, _micro_batch
+        from optllm.speculative.train import _PAD_MULTIPLE, _collate, _micro_batch
 
         seqs = read_dataset(Path(args.dataset))
-        batches = [_collate(_micro_batch(seqs, i, b, 0), acc.device) for i in range(args.steps + 1)]
+        pad_to = args.pad_to or (_PAD_MULTIPLE if cuda else 1)
+        batches = [_collate(_micro_batch(seqs, i, b, 0), acc.device, pad_to) for i in range(args.steps + 1)]
         t = round(statistics.mean(x[0].shape[1] for x in batches))
 
     def sync() -> float:

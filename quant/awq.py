@@ -60,6 +60,11 @@ class AWQOptions:
     # weight of a token of massive activations in both searches' objectives and in mean|x|, in
     # typical tokens (observers.token_weights; None: every token counts fully, as the paper)
     token_cap: float | None = None
+    # trust the inputs' correlations less where a search scores through a Gram matrix G (the clip
+    # search; the scale grid of a mapping whose inspected module is its one balance linear):
+    # G <- (1 - shrink) G + shrink diag(G), as GPTQ's hessian_shrink
+    clip_shrink: float = 0.0
+    scale_shrink: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_grid < 1 or self.clip_grid < 1:
@@ -70,6 +75,9 @@ class AWQOptions:
             raise ValueError("clip_tokens and clip_rows must be >= 1")
         if self.token_cap is not None and not self.token_cap > 0:
             raise ValueError(f"token_cap={self.token_cap} must be > 0 (or None)")
+        for name in ("clip_shrink", "scale_shrink"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
         if self.scale_tokens is not None and self.scale_tokens < 1:
             raise ValueError(f"scale_tokens={self.scale_tokens} must be >= 1 (or None: all tokens)")
 
@@ -169,7 +177,7 @@ def search_scales(
     gram = len(balance) == 1 and list(qlayers) == list(balance) and module is only and count >= k
     with torch.no_grad():
         if gram:
-            losses = _linear_losses(only.weight, xs, cands, args, scale_dtype, opts.token_cap)
+            losses = _linear_losses(only.weight, xs, cands, args, scale_dtype, opts.token_cap, opts.scale_shrink)
         else:
             losses = _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype, opts.token_cap)
     best = min(range(len(cands)), key=lambda i: (losses[i], i))  # NaN never wins; ties keep the earlier
@@ -207,7 +215,8 @@ def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtyp
     return losses
 
 
-def _linear_losses(weight, xs, cands, args, scale_dtype, cap=None, chunk: int = 4) -> list[float]:
+def _linear_losses(weight, xs, cands, args, scale_dtype, cap=None, shrink: float = 0.0,
+                   chunk: int = 4) -> list[float]:
     """The inspected module is the balance linear itself: its output error on inputs X is
     ‖X Δᵀ‖² with Δ = Q(W·s)/s − W, i.e. tr(Δ G Δᵀ) for the Gram matrix G = XᵀX, so each
     candidate costs N·K² instead of T·N·K (and no output is held)."""
@@ -221,6 +230,8 @@ def _linear_losses(weight, xs, cands, args, scale_dtype, cap=None, chunk: int = 
         wt = observers.token_weights(rows, cap)
         gram.addmm_(rows.T if wt is None else (rows * wt[:, None]).T, rows)
         tokens += rows.shape[0] if wt is None else float(wt.sum())
+    if shrink:
+        gram = observers.shrink_gram(gram, shrink)
     losses = []
     for c0 in range(0, len(cands), chunk):
         part = cands[c0 : c0 + chunk]
@@ -297,7 +308,8 @@ def awq_block(
         names = [n for n in mapping.linears if n in quantized and n not in mapping.no_clip]
         mods = {n: layer.get_submodule(n) for n in names}
         total = inputs.num_tokens()
-        stats = {n: ClipStats(mod.in_features, args, opts.clip_tokens, total, token_cap=opts.token_cap)
+        stats = {n: ClipStats(mod.in_features, args, opts.clip_tokens, total, token_cap=opts.token_cap,
+                              shrink=opts.clip_shrink)
                  for n, mod in mods.items()}
         with capture_inputs(mods, lambda name, x: stats[name].add(x)):
             run_block(layer, inputs, keep=False)

@@ -27,10 +27,11 @@ class ClipStats:
     Gram matrix Σ x_g x_gᵀ of all tokens [groups, G, G] when a group is no wider than
     `clip_tokens`; otherwise (per-channel, wide groups) a strided sample of at most
     `clip_tokens` rows [T, K], scored directly (gram=True/False forces one or the other).
-    Both score a weight change d by the same mean over tokens of (x_g · d_g)²."""
+    Both score a weight change d by the same mean over tokens of (x_g · d_g)², its cross terms
+    between channels scaled by 1 - shrink."""
 
     def __init__(self, in_features: int, args: QuantArgs, clip_tokens: int, total_tokens: int,
-                 gram: bool | None = None, token_cap: float | None = None) -> None:
+                 gram: bool | None = None, token_cap: float | None = None, shrink: float = 0.0) -> None:
         self.k = in_features
         self.groups = args.groups(in_features)
         self.gsize = in_features // self.groups
@@ -40,11 +41,16 @@ class ClipStats:
         self.tokens = 0.0  # (weighted) tokens in the Gram matrices
         self.seen = 0  # tokens passed to add()
         self.token_cap = token_cap  # observers.token_weights: each token's weight in the errors
+        # the error's cross terms between channels scaled by 1 - shrink (observers.shrink_gram)
+        self.shrink = shrink
+        self._shrunk = False
         self.gram: torch.Tensor | None = None
         self.rows: list[torch.Tensor] = []
         self._sample: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor) -> None:
+        if self._shrunk:
+            raise RuntimeError("ClipStats.add after errors(): the shrunk Gram matrices are final")
         rows = x.detach().reshape(-1, self.k).float()
         wt = observers.token_weights(rows, self.token_cap)
         if self.use_gram:
@@ -66,6 +72,9 @@ class ClipStats:
     def errors(self, d: torch.Tensor) -> torch.Tensor:
         """Mean squared output error per group of a weight change d [M, K]: [M, groups]."""
         if self.use_gram:
+            if self.shrink and not self._shrunk:
+                self.gram = observers.shrink_gram(self.gram, self.shrink)
+                self._shrunk = True
             dg = d.reshape(-1, self.groups, self.gsize).transpose(0, 1)  # [g, M, G]
             return (torch.bmm(dg, self.gram) * dg).sum(-1).T / max(self.tokens, 1)
         if self._sample is None:
@@ -73,7 +82,12 @@ class ClipStats:
             self._sample = x.reshape(-1, self.groups, self.gsize).transpose(0, 1).contiguous()  # [g, T, G]
         xg = self._sample.to(d.device)
         dg = d.reshape(-1, self.groups, self.gsize).transpose(0, 1)  # [g, M, G]
-        return torch.bmm(xg, dg.transpose(1, 2)).pow(2).mean(dim=1).T
+        err = torch.bmm(xg, dg.transpose(1, 2)).pow(2).mean(dim=1).T
+        if not self.shrink:
+            return err
+        energy = xg.square().mean(dim=1)  # [g, G]: the diagonal of the sample's Gram / T
+        diag = (dg.square() * energy.unsqueeze(1)).sum(-1).T  # [M, g]
+        return (1.0 - self.shrink) * err + self.shrink * diag
 
 
 def search_clip(

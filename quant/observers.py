@@ -91,3 +91,12 @@ def token_weights(rows: torch.Tensor, cap: float | None) -> torch.Tensor | None:
         return None
     sq = rows.float().square().sum(dim=1)
     return (cap * sq.median() / sq.clamp_min(1e-30)).clamp(max=1.0)
+
+
+def shrink_gram(gram: torch.Tensor, shrink: float) -> torch.Tensor:
+    """(1 − shrink) G + shrink diag(G) of a Gram matrix G [..., K, K] (a new tensor): the inputs'
+    correlations trusted less, their per-channel energies kept; shrink 1 scores each channel alone."""
+    diag = torch.diagonal(gram, dim1=-2, dim2=-1)
+    out = gram * (1.0 - shrink)
+    torch.diagonal(out, dim1=-2, dim2=-1).copy_(diag)
+    return out

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -188,14 +189,16 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
     if step == 0 and held:
         result.accuracy = _evaluate(acc, target, method, heads, held, cfg.batch_size)
         log(f"step 0/{plan.total}  held-out top-1 {_fmt(result.accuracy)}")
-    first, t_first, padded = step, None, 0
+    first, padded, t_prev = step, 0, None
+    step_times: list[float] = []  # seconds of each step after the first (the first compiles and warms up)
+    pad_to = _PAD_MULTIPLE if acc.device.type == "cuda" else 1
     log(f"training on {acc.device}{_memory_note(acc.device)}")
     while step < plan.total:
         heads.train()
         total = 0.0
         for _ in range(cfg.grad_accum):
             ids, attn, mask = _collate(_micro_batch(train, position * acc.num_processes + acc.process_index,
-                                                    cfg.batch_size, cfg.seed), acc.device)
+                                                    cfg.batch_size, cfg.seed), acc.device, pad_to)
             position += 1
             padded += ids.numel()
             hidden = method.features(acc.unwrap_model(heads), target, ids, attn)
@@ -211,19 +214,30 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         step += 1
         result.losses.append((step, total))
         if cfg.time_limit is not None:
-            if step == first + 1:
-                t_first, padded = time.monotonic(), 0  # the first step compiles and warms up: timed from here
-            elif step == first + _PROBE_STEPS + 1 and t_first is not None:
-                per_step = (time.monotonic() - t_first) / _PROBE_STEPS
-                log(f"{per_step * 1e3:.1f} ms a step over steps {first + 2}-{step}, "
-                    f"{padded / _PROBE_STEPS:.0f} padded tokens a step{_memory_note(acc.device)}")
-                left = cfg.time_limit - (time.monotonic() - t0) - _SAVE_RESERVE_S
+            now = time.monotonic()  # one reading a step: its time includes the evaluation and saving after it
+            if t_prev is None:
+                padded = 0
+            else:
+                step_times.append(now - t_prev)
+            t_prev = now
+            probed = len(step_times)
+            if probed == _PROBE_STEPS or (probed > _PROBE_STEPS and probed % _REPLAN_EVERY == 0):
+                # the first steps at each new padded length cost several times a steady one (kernel
+                # selection, allocator growth): the probe plans on their median; later checks on
+                # the mean of every step since, which by then holds the length mix of the data
+                later = step_times[_PROBE_STEPS:]
+                per_step = statistics.median(step_times) if not later else sum(later) / len(later)
+                if probed == _PROBE_STEPS:
+                    log(f"{per_step * 1e3:.1f} ms a step (median of steps {first + 2}-{step}; mean "
+                        f"{sum(step_times) / probed * 1e3:.1f}), {padded / probed:.0f} padded tokens a step"
+                        f"{_memory_note(acc.device)}")
+                left = cfg.time_limit - (now - t0) - _SAVE_RESERVE_S
                 fit = _agree(acc, step + max(0, int(left / per_step)))
                 if fit < plan.total:
                     log(f"time limit {cfg.time_limit:g} s: {per_step * 1e3:.1f} ms a step, {fit} of {plan.total} "
                         "steps fit; the schedule now ends there")
                     plan.shrink(max(step, fit))
-            if _agree(acc, int(time.monotonic() - t0 > cfg.time_limit - _SAVE_RESERVE_S)) and step < plan.total:
+            if _agree(acc, int(now - t0 > cfg.time_limit - _SAVE_RESERVE_S)) and step < plan.total:
                 log(f"time limit {cfg.time_limit:g} s reached at step {step}; stopping there")
                 plan.shrink(step)
         last = step == plan.total
@@ -271,9 +285,10 @@ def _micro_batch(seqs: list[DraftSequence], index: int, batch_size: int, seed: i
     return [seqs[j] for j in perm[i * bs:(i + 1) * bs]]
 
 
-def _collate(batch: list[DraftSequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids [B, T], attention_mask [B, T], loss_mask [B, T] bool: answer tokens)."""
-    t = max(len(s.token_ids) for s in batch)
+def _collate(batch: list[DraftSequence], device, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids [B, T], attention_mask [B, T], loss_mask [B, T] bool: answer tokens),
+    T the longest sequence rounded up to a multiple of pad_to."""
+    t = -(-max(len(s.token_ids) for s in batch) // pad_to) * pad_to
     ids = torch.zeros(len(batch), t, dtype=torch.long)
     attn = torch.zeros(len(batch), t, dtype=torch.long)
     mask = torch.zeros(len(batch), t, dtype=torch.bool)
@@ -289,6 +304,11 @@ def _collate(batch: list[DraftSequence], device) -> tuple[torch.Tensor, torch.Te
 
 
 _PROBE_STEPS = 10  # steps timed (after the first) to plan a run under time_limit
+_REPLAN_EVERY = 50  # then the plan is checked again every this many steps
+# padded lengths on CUDA are rounded up to this: each new length costs a few slow steps (measured on
+# the H200: 250-340 ms against 54 ms steady, docs/BENCHMARKS.md), so few lengths are better than
+# little padding
+_PAD_MULTIPLE = 64
 _SAVE_RESERVE_S = 10.0  # seconds kept for the last evaluation and writing the draft
 
 

@@ -109,3 +109,25 @@ def test_token_cap_weights_the_massive_token_in_both_scoring_paths(gram):
     roomy.add(x)
     plain.add(x)
     torch.testing.assert_close(roomy.errors(d), plain.errors(d), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("shrink", [0.3, 1.0])
+def test_clip_stats_shrink_matches_the_shrunk_quadratic_form(shrink):
+    """With shrink λ, a weight change d of a group costs (1-λ)·mean((x_g·d_g)²) + λ·Σ_j mean(x_j²) d_j²,
+    the same in the Gram and the token-sample paths; λ = 1 ignores how channels co-vary."""
+    args = QuantArgs(4, 32, True)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(90, 128, generator=g) @ torch.randn(128, 128, generator=g)  # correlated channels
+    d = torch.randn(12, 128, generator=g)
+    xg = x.reshape(90, 4, 32)
+    dg = d.reshape(12, 4, 32)
+    full = torch.einsum("tgk,mgk->tmg", xg, dg).pow(2).mean(0)
+    diag = torch.einsum("gk,mgk->mg", xg.pow(2).mean(0), dg.pow(2))
+    want = (1 - shrink) * full + shrink * diag
+    for gram in (True, False):
+        s = ClipStats(128, args, clip_tokens=1000, total_tokens=90, gram=gram, shrink=shrink)
+        s.add(x[:50])
+        s.add(x[50:])
+        torch.testing.assert_close(s.errors(d), want, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(s.errors(d), want, rtol=1e-4, atol=1e-3)  # a second call: unchanged
+    assert not torch.allclose(full, diag, rtol=0.05)  # the cross terms matter on these inputs

@@ -129,23 +129,74 @@ def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
 def test_time_limit_shortens_the_schedule_and_writes_the_draft(tiny_chat, tmp_path, monkeypatch):
     """A run whose max_steps cannot fit its time limit: after the probe steps the cosine schedule
     is planned for the steps that fit (the learning rate still reaches zero at the last one), and
-    the draft is written. The clock is faked (one second per reading), so the test is exact."""
-    import itertools
+    the draft is written. The plan takes the probe's median step, not its mean: the first steps at
+    a new padded length are slow (warm-up), the rest are not. The clock is faked (one reading at the
+    start and one after each step), so the test is exact."""
     from types import SimpleNamespace
 
     from optllm.speculative import train as train_mod
 
-    ticks = itertools.count(0.0, 1.0)
-    monkeypatch.setattr(train_mod, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    # the readings: t0 = 0; after step 1 (warm-up, not timed): 1; steps 2-4 take 5 s each, then 1 s
+    steps = iter([0.0, 1.0] + [5.0] * 3 + [1.0] * 1000)
+    clock = {"now": 0.0}
+
+    def monotonic() -> float:
+        clock["now"] += next(steps)
+        return clock["now"]
+
+    monkeypatch.setattr(train_mod, "time", SimpleNamespace(monotonic=monotonic))
     logs: list[str] = []
     kw = {**SMALL, "max_steps": 1000, "warmup_steps": 2, "checkpoint_every": 1000, "eval_every": 1000}
     out = tmp_path / "timed"
-    result = train_draft(DraftConfig(target=str(tiny_chat), out=out, time_limit=40, **kw), log=logs.append)
-    # readings: t0 = 0; step 1 starts the probe at 1; steps 2..10 read once each; step 11 reads 12 and 13:
-    # 1.1 s a step, 40 - 13 - 10 = 17 s left -> 11 + 15 = 26 steps
-    assert any("26 of 1000 steps fit" in line for line in logs), logs
-    assert result.step == 26 and [s for s, _ in result.losses] == list(range(1, 27))
-    assert logs[-2].startswith("step 26/26") and "lr 0.00e+00" in logs[-2]
+    result = train_draft(DraftConfig(target=str(tiny_chat), out=out, time_limit=60, **kw), log=logs.append)
+    # after step 11 the clock reads 1 + 15 + 7 = 23; median 1 s a step (mean 2.2 s), 60 - 23 - 10 = 27 s
+    # left -> 11 + 27 = 38 steps (planning on the mean would have given 23)
+    assert any("1000.0 ms a step (median of steps 2-11; mean 2200.0)" in line for line in logs), logs
+    assert any("38 of 1000 steps fit" in line for line in logs), logs
+    assert result.step == 38 and [s for s, _ in result.losses] == list(range(1, 39))
+    assert logs[-2].startswith("step 38/38") and "lr 0.00e+00" in logs[-2]
     assert (out / "model.safetensors").is_file()
     with pytest.raises(UserError, match="time_limit"):
         DraftConfig(target=str(tiny_chat), out=tmp_path / "o", time_limit=0)
+
+
+def test_time_limit_plan_is_checked_again_when_steps_slow_down(tiny_chat, tmp_path, monkeypatch):
+    """After the probe, every 50 timed steps the plan is checked on the mean step since the probe:
+    steps that grew slower (longer sequences later in the data) shorten the schedule again, so the
+    learning rate still reaches zero at the limit instead of training stopping mid-schedule."""
+    from types import SimpleNamespace
+
+    from optllm.speculative import train as train_mod
+
+    steps = iter([0.0, 1.0] + [1.0] * 10 + [3.0] * 1000)  # steps 2-11: 1 s; from step 12: 3 s
+    clock = {"now": 0.0}
+
+    def monotonic() -> float:
+        clock["now"] += next(steps)
+        return clock["now"]
+
+    monkeypatch.setattr(train_mod, "time", SimpleNamespace(monotonic=monotonic))
+    logs: list[str] = []
+    kw = {**SMALL, "max_steps": 1000, "warmup_steps": 2, "checkpoint_every": 1000, "eval_every": 1000}
+    result = train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "t", time_limit=200, **kw),
+                         log=logs.append)
+    # step 11: clock 11, 200 - 11 - 10 = 179 s left at 1 s -> 190 steps; step 51: clock 11 + 40 * 3 = 131,
+    # 59 s left at 3 s -> 51 + 19 = 70 steps
+    assert any("190 of 1000 steps fit" in line for line in logs), logs
+    assert any("3000.0 ms a step, 70 of 190 steps fit" in line for line in logs), logs
+    assert not any("reached at step" in line for line in logs), logs
+    assert result.step == 70 and logs[-2].startswith("step 70/70") and "lr 0.00e+00" in logs[-2]
+
+
+def test_collate_rounds_the_padded_length_up():
+    from optllm.speculative.data import DraftSequence
+    from optllm.speculative.train import _collate
+
+    batch = [DraftSequence(token_ids=list(range(1, 71)), num_prompt_tokens=20),
+             DraftSequence(token_ids=list(range(1, 11)), num_prompt_tokens=4)]
+    for pad_to, width in ((1, 70), (64, 128), (70, 70)):
+        ids, attn, mask = _collate(batch, "cpu", pad_to)
+        assert ids.shape == attn.shape == mask.shape == (2, width)
+        assert attn.sum(1).tolist() == [70, 10] and mask.sum(1).tolist() == [50, 6]
+        assert ids[0, :70].tolist() == list(range(1, 71)) and not ids[:, 70:].any()
+        assert mask[1, 4:10].all() and not mask[1, :4].any() and not mask[:, 70:].any()

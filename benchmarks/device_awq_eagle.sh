@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call, H200, jobs side by side (a 135M model leaves the GPU and the 16 cores room):
+#  A, B: issue 12's AWQ variants at the default calibration (128 x 512), W4 g64, asymmetric (A) and
+#        symmetric (B), each beside RTN of the same grid and plain AWQ: perplexity on 8 windows of
+#        each text kind (benchmarks/quality.py, float32). VARIANTS: extra --variant arguments.
+#  C:    (TRAIN_S > 0) issue 15's EAGLE draft, trained longer on the float target's own prompts and
+#        answers (PROMPTS of them, a TRAIN_S time limit, data generation included) into /root/d/eagle,
+#        with padded lengths in buckets of 64 and the step time planned on the probe's median.
+# PHASE=spec instead: the speculative-decoding section of `optllm eval` with that draft, greedy,
+# adaptive and fixed policy, batches BS (the GPU to itself: nothing else runs beside it).
+# Before: the GGUF staged (.carry1's part in /root/m); carry .carry2. Results: $OUT/*.
+set -uo pipefail
+source benchmarks/device_stage.sh
+mkdir -p "$OUT/logs"
+if [ "${PHASE:-sweep}" = spec ]; then
+  for policy in auto fixed; do
+    timeout "${SPEC_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
+      --temperatures 0 --batch-sizes "${BS:-1,8,64}" --spec-policy "$policy" --out "/root/spec-$policy" \
+      > "$OUT/logs/spec_$policy.log" 2>&1
+    cp "/root/spec-$policy/report.md" "$OUT/spec_$policy.md" 2>/dev/null
+    cp "/root/spec-$policy/report.json" "$OUT/spec_$policy.json" 2>/dev/null
+  done
+  cp /root/d/eagle/*.json "$OUT/" 2>/dev/null
+  grep -h "^|" "$OUT"/spec_*.md
+  exit 0
+fi
+BITS=${BITS:-4}
+Q="python3 benchmarks/quality.py --device cuda --bits $BITS --group-size 64 --max-windows 8"
+V=(--variant "awq-cs3:awq:awq={clip_shrink: 0.3}" --variant "awq-cs10:awq:awq={clip_shrink: 1.0}"
+   --variant "awq-ss5:awq:awq={scale_shrink: 0.5}" --variant "awq-cs5ss5:awq:awq={clip_shrink: 0.5, scale_shrink: 0.5}")
+[ -n "${VARIANTS:-}" ] && eval "V=($VARIANTS)"
+for sym in ${SYMS:-asym sym}; do
+  ( timeout "${SWEEP_S:-480}" $Q --symmetry "$sym" --out "/root/sweep/awq-$sym" --algos rtn,awq "${V[@]}" \
+      > "$OUT/logs/sweep_awq_$sym.log" 2>&1
+    cp "/root/sweep/awq-$sym/quality.md" "$OUT/awq_w${BITS}_$sym.md"; cp "/root/sweep/awq-$sym/quality.json" "$OUT/awq_w${BITS}_$sym.json" ) &
+done
+if [ "${TRAIN_S:-0}" -gt 0 ]; then
+  ( timeout $(( TRAIN_S + 40 )) python3 -m optllm train-draft smollm2-135m --method eagle --out /root/d/eagle \
+      --device cuda --num-prompts "${PROMPTS:-4096}" --max-steps "${STEPS:-20000}" --batch-size 16 \
+      --time-limit "$TRAIN_S" --overwrite > "$OUT/logs/train_eagle.log" 2>&1
+    cp /root/d/eagle/*.json "$OUT/" 2>/dev/null ) &
+fi
+wait
+[ -f "$OUT/logs/train_eagle.log" ] && grep -h "data:\|ms a step\|steps fit\|reached\|held-out\|written" "$OUT/logs/train_eagle.log" | tail -12
+cat "$OUT"/awq_*.md
