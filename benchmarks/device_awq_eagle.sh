@@ -6,31 +6,27 @@
 #  C:    (TRAIN_S > 0) issue 15's EAGLE draft, trained longer on the float target's own prompts and
 #        answers (PROMPTS of them, a TRAIN_S time limit, data generation included) into /root/d/eagle,
 #        with padded lengths in buckets of 64 and the step time planned on the probe's median.
-# PHASE=spec instead: the speculative-decoding section of `optllm eval` with that draft, greedy,
-# adaptive and fixed policy, batches BS (the GPU to itself: nothing else runs beside it).
-# Before: the GGUF staged (.carry1's part in /root/m); carry .carry2. Results: $OUT/*.
+# Then (SPEC=1, after A-C, the GPU to itself): the speculative-decoding section of `optllm eval`
+# with that draft, greedy, the adaptive policy at batches BS and the fixed one at batch 1.
+# The machine is given back 30 s after a call ends: everything that needs the draft is in this call.
+# Before: the GGUF staged (.carry1's part in /root/m); carry .carry2. Results: $OUT/* (logs in
+# logs.tgz: only a few files come back).
 set -uo pipefail
 source benchmarks/device_stage.sh
 mkdir -p "$OUT/logs"
-if [ "${PHASE:-sweep}" = spec ]; then
-  for policy in auto fixed; do
-    timeout "${SPEC_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
-      --temperatures 0 --batch-sizes "${BS:-1,8,64}" --spec-policy "$policy" --out "/root/spec-$policy" \
-      > "$OUT/logs/spec_$policy.log" 2>&1
-    cp "/root/spec-$policy/report.md" "$OUT/spec_$policy.md" 2>/dev/null
-    cp "/root/spec-$policy/report.json" "$OUT/spec_$policy.json" 2>/dev/null
-  done
-  cp /root/d/eagle/*.json "$OUT/" 2>/dev/null
-  grep -h "^|" "$OUT"/spec_*.md
-  exit 0
-fi
+spec() {  # spec POLICY BATCHES SECONDS
+  timeout "$3" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
+    --temperatures 0 --batch-sizes "$2" --spec-policy "$1" --out "/root/spec-$1" > "$OUT/logs/spec_$1.log" 2>&1
+  cp "/root/spec-$1/report.md" "$OUT/spec_$1.md" 2>/dev/null
+}
 BITS=${BITS:-4}
 Q="python3 benchmarks/quality.py --device cuda --bits $BITS --group-size 64 --max-windows 8"
+ALGOS=${ALGOS:-rtn,awq}
 V=(--variant "awq-cs3:awq:awq={clip_shrink: 0.3}" --variant "awq-cs10:awq:awq={clip_shrink: 1.0}"
    --variant "awq-ss5:awq:awq={scale_shrink: 0.5}" --variant "awq-cs5ss5:awq:awq={clip_shrink: 0.5, scale_shrink: 0.5}")
 [ -n "${VARIANTS:-}" ] && eval "V=($VARIANTS)"
 for sym in ${SYMS:-asym sym}; do
-  ( timeout "${SWEEP_S:-480}" $Q --symmetry "$sym" --out "/root/sweep/awq-$sym" --algos rtn,awq "${V[@]}" \
+  ( timeout "${SWEEP_S:-480}" $Q --symmetry "$sym" --out "/root/sweep/awq-$sym" --algos "$ALGOS" "${V[@]}" \
       > "$OUT/logs/sweep_awq_$sym.log" 2>&1
     cp "/root/sweep/awq-$sym/quality.md" "$OUT/awq_w${BITS}_$sym.md"; cp "/root/sweep/awq-$sym/quality.json" "$OUT/awq_w${BITS}_$sym.json" ) &
 done
@@ -41,5 +37,11 @@ if [ "${TRAIN_S:-0}" -gt 0 ]; then
     cp /root/d/eagle/*.json "$OUT/" 2>/dev/null ) &
 fi
 wait
-[ -f "$OUT/logs/train_eagle.log" ] && grep -h "data:\|ms a step\|steps fit\|reached\|held-out\|written" "$OUT/logs/train_eagle.log" | tail -12
+if [ "${SPEC:-0}" = 1 ] && [ -f /root/d/eagle/config.json ]; then
+  spec auto "${BS:-1,8,64}" "${SPEC_S:-150}"
+  spec fixed 1 "${SPEC1_S:-70}"
+fi
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
+tar xzf "$OUT/logs.tgz" -O logs/train_eagle.log 2>/dev/null | grep -v "^step" | tail -12
 cat "$OUT"/awq_*.md
+grep -h "^|" "$OUT"/spec_*.md 2>/dev/null

@@ -47,6 +47,9 @@ class BlockMapping:
     smoothquant: tuple[SmoothMapping, ...] = ()
     # pairs whose smooth layer is a linear (up_proj -> down_proj), folded only when asked
     smoothquant_linear: tuple[SmoothMapping, ...] = ()
+    # the value -> attention output pair (v_proj -> o_proj; under grouped-query attention one
+    # factor per v_proj channel, shared by the o_proj inputs it feeds), folded only when asked
+    smoothquant_value: tuple[SmoothMapping, ...] = ()
 
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -85,12 +88,13 @@ class Architecture:
 _ATTN_IN = SmoothMapping("input_layernorm", _QKV, "self_attn", needs_block_kwargs=True)
 _MLP_IN = SmoothMapping("post_attention_layernorm", _GATE_UP, "mlp")
 _UP_DOWN = SmoothMapping("mlp.up_proj", _DOWN, "mlp.down_proj")
+_V_O = SmoothMapping("self_attn.v_proj", _O, "self_attn.o_proj")
 
 LLAMA_LIKE = BlockMapping(
     linears=_QKV + _O + _GATE_UP + _DOWN,
     smooth=(
         _ATTN_IN,
-        SmoothMapping("self_attn.v_proj", _O, "self_attn.o_proj"),
+        _V_O,
         _MLP_IN,
         _UP_DOWN,
     ),
@@ -98,6 +102,7 @@ LLAMA_LIKE = BlockMapping(
     sequential=(_QKV, _O, _GATE_UP, _DOWN),
     smoothquant=(_ATTN_IN, _MLP_IN),
     smoothquant_linear=(_UP_DOWN,),
+    smoothquant_value=(_V_O,),
 )
 
 ARCHITECTURES: Registry[Architecture] = Registry("architecture")

@@ -6,9 +6,13 @@ grid of α, choosing the one whose quantized balance layers, run on real inputs,
 reproduce the float output of the inspected module. The identity s = 1 (plain RTN) is always
 a candidate, so AWQ never picks a scale worse than RTN on that objective. s is folded into the
 preceding norm or linear (÷s) and the balance layers (×s), which leaves the float model
-unchanged. A second search then shrinks each group's quantization range (weight clipping) to
-minimise the linear's own output error. The quantizer (RTN) runs afterwards with those clip
-ratios. Both searches quantize with scales rounded to the checkpoint's dtype, as stored.
+unchanged. Under grouped-query attention v_proj has fewer outputs than o_proj has inputs (each
+value head feeds n_rep query heads' slots); the v_proj -> o_proj scale is then one per v_proj
+channel, shared by the o_proj inputs it feeds (gqa_channel_index): still an exact refolding,
+where AutoAWQ and llm-compressor skip the mapping. A second search then shrinks each group's
+quantization range (weight clipping) to minimise the linear's own output error. The quantizer
+(RTN) runs afterwards with those clip ratios. Both searches quantize with scales rounded to the
+checkpoint's dtype, as stored.
 
 Ignored layers (`--ignore`) are never quantized, in the searches as in the checkpoint: a
 mapping whose balance layers are all ignored is skipped (those layers stay bit for bit as they
@@ -65,6 +69,10 @@ class AWQOptions:
     # G <- (1 - shrink) G + shrink diag(G), as GPTQ's hessian_shrink
     clip_shrink: float = 0.0
     scale_shrink: float = 0.0
+    # grouped-query attention: search v_proj -> o_proj with one scale per v_proj channel, shared by
+    # the o_proj inputs it feeds (gqa_channel_index); False: skip that mapping, as AutoAWQ and
+    # llm-compressor do (off until measured better: docs/BENCHMARKS.md)
+    gqa_smooth: bool = False
 
     def __post_init__(self) -> None:
         if self.n_grid < 1 or self.clip_grid < 1:
@@ -100,6 +108,9 @@ class ScaleSearch:
     alpha: float | None
     loss: float
     rtn_loss: float
+    # the smooth layer's output scales [K_prev]: `scales` itself, or, where one smooth channel feeds
+    # several balance inputs (grouped-query attention's v_proj -> o_proj), the scale they share
+    smooth_scales: torch.Tensor | None = None
 
 
 def _inspect(module: nn.Module, mapping: SmoothMapping, x: torch.Tensor, kw: dict) -> torch.Tensor:
@@ -150,6 +161,7 @@ def search_scales(
     args: QuantArgs,
     opts: AWQOptions,
     scale_dtype: torch.dtype | None = None,
+    index: torch.Tensor | None = None,
 ) -> ScaleSearch:
     """Grid-search the scale of one mapping.
 
@@ -157,6 +169,9 @@ def search_scales(
     in the objective (the others are ignored layers: full precision). xs: the balance layers'
     input per batch [B, T, K] (any device); kwargs: the block's keyword arguments per batch.
     The objective is the mean squared error of `module`'s output against the float module's.
+    index [K] (or None: the identity): the smooth layer's output channel feeding each balance
+    input channel (gqa_channel_index); the scale is then searched per smooth channel, from the
+    statistics of the balance channels it feeds (averaged), and spread to them.
     """
     device = next(iter(balance.values())).weight.device
     k = xs[0].shape[-1]
@@ -170,7 +185,13 @@ def search_scales(
         weight_sum += rows.shape[0] if wt is None else float(wt.sum())
     x_mean /= weight_sum
     w_mean = _group_weight_mean([b.weight for b in balance.values()], args)
-    cands = scale_candidates(x_mean, w_mean, opts)
+    if index is None:
+        cands = scale_candidates(x_mean, w_mean, opts)
+        shared = cands
+    else:
+        index = index.to(device)
+        shared = scale_candidates(_gather_mean(x_mean, index), _gather_mean(w_mean, index), opts)
+        cands = [(a, t[index]) for a, t in shared]
     qlayers = {n: b for n, b in balance.items() if n in quantized}
     only = next(iter(balance.values()))
     # the Gram form costs N·K² a candidate against T·N·K: worth it with more tokens than inputs
@@ -184,7 +205,37 @@ def search_scales(
     if not losses[best] < float("inf"):
         best = 0  # every candidate gave NaN/inf: leave the layers as they are
     alpha, s = cands[best]
-    return ScaleSearch(s, alpha, losses[best], losses[0])
+    return ScaleSearch(s, alpha, losses[best], losses[0], smooth_scales=shared[best][1])
+
+
+def _gather_mean(v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per smooth channel c, the mean of v over the balance channels i with index[i] == c."""
+    n = int(index.max()) + 1
+    total = torch.zeros(n, device=v.device, dtype=v.dtype).index_add_(0, index, v)
+    count = torch.zeros(n, device=v.device, dtype=v.dtype).index_add_(0, index, torch.ones_like(v))
+    return total / count.clamp(min=1)
+
+
+def gqa_channel_index(layer: nn.Module, mapping: SmoothMapping, balance_in: int,
+                      smooth_out: int) -> torch.Tensor | None:
+    """The smooth layer's output channel feeding each balance input channel [balance_in], or None
+    where they cannot be matched. Equal widths: the identity (an arange). Grouped-query attention
+    (v_proj -> o_proj): o_proj's input is the heads' outputs side by side, head h's channel j a
+    mix of rows of value head h // n_rep's channel j; so scaling v_proj's output channel (g, j)
+    by 1/t scales o_proj's input channels (h, j) of every head h of group g by 1/t, exactly: one
+    scale per v channel, shared by the o_proj columns it feeds."""
+    if balance_in == smooth_out:
+        return torch.arange(balance_in)
+    parent = layer.get_submodule(mapping.smooth.rpartition(".")[0]) if "." in mapping.smooth else None
+    head_dim = getattr(parent, "head_dim", None)
+    n_rep = getattr(parent, "num_key_value_groups", None)
+    if not (mapping.smooth.endswith("v_proj") and head_dim and n_rep and n_rep > 1):
+        return None
+    if smooth_out % head_dim or balance_in != smooth_out * n_rep:
+        return None
+    c = torch.arange(balance_in)
+    head, j = c // head_dim, c % head_dim
+    return (head // n_rep) * head_dim + j
 
 
 def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype, cap=None) -> list[float]:
@@ -245,17 +296,20 @@ def _finite(v: float) -> float:
     return v if v == v and v != float("inf") else float("inf")
 
 
-def apply_scales(layer: nn.Module, mapping: SmoothMapping, scales: torch.Tensor) -> None:
-    """Fold s: the smooth layer's output is divided by s, the balance layers' inputs times s."""
+def apply_scales(layer: nn.Module, mapping: SmoothMapping, scales: torch.Tensor,
+                 smooth_scales: torch.Tensor | None = None) -> None:
+    """Fold s: the smooth layer's output is divided by s (smooth_scales, where one of its channels
+    feeds several balance inputs: gqa_channel_index), the balance layers' inputs times s."""
     prev = layer.get_submodule(mapping.smooth)
     with torch.no_grad():
-        s = scales.to(prev.weight.device)
+        s = (scales if smooth_scales is None else smooth_scales).to(prev.weight.device)
         if isinstance(prev, nn.Linear):
             prev.weight.div_(s.view(-1, 1).to(prev.weight.dtype))
         else:  # RMSNorm / LayerNorm: y = w * norm(x) (+ b)
             prev.weight.div_(s.to(prev.weight.dtype))
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s.to(prev.bias.dtype))
+        s = scales.to(prev.weight.device)
         for name in mapping.balance:
             lin = layer.get_submodule(name)
             lin.weight.mul_(s.view(1, -1).to(lin.weight.dtype))
@@ -290,20 +344,26 @@ def awq_block(
         if not quantized.intersection(balance):
             result.skipped[m.smooth] = "every balance layer is ignored"
             continue
-        if any(b.in_features != _out_features(prev) for b in balance.values()):
-            result.skipped[m.smooth] = "shapes differ (grouped-query attention)"
+        widths = {b.in_features for b in balance.values()}
+        index = gqa_channel_index(layer, m, widths.pop(), _out_features(prev)) if len(widths) == 1 else None
+        if index is not None and not opts.gqa_smooth and index.numel() != _out_features(prev):
+            result.skipped[m.smooth] = "grouped-query attention (gqa_smooth is off)"
+            continue
+        if index is None:
+            result.skipped[m.smooth] = "the smooth layer's outputs do not map onto the balance layers' inputs"
             continue
         # this mapping's inputs only, from the float block (the scales are folded at the end)
         xs = collect_inputs(layer, sample, balance[m.balance[0]])
+        identity = index.numel() == _out_features(prev)
         found = search_scales(layer.get_submodule(m.inspect), m, balance, quantized, xs, sample.kwargs, args,
-                              opts, scale_dtype)
+                              opts, scale_dtype, index=None if identity else index)
         del xs
         if found.alpha is not None:
-            todo.append((m, found.scales))
+            todo.append((m, found.scales, None if identity else found.smooth_scales))
         result.ratios[m.smooth] = found.alpha
         result.loss_gain[m.smooth] = found.loss / found.rtn_loss if found.rtn_loss > 0 else 1.0
-    for m, s in todo:
-        apply_scales(layer, m, s)
+    for m, s, prev_s in todo:
+        apply_scales(layer, m, s, prev_s)
     if opts.clip:
         names = [n for n in mapping.linears if n in quantized and n not in mapping.no_clip]
         mods = {n: layer.get_submodule(n) for n in names}

@@ -13,7 +13,9 @@ earlier blocks already quantized), max|W_j| over the output rows of every linear
 into the preceding RMSNorm's weight (q/k/v <- input_layernorm, gate/up <- post_attention_layernorm:
 the pairs the paper smooths and llm-compressor's default Llama mappings name), and optionally
 into up_proj's output rows for down_proj (``fold_down_proj``; llm-compressor's SmoothQuant
-leaves it out, its AWQ mappings have it). The pairs are the architecture's
+leaves it out, its AWQ mappings have it), and into v_proj's output rows for o_proj
+(``fold_o_proj``; under grouped-query attention one factor per v_proj channel, from the maxima over
+the o_proj inputs it feeds, awq.gqa_channel_index; peers skip this pair under GQA). The pairs are the architecture's
 (hub/architectures.py BlockMapping.smoothquant / smoothquant_linear). A factor of a channel
 with no activation or no weight is 1; factors are clamped to >= 1e-5 (llm-compressor's floor).
 
@@ -46,7 +48,7 @@ from ..hub.architectures import BlockMapping, SmoothMapping
 from ..kernels.w8a8_int8 import quantize_per_token_int8_ref
 from . import observers
 from .algorithm import Algorithm, BlockContext, BlockResult, quantize_in_place, register_algorithm
-from .awq import apply_scales
+from .awq import apply_scales, gqa_channel_index
 from .fp8 import input_absmax
 from .gptq import GPTQOptions, gptq_per_channel_step
 from .rtn import rtn_quantize
@@ -71,11 +73,13 @@ class SmoothQuantOptions:
     alpha: float | str = 0.5  # migration strength in [0, 1], or "search": per block, on a grid
     alpha_grid: int = 10  # search: α in {0, 1/alpha_grid, ..., 1}, and no smoothing
     fold_down_proj: bool = False  # also smooth down_proj's input into up_proj's output rows
+    fold_o_proj: bool = False  # also smooth o_proj's input into v_proj's output rows (GQA: shared factors)
     weights: str = "rtn"  # the weight quantizer: "rtn" or "gptq" (the run's GPTQ options)
 
     def __post_init__(self) -> None:
-        if self.smooth not in (True, False) or self.fold_down_proj not in (True, False):
-            raise ValueError("smoothquant.smooth and smoothquant.fold_down_proj must be true or false")
+        if any(v not in (True, False) for v in (self.smooth, self.fold_down_proj, self.fold_o_proj)):
+            raise ValueError("smoothquant.smooth, smoothquant.fold_down_proj and smoothquant.fold_o_proj must be "
+                             "true or false")
         a = self.alpha
         if isinstance(a, str):
             if a.strip().lower() != SEARCH:
@@ -109,10 +113,12 @@ def smoothquant_options(config: "QuantizeConfig") -> SmoothQuantStep:
 
 
 # --------------------------------------------------------------------------- statistics
-def block_mappings(mapping: BlockMapping, fold_down_proj: bool, quantized: Sequence[str]) -> list[SmoothMapping]:
+def block_mappings(mapping: BlockMapping, fold_down_proj: bool, quantized: Sequence[str],
+                   fold_o_proj: bool = False) -> list[SmoothMapping]:
     """The block's SmoothQuant pairs that have at least one quantized balance linear (a pair
     whose linears are all ignored stays as it is)."""
-    pairs = list(mapping.smoothquant) + (list(mapping.smoothquant_linear) if fold_down_proj else [])
+    pairs = (list(mapping.smoothquant) + (list(mapping.smoothquant_linear) if fold_down_proj else [])
+             + (list(mapping.smoothquant_value) if fold_o_proj else []))
     return [m for m in pairs if any(b in quantized for b in m.balance)]
 
 
@@ -151,10 +157,29 @@ def smooth_block(layer: nn.Module, inputs: BlockInputs, mappings: Sequence[Smoot
     fold them: the smooth layer's output ÷ s, the balance linears' input columns × s. The float
     block computes the same function afterwards. Returns the factors by smooth layer."""
     amax = channel_absmax(layer, inputs, mappings) if x_absmax is None else x_absmax
-    scales = {m.smooth: smoothing_factors(amax[m.smooth], weight_absmax(layer, m), alpha) for m in mappings}
+    scales = {}
     for m in mappings:
-        apply_scales(layer, m, scales[m.smooth])
+        prev = layer.get_submodule(m.smooth)
+        width = layer.get_submodule(m.balance[0]).in_features
+        out = prev.out_features if isinstance(prev, nn.Linear) else prev.weight.shape[0]
+        index = gqa_channel_index(layer, m, width, out)
+        if index is None:
+            continue  # the smooth layer's outputs do not map onto the balance inputs: left as it is
+        x, w = amax[m.smooth], weight_absmax(layer, m)
+        if index.numel() == out:
+            s = smoothing_factors(x, w, alpha)
+            apply_scales(layer, m, s)
+        else:  # one factor per smooth channel, from the maxima over the balance channels it feeds
+            index = index.to(x.device)
+            t = smoothing_factors(_group_max(x, index, out), _group_max(w.to(x.device), index, out), alpha)
+            s = t[index]
+            apply_scales(layer, m, s, t)
+        scales[m.smooth] = s
     return scales
+
+
+def _group_max(v: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.zeros(n, device=v.device, dtype=v.dtype).scatter_reduce_(0, index, v, "amax", include_self=False)
 
 
 # --------------------------------------------------------------------------- activations
@@ -257,7 +282,7 @@ def smoothquant_step(ctx: BlockContext, opts: SmoothQuantStep) -> BlockResult:
     sq = opts.smoothing
     stats: dict = {}
     if sq.smooth:
-        mappings = block_mappings(ctx.mapping, sq.fold_down_proj, list(ctx.linears))
+        mappings = block_mappings(ctx.mapping, sq.fold_down_proj, list(ctx.linears), sq.fold_o_proj)
         if mappings:
             amax = channel_absmax(ctx.layer, ctx.inputs, mappings)
             alpha: float | None = float(sq.alpha) if not sq.search else None

@@ -74,15 +74,60 @@ def test_awq_lowers_block_output_error_vs_rtn(seed):
     rtn_err = _quantized_block_error(rtn_layer, inputs, ref)
 
     awq_layer = copy.deepcopy(layer)
-    res = awq_block(awq_layer, LLAMA_LIKE, inputs, ARGS, AWQOptions(n_grid=10, clip_grid=10))
+    res = awq_block(awq_layer, LLAMA_LIKE, inputs, ARGS, AWQOptions(n_grid=10, clip_grid=10, gqa_smooth=True))
     # folding scales leaves the float block unchanged
     assert _max_diff(run_block(awq_layer, inputs), ref) < 1e-3
     awq_err = _quantized_block_error(awq_layer, inputs, ref, res.clip_ratio)
     print(f"block output rel. error: RTN {rtn_err:.4f}  AWQ {awq_err:.4f}  ratios {res.ratios}")
     assert awq_err < 0.9 * rtn_err
-    # only scale-compatible mappings were searched (v_proj -> o_proj differs in shape under GQA)
-    assert set(res.ratios) == {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"}
-    assert res.skipped == {"self_attn.v_proj": "shapes differ (grouped-query attention)"}
+    # every mapping was searched, v_proj -> o_proj too (grouped-query attention: one scale per v channel)
+    assert set(res.ratios) == {"input_layernorm", "self_attn.v_proj", "post_attention_layernorm", "mlp.up_proj"}
+    assert not res.skipped
+    # as AutoAWQ and llm-compressor, when asked: GQA's v_proj -> o_proj skipped
+    plain = awq_block(copy.deepcopy(layer), LLAMA_LIKE, inputs, ARGS,
+                      AWQOptions(n_grid=10, clip_grid=10, gqa_smooth=False))
+    assert set(plain.ratios) == {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"}
+    assert plain.skipped == {"self_attn.v_proj": "grouped-query attention (gqa_smooth is off)"}
+
+
+def test_gqa_channel_index_maps_o_proj_inputs_to_their_value_channels():
+    """4 query heads over 2 value heads of width 32 (n_rep 2): o_proj's input channel (h, j) is fed
+    by v_proj's output channel (h // 2, j)."""
+    _, layer, _ = _tiny()
+    attn = layer.self_attn
+    assert (attn.head_dim, attn.num_key_value_groups) == (32, 2)
+    m = LLAMA_LIKE.smooth[1]
+    index = awq_mod.gqa_channel_index(layer, m, attn.o_proj.in_features, attn.v_proj.out_features)
+    want = [(h // 2) * 32 + j for h in range(4) for j in range(32)]
+    assert index.tolist() == want
+    assert awq_mod.gqa_channel_index(layer, m, 64, 64).tolist() == list(range(64))
+    assert awq_mod.gqa_channel_index(layer, m, 100, 64) is None  # not a whole number of groups
+    assert awq_mod.gqa_channel_index(layer, NORM2, 256, 128) is None  # not a v_proj
+
+
+@pytest.mark.parametrize("seed", (0, 1))
+def test_gqa_v_to_o_scale_is_an_exact_refolding(seed):
+    """A scale found for v_proj -> o_proj under GQA is one per v channel, spread to the o_proj
+    inputs that channel feeds; folded, the float block computes the same function, and o_proj's
+    quantized output error is no worse than with s = 1 (the identity is a candidate)."""
+    _, layer, inputs = _tiny(seed=seed)
+    ref = run_block(layer, inputs)
+    m = LLAMA_LIKE.smooth[1]
+    attn = layer.self_attn
+    balance = {"self_attn.o_proj": attn.o_proj}
+    xs = awq_mod.collect_inputs(layer, inputs, attn.o_proj)
+    index = awq_mod.gqa_channel_index(layer, m, attn.o_proj.in_features, attn.v_proj.out_features)
+    found = search_scales(attn.o_proj, m, balance, set(balance), xs, inputs.kwargs, ARGS, AWQOptions(n_grid=10),
+                          index=index)
+    assert found.smooth_scales.shape == (attn.v_proj.out_features,)
+    assert torch.equal(found.scales, found.smooth_scales[index])
+    assert found.loss <= found.rtn_loss
+    # fold a deliberately uneven scale: the block is unchanged up to float rounding
+    t = torch.rand(attn.v_proj.out_features, generator=torch.Generator().manual_seed(seed)) * 4 + 0.25
+    folded = copy.deepcopy(layer)
+    awq_mod.apply_scales(folded, m, t[index], t)
+    assert _max_diff(run_block(folded, inputs), ref) < 1e-4 * max(float(r.abs().max()) for r in ref)
+    assert not torch.allclose(folded.self_attn.o_proj.weight, layer.self_attn.o_proj.weight)
 
 
 # Measured (n_grid=10, clip_grid=10): block error RTN 0.2384 / AWQ 0.1556 (0.65x); the largest

@@ -96,6 +96,42 @@ def test_smoothed_float_model_gives_the_same_logits(model_and_inputs):
     assert (after - before).abs().max() < 1e-4, float((after - before).abs().max())
 
 
+def test_fold_o_proj_under_gqa_shares_a_factor_per_value_channel(model_and_inputs):
+    """fold_o_proj smooths o_proj's input into v_proj's output rows; the tiny Llama has 4 query heads
+    over 2 value heads, so each v_proj channel feeds two o_proj inputs, which get one shared factor
+    (from the larger maximum of the two): the float model computes the same logits."""
+    model, ids = model_and_inputs
+    arch = architecture_of(model.config)
+    pairs = block_mappings(arch.block, False, arch.block.linears, fold_o_proj=True)
+    assert [m.smooth for m in pairs] == ["input_layernorm", "post_attention_layernorm", "self_attn.v_proj"]
+    with torch.no_grad():
+        before = model(ids).logits
+    inputs = capture_block_inputs(model, ids, 2, torch.device("cpu"))
+    layer0 = decoder_layers(model)[0]
+    attn = layer0.self_attn
+    hd, n_rep = attn.head_dim, attn.num_key_value_groups
+    assert n_rep == 2
+    amax = channel_absmax(layer0, inputs, pairs)
+    x, w = amax["self_attn.v_proj"], weight_absmax(layer0, pairs[2])
+    scales = smooth_block(layer0, inputs, pairs, 0.5, amax)
+    s = scales["self_attn.v_proj"]
+    assert s.shape == (attn.o_proj.in_features,)
+    heads = s.reshape(-1, hd)  # [query heads, head_dim]
+    for h in range(heads.shape[0]):  # the heads of one value group share their factors
+        assert torch.equal(heads[h], heads[(h // n_rep) * n_rep])
+        group = [(h // n_rep) * n_rep + r for r in range(n_rep)]
+        xg = x.reshape(-1, hd)[group].amax(0)
+        wg = w.reshape(-1, hd)[group].amax(0)
+        assert torch.allclose(heads[h], smoothing_factors(xg, wg, 0.5))
+    layers = list(decoder_layers(model))
+    for prev, layer in zip(layers, layers[1:]):
+        inputs.hidden = run_block(prev, inputs)  # this layer's inputs
+        smooth_block(layer, inputs, pairs, 0.5)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert (after - before).abs().max() < 1e-4, float((after - before).abs().max())
+
+
 def test_smoothing_flattens_outlier_channels_and_lowers_the_w8a8_error(model_and_inputs):
     """Give a few channels of the norm outputs 60x the others (the outliers SmoothQuant is for):
     per-token int8 then wastes its grid; smoothing (α 0.5) brings the block's quantized output
