@@ -14,10 +14,11 @@ into the preceding RMSNorm's weight (q/k/v <- input_layernorm, gate/up <- post_a
 the pairs the paper smooths and llm-compressor's default Llama mappings name), and optionally
 into up_proj's output rows for down_proj (``fold_down_proj``; llm-compressor's SmoothQuant
 leaves it out, its AWQ mappings have it), and into v_proj's output rows for o_proj
-(``fold_o_proj``; under grouped-query attention one factor per v_proj channel, from the maxima over
-the o_proj inputs it feeds, awq.gqa_channel_index; peers skip this pair under GQA). The pairs are the architecture's
-(hub/architectures.py BlockMapping.smoothquant / smoothquant_linear). A factor of a channel
-with no activation or no weight is 1; factors are clamped to >= 1e-5 (llm-compressor's floor).
+(``fold_o_proj``; under grouped-query attention one factor per v_proj channel, from the maxima
+over the o_proj inputs it feeds, awq.gqa_channel_index; peers skip this pair under GQA). The
+pairs are the architecture's (hub/architectures.py BlockMapping.smoothquant / smoothquant_linear
+/ smoothquant_value). A factor of a channel with no activation or no weight is 1; factors are
+clamped to >= 1e-5 (llm-compressor's floor).
 
 With ``alpha: search`` each block picks α from {0, 1/n, ..., 1} (n = alpha_grid) or no
 smoothing at all, whichever gives the lowest quantized block output error on the calibration

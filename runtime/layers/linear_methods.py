@@ -21,9 +21,9 @@
   INT8 GEMM with its per-token quantizer (kernels/w8a8_int8.py; static inputs are quantized
   with the checkpoint's input_scale by torch ops, then the same GEMM); with the torch backend
   (CPU) its reference: activations quantized and dequantized exactly as the kernel's quantizer
-  does, times w * w_scale formed once in float32. In "dequant" mode the weights are
-  dequantized in the scale's dtype, as compressed-tensors / vLLM dequantize them, and the
-  activations still quantized (part of the scheme), on any device.
+  does, times w * w_scale formed once in float32 (the GEMM's and vLLM's arithmetic: int32 sums
+  scaled in float32); "dequant" mode runs that reference on any device (compressed-tensors'
+  decompression, which rounds w * w_scale to the scale's dtype, is a different model).
 * NVFP4Method: compressed-tensors nvfp4-pack-quantized (E2M1 weights in groups of 16, E4M3 group
   scales, a float32 global scale; W4A4 with activations quantized per call in groups of 16 under
   a calibrated global scale, or W4A16): on CUDA the NVFP4 GEMM (kernels/nvfp4.py; W4A4: the
@@ -192,8 +192,11 @@ class FP8Method:
 
 class W8A8Int8Method:
     """int8 weight [N, K] with a float32 scale per row; static inputs: one input scale, the
-    largest of the fused shards' (as vLLM), else per token. dequant: the weight is formed in the
-    scale's dtype (compressed-tensors' values) and run through the torch reference."""
+    largest of the fused shards' (as vLLM), else per token. dequant (and the CPU): the torch
+    reference of the INT8 GEMM, the weight formed once as int8 code x scale in float32: the
+    kernel's (and vLLM's) arithmetic. Not compressed-tensors' decompression, which rounds that
+    product to the scale's dtype: a different model (on SmolLM2 W8A8 its perplexity differed by
+    up to 0.6% per text kind, docs/BENCHMARKS.md), so not a reference of the kernel."""
 
     def __init__(self, args: QuantArgs, input_activations: QuantArgs | None, scale_dtype: torch.dtype,
                  backend: str, dequant: bool = False) -> None:
@@ -226,8 +229,7 @@ class W8A8Int8Method:
         layer.register_buffer("int8_scale", s.float().reshape(-1).contiguous())
         layer.register_buffer("int8_input_scale", xs)
         if self.backend == "torch":  # the kernels' reference weight, made once
-            dense = dequantize(w, s, None, torch.float32) if self.dequant else w.float() * s.float().reshape(-1, 1)
-            layer.register_buffer("dense", dense, persistent=False)
+            layer.register_buffer("dense", w.float() * s.float().reshape(-1, 1), persistent=False)
 
     def apply(self, layer, x, bias):
         k, n = layer.in_features, layer.out_features
