@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call, H200, jobs side by side (a 135M model leaves the GPU and the 16 cores room):
 #  A, B: issue 12's AWQ variants at the default calibration (128 x 512), W4 g64, asymmetric (A) and
-#        symmetric (B), each beside RTN of the same grid and plain AWQ: perplexity on 8 windows of
-#        each text kind (benchmarks/quality.py, float32). VARIANTS: extra --variant arguments.
+#        symmetric (B), each beside RTN of the same grid and plain AWQ: perplexity on every window
+#        of each text kind (WINDOWS: at most that many; benchmarks/quality.py, float32).
+#        VARIANTS: extra --variant arguments.
 #  C:    (TRAIN_S > 0) issue 15's EAGLE draft, trained longer on the float target's own prompts and
 #        answers (PROMPTS of them, a TRAIN_S time limit, data generation included) into /root/d/eagle,
 #        with padded lengths in buckets of 64 and the step time planned on the probe's median.
@@ -20,7 +21,7 @@ spec() {  # spec POLICY BATCHES SECONDS
   cp "/root/spec-$1/report.md" "$OUT/spec_$1.md" 2>/dev/null
 }
 BITS=${BITS:-4}
-Q="python3 benchmarks/quality.py --device cuda --bits $BITS --group-size 64 --max-windows 8"
+Q="python3 benchmarks/quality.py --device cuda --bits $BITS --group-size 64 ${WINDOWS:+--max-windows $WINDOWS}"
 ALGOS=${ALGOS:-rtn,awq}
 V=(--variant "awq-cs3:awq:awq={clip_shrink: 0.3}" --variant "awq-cs10:awq:awq={clip_shrink: 1.0}"
    --variant "awq-ss5:awq:awq={scale_shrink: 0.5}" --variant "awq-cs5ss5:awq:awq={clip_shrink: 0.5, scale_shrink: 0.5}")

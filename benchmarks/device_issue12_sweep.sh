@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call, four jobs side by side on one H200 (the GPU and 16 cores have room):
 #  A, B: issue 12's variants at the default calibration (128 x 512), W4 g64 asymmetric (the new
-#        default), each with RTN of the same grid, perplexity on 8 windows of each text kind
-#        (benchmarks/quality.py on the GPU, float32); A: AWQ's scale-search sample and grid,
-#        B: GPTQ's Hessian shrink, token cap and damping;
+#        default), each with RTN of the same grid, perplexity on every window of each text
+#        kind (WINDOWS: at most that many; benchmarks/quality.py on the GPU, float32);
+#        A: AWQ's scale-search sample and grid, B: GPTQ's Hessian shrink, token cap and damping;
 #  C:    pytest -m gpu (the kernels and CUDA paths);
 #  D:    issue 15's training-step diagnosis: a small self-generated dataset, then
 #        benchmarks/train_step.py on its real micro-batches against one synthetic batch.
@@ -11,7 +11,7 @@
 set -uo pipefail
 source benchmarks/device_stage.sh
 mkdir -p "$OUT/logs"
-Q="python3 benchmarks/quality.py --device cuda --bits 4 --symmetry asym --group-size 64 --max-windows 8"
+Q="python3 benchmarks/quality.py --device cuda --bits 4 --symmetry asym --group-size 64 ${WINDOWS:+--max-windows $WINDOWS}"
 ( timeout ${SWEEP_S:-420} $Q --out /root/sweep/awq --algos rtn,awq \
     --variant "awq-alltok:awq:awq={scale_tokens: null}" --variant "awq-8k:awq:awq={scale_tokens: 8192}" \
     --variant "awq-grid40:awq:awq={n_grid: 40}" > "$OUT/logs/sweep_awq.log" 2>&1;
