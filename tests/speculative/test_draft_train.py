@@ -126,18 +126,15 @@ def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_time_limit_shortens_the_schedule_and_writes_the_draft(tiny_chat, tmp_path, monkeypatch):
-    """A run whose max_steps cannot fit its time limit: after the probe steps the cosine schedule
-    is planned for the steps that fit (the learning rate still reaches zero at the last one), and
-    the draft is written. The plan takes the probe's median step, not its mean: the first steps at
-    a new padded length are slow (warm-up), the rest are not. The clock is faked (one reading at the
-    start and one after each step), so the test is exact."""
+def _timed_run(monkeypatch, increments: list[float]) -> dict:
+    """Fake train.py's clock: each reading advances it by the next of `increments` (one reading at the
+    start, one after each step); returns the DraftConfig fields of a long run with no evaluation or
+    checkpoint in the way."""
     from types import SimpleNamespace
 
     from optllm.speculative import train as train_mod
 
-    # the readings: t0 = 0; after step 1 (warm-up, not timed): 1; steps 2-4 take 5 s each, then 1 s
-    steps = iter([0.0, 1.0] + [5.0] * 3 + [1.0] * 1000)
+    steps = iter(increments)
     clock = {"now": 0.0}
 
     def monotonic() -> float:
@@ -145,8 +142,18 @@ def test_time_limit_shortens_the_schedule_and_writes_the_draft(tiny_chat, tmp_pa
         return clock["now"]
 
     monkeypatch.setattr(train_mod, "time", SimpleNamespace(monotonic=monotonic))
+    return {**SMALL, "max_steps": 1000, "warmup_steps": 2, "checkpoint_every": 1000, "eval_every": 1000}
+
+
+def test_time_limit_shortens_the_schedule_and_writes_the_draft(tiny_chat, tmp_path, monkeypatch):
+    """A run whose max_steps cannot fit its time limit: after the probe steps the cosine schedule
+    is planned for the steps that fit (the learning rate still reaches zero at the last one), and
+    the draft is written. The plan takes the probe's median step, not its mean: the first steps at
+    a new padded length are slow (warm-up), the rest are not. The clock is faked (one reading at the
+    start and one after each step), so the test is exact."""
+    # the readings: t0 = 0; after step 1 (warm-up, not timed): 1; steps 2-4 take 5 s each, then 1 s
     logs: list[str] = []
-    kw = {**SMALL, "max_steps": 1000, "warmup_steps": 2, "checkpoint_every": 1000, "eval_every": 1000}
+    kw = _timed_run(monkeypatch, [0.0, 1.0] + [5.0] * 3 + [1.0] * 1000)
     out = tmp_path / "timed"
     result = train_draft(DraftConfig(target=str(tiny_chat), out=out, time_limit=60, **kw), log=logs.append)
     # after step 11 the clock reads 1 + 15 + 7 = 23; median 1 s a step (mean 2.2 s), 60 - 23 - 10 = 27 s
@@ -164,20 +171,8 @@ def test_time_limit_plan_is_checked_again_when_steps_slow_down(tiny_chat, tmp_pa
     """After the probe, every 50 timed steps the plan is checked on the mean step since the probe:
     steps that grew slower (longer sequences later in the data) shorten the schedule again, so the
     learning rate still reaches zero at the limit instead of training stopping mid-schedule."""
-    from types import SimpleNamespace
-
-    from optllm.speculative import train as train_mod
-
-    steps = iter([0.0, 1.0] + [1.0] * 10 + [3.0] * 1000)  # steps 2-11: 1 s; from step 12: 3 s
-    clock = {"now": 0.0}
-
-    def monotonic() -> float:
-        clock["now"] += next(steps)
-        return clock["now"]
-
-    monkeypatch.setattr(train_mod, "time", SimpleNamespace(monotonic=monotonic))
     logs: list[str] = []
-    kw = {**SMALL, "max_steps": 1000, "warmup_steps": 2, "checkpoint_every": 1000, "eval_every": 1000}
+    kw = _timed_run(monkeypatch, [0.0, 1.0] + [1.0] * 10 + [3.0] * 1000)  # steps 2-11: 1 s; from step 12: 3 s
     result = train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "t", time_limit=200, **kw),
                          log=logs.append)
     # step 11: clock 11, 200 - 11 - 10 = 179 s left at 1 s -> 190 steps; step 51: clock 11 + 40 * 3 = 131,
