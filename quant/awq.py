@@ -190,7 +190,9 @@ def search_scales(
         shared = cands
     else:
         index = index.to(device)
-        shared = scale_candidates(_gather_mean(x_mean, index), _gather_mean(w_mean, index), opts)
+        n = int(index.max()) + 1
+        shared = scale_candidates(channel_reduce(x_mean, index, n, "mean"), channel_reduce(w_mean, index, n, "mean"),
+                                  opts)
         cands = [(a, t[index]) for a, t in shared]
     qlayers = {n: b for n, b in balance.items() if n in quantized}
     only = next(iter(balance.values()))
@@ -208,12 +210,10 @@ def search_scales(
     return ScaleSearch(s, alpha, losses[best], losses[0], smooth_scales=shared[best][1])
 
 
-def _gather_mean(v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Per smooth channel c, the mean of v over the balance channels i with index[i] == c."""
-    n = int(index.max()) + 1
-    total = torch.zeros(n, device=v.device, dtype=v.dtype).index_add_(0, index, v)
-    count = torch.zeros(n, device=v.device, dtype=v.dtype).index_add_(0, index, torch.ones_like(v))
-    return total / count.clamp(min=1)
+def channel_reduce(v: torch.Tensor, index: torch.Tensor, n: int, how: str) -> torch.Tensor:
+    """[n]: per smooth channel c, v over the balance channels i with index[i] == c reduced by
+    `how` ("mean", "amax": torch's scatter_reduce); index from gqa_channel_index."""
+    return torch.zeros(n, device=v.device, dtype=v.dtype).scatter_reduce_(0, index, v, how, include_self=False)
 
 
 def gqa_channel_index(layer: nn.Module, mapping: SmoothMapping, balance_in: int,
@@ -344,17 +344,18 @@ def awq_block(
         if not quantized.intersection(balance):
             result.skipped[m.smooth] = "every balance layer is ignored"
             continue
+        smooth_out = out_features(prev)
         widths = {b.in_features for b in balance.values()}
-        index = gqa_channel_index(layer, m, widths.pop(), _out_features(prev)) if len(widths) == 1 else None
-        if index is not None and not opts.gqa_smooth and index.numel() != _out_features(prev):
-            result.skipped[m.smooth] = "grouped-query attention (gqa_smooth is off)"
-            continue
+        index = gqa_channel_index(layer, m, widths.pop(), smooth_out) if len(widths) == 1 else None
         if index is None:
             result.skipped[m.smooth] = "the smooth layer's outputs do not map onto the balance layers' inputs"
             continue
+        identity = index.numel() == smooth_out
+        if not identity and not opts.gqa_smooth:
+            result.skipped[m.smooth] = "grouped-query attention (gqa_smooth is off)"
+            continue
         # this mapping's inputs only, from the float block (the scales are folded at the end)
         xs = collect_inputs(layer, sample, balance[m.balance[0]])
-        identity = index.numel() == _out_features(prev)
         found = search_scales(layer.get_submodule(m.inspect), m, balance, quantized, xs, sample.kwargs, args,
                               opts, scale_dtype, index=None if identity else index)
         del xs
@@ -410,7 +411,7 @@ def _rows(obj, rows: list[int] | None, batch: int):
     return obj
 
 
-def _out_features(mod: nn.Module) -> int:
+def out_features(mod: nn.Module) -> int:
     return mod.out_features if isinstance(mod, nn.Linear) else mod.weight.shape[0]
 
 

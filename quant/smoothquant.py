@@ -49,7 +49,7 @@ from ..hub.architectures import BlockMapping, SmoothMapping
 from ..kernels.w8a8_int8 import quantize_per_token_int8_ref
 from . import observers
 from .algorithm import Algorithm, BlockContext, BlockResult, quantize_in_place, register_algorithm
-from .awq import apply_scales, gqa_channel_index
+from .awq import apply_scales, channel_reduce, gqa_channel_index, out_features
 from .fp8 import input_absmax
 from .gptq import GPTQOptions, gptq_per_channel_step
 from .rtn import rtn_quantize
@@ -160,9 +160,8 @@ def smooth_block(layer: nn.Module, inputs: BlockInputs, mappings: Sequence[Smoot
     amax = channel_absmax(layer, inputs, mappings) if x_absmax is None else x_absmax
     scales = {}
     for m in mappings:
-        prev = layer.get_submodule(m.smooth)
         width = layer.get_submodule(m.balance[0]).in_features
-        out = prev.out_features if isinstance(prev, nn.Linear) else prev.weight.shape[0]
+        out = out_features(layer.get_submodule(m.smooth))
         index = gqa_channel_index(layer, m, width, out)
         if index is None:
             continue  # the smooth layer's outputs do not map onto the balance inputs: left as it is
@@ -172,15 +171,12 @@ def smooth_block(layer: nn.Module, inputs: BlockInputs, mappings: Sequence[Smoot
             apply_scales(layer, m, s)
         else:  # one factor per smooth channel, from the maxima over the balance channels it feeds
             index = index.to(x.device)
-            t = smoothing_factors(_group_max(x, index, out), _group_max(w.to(x.device), index, out), alpha)
+            t = smoothing_factors(channel_reduce(x, index, out, "amax"),
+                                  channel_reduce(w.to(x.device), index, out, "amax"), alpha)
             s = t[index]
             apply_scales(layer, m, s, t)
         scales[m.smooth] = s
     return scales
-
-
-def _group_max(v: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.zeros(n, device=v.device, dtype=v.dtype).scatter_reduce_(0, index, v, "amax", include_self=False)
 
 
 # --------------------------------------------------------------------------- activations
