@@ -16,7 +16,8 @@
 # Environment: NS / SL (calibration samples x tokens, default 16 x 256: CI's size; 128 x 512 is
 # the default calibration), ALGOS (gptq awq), BITS (4 3), SYMS ("sym asym"), PEER (1: also
 # llm-compressor's; 0: ours only), KINDS (default: all), WINDOWS (windows of 512 tokens per
-# kind; default: every window -- 8 were too few to rank settings by, docs/BENCHMARKS.md), P, E. Results: $OUT/peer_eval.json and the table at the end of the output.
+# kind; default: every window -- 8 were too few to rank settings by, docs/BENCHMARKS.md), P, E, EVAL_DEV
+# (cpu; cuda evaluates on the GPU, with E=1). Results: $OUT/peer_eval.json and the table at the end of the output.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OPTLLM_CACHE=/root/cache
 NS=${NS:-16} SL=${SL:-256} WINDOWS=${WINDOWS:-} P=${P:-4} E=${E:-4}
@@ -77,7 +78,7 @@ for ((g = 0; g < E; g++)); do
   [ ${#sel[@]} -eq 0 ] && continue
   parts+=("$OUT/eval_part$g.json")
   OMP_NUM_THREADS=$(( 16 / E )) PYTHONPATH=$OURS timeout "${EVAL_S:-400}" python3 benchmarks/peer_llmcompressor.py \
-    eval --dirs "${sel[@]}" ${KINDS:+--kinds $KINDS} ${WINDOWS:+--max-windows $WINDOWS} --prepared $R \
+    eval --dirs "${sel[@]}" --device "${EVAL_DEV:-cpu}" ${KINDS:+--kinds $KINDS} ${WINDOWS:+--max-windows $WINDOWS} --prepared $R \
     --json "$OUT/eval_part$g.json" > "$OUT/logs/eval_part$g.log" 2>&1 &
 done
 wait

@@ -56,6 +56,10 @@ def main():
     ap.add_argument("--ms", default="1,16,64,256,4096")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--w4-layout", choices=("k", "n"), default="k",
+                    help="the W4A16 words the table's column times: K-major (the checkpoint's) or N-major "
+                         "(prepack_w4a16(n_major=True)); the other layout is timed too, as ours_w4a16_other "
+                         "in gemm.json")
     ap.add_argument("--ops", default="", help="comma list of op names to time (default: all)")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -70,7 +74,9 @@ def main():
             s = (w.float().reshape(n, k // G, G).abs().amax(-1) / 7.5).clamp_min(1e-8)
             q = torch.clamp(torch.round(w.float() / s.repeat_interleave(G, 1)), -8, 7).to(torch.int8)
             w4.append((q, s.to(torch.bfloat16)))
-        w4p = [w4k.prepack_w4a16(q, s, None, G, dtype=torch.bfloat16) for q, s in w4]
+        n_major = a.w4_layout == "n"
+        w4p = [w4k.prepack_w4a16(q, s, None, G, dtype=torch.bfloat16, n_major=n_major) for q, s in w4]
+        w4o = [w4k.prepack_w4a16(q, s, None, G, dtype=torch.bfloat16, n_major=not n_major) for q, s in w4]
         # tinygemm: uint8 [N, K/2] + scales_and_zeros [K/G, N, 2]
         tg = []
         for q, s in w4:
@@ -99,6 +105,7 @@ def main():
             ops = {
                 "cublas_bf16": lambda i: x @ wf[i].t(),
                 "ours_w4a16": lambda i: w4k.w4a16_linear(x, w4p[i]),
+                "ours_w4a16_other": lambda i: w4k.w4a16_linear(x, w4o[i]),
                 "ours_int8": lambda i: i8k.w8a8_int8_linear(x, i8[i]),
                 "ours_fp8": lambda i: fp8k.fp8_linear(x, f8[i]),
                 "ours_nvfp4": lambda i: nvfp4k.nvfp4_linear(x, nv[i]),
@@ -121,6 +128,8 @@ def main():
             # correctness of ours on these inputs
             ref4 = x.float() @ w4k.dequantize_w4a16(w4p[0]).t()
             r["err_w4a16"] = rel(ops["ours_w4a16"](0), ref4) if not a.ops or "ours_w4a16" in a.ops else 0.0
+            if not a.ops or "ours_w4a16_other" in a.ops:
+                r["err_w4a16_other"] = rel(ops["ours_w4a16_other"](0), ref4)
             r["err_int8"] = rel(ops["ours_int8"](0), i8k.w8a8_int8_linear_ref(x, i8[0]))
             r["err_fp8"] = rel(ops["ours_fp8"](0), fp8k.fp8_linear_ref(x, f8[0]))
             if a.ops and "ours_nvfp4" not in a.ops:
@@ -147,13 +156,13 @@ def main():
             r["floor_8bit"] = floor_us(m, n, k, 1, extra_w=n * 4, act_bytes=2)
             rows.append(r)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
-        for held in (wf, w4, w4p, tg, i8, f8, nv):  # this shape's weights, before the next shape's
+        for held in (wf, w4, w4p, w4o, tg, i8, f8, nv):  # this shape's weights, before the next shape's
             held.clear()
         torch.cuda.empty_cache()
 
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "gemm.json").write_text(json.dumps(rows, indent=1))
-    table = render(rows)
+    table = render(rows) + "\n" + render_w4(rows, a.w4_layout)
     (a.out / "gemm.md").write_text(table)
     print(table)
 
@@ -188,6 +197,26 @@ def render(rows):
             f"| {ratio(g('torch_int_mm'), g('ours_int8'))} ({ratio(g('torch_int_mm'), g('ours_int8_gemm'))}) "
             f"| {fmt(g('ours_nvfp4'))} | {max(r['err_w4a16'], r['err_int8'], r['err_fp8'], r['err_nvfp4']):.1e} |"
         )
+    return "\n".join(out) + "\n"
+
+
+def render_w4(rows, layout):
+    """W4A16 alone: the table's layout beside the other one (ours_w4a16_other)."""
+    this, other = ("N-major", "K-major") if layout == "n" else ("K-major", "N-major")
+    out = [f"W4A16 sym g128, µs: ours with {this} words beside {other}", "",
+           f"| shape | M | cuBLAS bf16 | tinygemm | ours {this} | ours {other} | ×bf16 | ×tinygemm "
+           "| % int4 floor | rel. err |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(a, b):
+        return "–" if a is None or not b else f"{a / b:.2f}"
+
+    for r in rows:
+        g = r.get
+        t = g("ours_w4a16")
+        pct = "–" if not t else f"{100 * r['floor_int4'] / t:.0f}%"
+        out.append(f"| {r['shape']} | {r['M']} | {fmt(g('cublas_bf16'))} | {fmt(g('tinygemm_int4'))} | {fmt(t)} "
+                   f"| {fmt(g('ours_w4a16_other'))} | {ratio(g('cublas_bf16'), t)} | {ratio(g('tinygemm_int4'), t)} "
+                   f"| {pct} | {max(r['err_w4a16'], r.get('err_w4a16_other', 0.0)):.1e} |")
     return "\n".join(out) + "\n"
 
 

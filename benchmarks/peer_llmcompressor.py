@@ -352,7 +352,7 @@ def cmd_eval(a: argparse.Namespace) -> None:
     prep_dir, prep = _ref_calibration(dirs, a.prepared)
     ref_sha = prep["calibration"]["sha256"] if prep else None
 
-    kw = {"seq_len": a.seq_len, "max_windows": a.max_windows, "device": "cpu", "dtype": a.dtype,
+    kw = {"seq_len": a.seq_len, "max_windows": a.max_windows, "device": a.device, "dtype": a.dtype,
           "progress": False}
     if a.kinds:
         if "kinds" not in inspect.signature(evaluate_ppl).parameters:
@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--max-windows", type=int, default=None)
     e.add_argument("--dtype", default="float32")
+    e.add_argument("--device", default="cpu", help="cpu (the CPU tables' numbers) or cuda (the same float32 "
+                   "arithmetic through our kernels: within ~1e-5 of cpu, minutes faster on every window)")
     e.add_argument("--prepared", default=None, help="the prepare folder [default: a parent of --dirs with "
                                                     f"{PREPARE_FILE}]")
     e.add_argument("--json", default=None)

@@ -2,7 +2,7 @@
 
     python benchmarks/tune_w4a16.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64,256,4096]
                                     [--budget-s 300] [--gemv-stages 1,3] [--only FLAG]
-                                    [--out DIR]
+                                    [--layout k|n] [--out DIR]
 
 For each (shape, M) every candidate config of kernels/w4a16_configs.W4A16Config is timed
 as benchmarks/gemm.py times it (CUDA-graph replay, 4 weight copies rotated, sym g128,
@@ -10,6 +10,9 @@ bf16), the best is checked against the float32 reference, and the winners are pr
 entries for W4A16_CONFIGS. --only FLAG (a W4A16Config flag such as gemv) times just the
 candidates with that flag set, beside the table's current entry. Candidates that fail to
 compile (shared memory) are skipped.
+--layout n tunes N-major words (prepack_w4a16(n_major=True)): the N-major GEMV's shapes at
+M <= 8 beside the tiles. The winners are also written as $OUT/w4a16_table.json, which
+OPTLLM_W4A16_TABLE loads (so gemm.py can measure them in the same device call).
 Stops sweeping when the time budget is spent and reports what it has.
 """
 
@@ -27,9 +30,35 @@ import torch
 
 from optllm.benchmarks.common import ROT, SHAPES, parse_shapes, rotated_us
 from optllm.kernels import w4a16 as w4k
-from optllm.kernels.w4a16_configs import W4A16_CONFIGS, W4A16Config, default_w4a16_config
+from optllm.kernels.w4a16_configs import (
+    W4A16Config,
+    gemv_bucket,
+    lookup_w4a16_config,
+    m_bucket,
+    table_to_json,
+)
 
 G = 128
+
+
+def candidates_n_gemv(m, n, k, gemv_stages=(1, 2, 3)):
+    """The N-major GEMV at M = m <= 8: 2 / 4 (/ 8 at M = 1) words per thread along n, 8 / 16
+    (/ 4 at M = 1) word rows per step, 4 / 8 (/ 2 at M = 1) warps, split over K so that
+    about 1, 2 or 4 waves of programs run (each split keeping >= 2 steps)."""
+    C = W4A16Config
+    out = []
+    rows = gemv_bucket(m)
+    wide = m == 1
+    for wp, per_thread, bkw, st in itertools.product([4, 8] + [2] * wide, [4, 2] + [8] * wide,
+                                                     [8, 16] + [4] * wide, gemv_stages):
+        bn = 32 * wp * per_thread
+        if bn > n or bn > 2048:
+            continue
+        tiles = -(-n // bn)
+        for waves in (1, 2, 4):
+            split = max(1, min(132 * waves // tiles, k // (8 * bkw * 2)))
+            out.append(C(rows, bn, 8 * bkw, split, wp, st, gemv=True))
+    return list(dict.fromkeys(out))
 
 
 def candidates(m, table=None, gemv_stages=(1, 3)):
@@ -74,33 +103,43 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--gemv-stages", default="1,3", help="GEMV pipeline depths to sweep")
     ap.add_argument("--only", default=None, help="time only candidates with this config flag set")
+    ap.add_argument("--layout", choices=("k", "n"), default="k", help="K-major words (the checkpoint's) "
+                    "or N-major (prepack_w4a16(n_major=True))")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     a = ap.parse_args()
     t_end = time.time() + a.budget_s
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    results, best = [], {}
-    for sname in parse_shapes(a.shapes):
+    results, best, rows = [], {}, []
+    n_major = a.layout == "n"
+    shapes, ms = parse_shapes(a.shapes), [int(v) for v in a.ms.split(",")]
+    for si, sname in enumerate(shapes):
         k, n = SHAPES[sname]
         ws = []
         for _ in range(ROT):
             q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=dev)
             s = (torch.rand(n, k // G, device=dev) * 0.002 + 0.001).to(torch.bfloat16)
-            ws.append(w4k.prepack_w4a16(q, s, None, G))
-        for m in [int(v) for v in a.ms.split(",")]:
+            ws.append(w4k.prepack_w4a16(q, s, None, G, n_major=n_major))
+        for mi, m in enumerate(ms):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            table = W4A16_CONFIGS.get((m, n, k))
-            cfgs = candidates(m, table, [int(v) for v in a.gemv_stages.split(",")])
+            table = lookup_w4a16_config(m, n, k, n_major)
+            stages = [int(v) for v in a.gemv_stages.split(",")]
+            if n_major and m <= 8:
+                cfgs = candidates_n_gemv(m, n, k, stages) + candidates(16, None, stages)[1:13]
+            else:
+                cfgs = candidates(m, table, stages)
             if a.only:
                 if not hasattr(W4A16Config(16, 16, 32), a.only):
                     raise SystemExit(f"--only {a.only}: not a W4A16Config field")
                 cfgs = [c for c in cfgs if getattr(c, a.only)]
-            default = table or default_w4a16_config(m, n, k)
+            default = table
             if default not in cfgs:
                 cfgs.insert(0, default)
             timed = []
+            cells_left = len(ms) * (len(shapes) - si) - mi
+            t_cell = time.time() + max(0.0, t_end - time.time()) / cells_left  # an even share per cell
             for cfg in cfgs:
-                if time.time() > t_end:
+                if time.time() > t_cell:
                     break
                 try:
                     us = rotated_us(lambda i, cfg=cfg: w4k.w4a16_gemm(x, ws[i], config=cfg))
@@ -117,14 +156,20 @@ def main():
             err = float((w4k.w4a16_gemm(x, ws[0], config=cfg).float() - ref).norm() / ref.norm())
             d_us = next((t for t, c in timed if c == default), None)
             best[(sname, m)] = (us, cfg, err, d_us, len(timed))
+            rows.append({"shape": sname, "M": m, "us": us, "config": repr(cfg), "err": err,
+                         "table_us": d_us, "timed": len(timed)})
             print(f"{sname} M={m}: best {us:.1f} us {cfg} err {err:.1e} (table/default {d_us}, "
                   f"{len(timed)} timed)", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "tune_w4a16.json").write_text(json.dumps(results, indent=1))
-    print("\n# W4A16_CONFIGS entries")
+    (a.out / f"tune_w4a16_{a.layout}.json").write_text(json.dumps({"best": rows, "all": results}, indent=1))
+    entries = {}
+    print(f"\n# {'W4A16_CONFIGS_N' if n_major else 'W4A16_CONFIGS'} entries")
     for (sname, m), (us, cfg, err, d_us, cnt) in best.items():
         k, n = SHAPES[sname]
-        print(f"    ({m}, {n}, {k}): {cfg!r},  # {us:.1f} us, {sname}")
+        bucket = gemv_bucket(m) if n_major else m_bucket(m)
+        entries[(n_major, bucket, n, k)] = cfg
+        print(f"    ({bucket}, {n}, {k}): {cfg!r},  # {us:.1f} us, {sname}")
+    (a.out / "w4a16_table.json").write_text(table_to_json(entries))
 
 
 if __name__ == "__main__":

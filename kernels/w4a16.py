@@ -51,7 +51,14 @@ import triton
 import triton.language as tl
 
 from .common import grouped_tile, interpreting
-from .w4a16_configs import M_BUCKETS, W4A16_CONFIGS, W4A16Config, default_w4a16_config, m_bucket  # noqa: F401
+from .w4a16_configs import (  # noqa: F401
+    M_BUCKETS,
+    W4A16_CONFIGS,
+    W4A16Config,
+    default_w4a16_config,
+    lookup_w4a16_config,
+    m_bucket,
+)
 
 BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,9 +74,9 @@ _K_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]  # its inverse: k = 8c + i lives in nibble 
 class W4A16Weight:
     """Prepacked int4 weight of a [N, K] linear (see the module docstring for the layout).
 
-    packed: int32 [N, K // 8]; scales: [K // group_size, N] float; zeros: int8
-    [K // group_size, N] or None (symmetric); locks: int32 [LOCK_SLOTS] split-K counters,
-    zero between calls.
+    packed: int32 [N, K // 8] (n_major False) or its transpose [K // 8, N] (n_major True);
+    scales: [K // group_size, N] float; zeros: int8 [K // group_size, N] or None
+    (symmetric); locks: int32 [LOCK_SLOTS] split-K counters, zero between calls.
     """
 
     packed: torch.Tensor
@@ -79,6 +86,7 @@ class W4A16Weight:
     N: int
     K: int
     group_size: int
+    n_major: bool = False
 
 
 def _check_quantized(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -106,13 +114,16 @@ def _check_quantized(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
 
 
 def prepack_w4a16(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                  group_size: int, dtype: Optional[torch.dtype] = None) -> W4A16Weight:
+                  group_size: int, dtype: Optional[torch.dtype] = None,
+                  n_major: bool = False) -> W4A16Weight:
     """Pack quantized values into the kernels' layout (once, at load).
 
     q: int8 [N, K] in [-8, 7]; scales: [N, K // group_size] float; zeros: int8
     [N, K // group_size] in [-8, 7] or None; group_size: a multiple of 32 dividing K, or K
     (per-channel). dtype: cast the scales to it (use the activation dtype: the fast
-    dequantization needs scales in x's dtype); None keeps them.
+    dequantization needs scales in x's dtype); None keeps them. n_major: store the words
+    transposed, [K // 8, N] (each word still holds eight k of one n): a warp then reads
+    consecutive n of one k range, which the N-major GEMV streams (see _w4a16_gemv_n_kernel).
     Dequantized weight: (q - zero) * scale.
     """
     _check_quantized(q, scales, zeros, group_size)
@@ -127,14 +138,16 @@ def prepack_w4a16(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.T
     scales_t = scales.t().contiguous() if dtype is None else scales.t().to(dtype).contiguous()
     zeros_t = None if zeros is None else zeros.t().contiguous()
     locks = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=q.device)
-    return W4A16Weight(words.contiguous(), scales_t, zeros_t, locks, n, k, group_size)
+    words = words.t().contiguous() if n_major else words.contiguous()
+    return W4A16Weight(words, scales_t, zeros_t, locks, n, k, group_size, n_major)
 
 
 def dequantize_w4a16(w: W4A16Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Unpack to the dense weight (q - zero) * scale, [N, K] in dtype (computed in float32,
     rounded once to dtype: the same bits as the kernels' and the checkpoint's dequant)."""
     shifts = 4 * torch.arange(8, device=w.packed.device, dtype=torch.int32)
-    u = (w.packed.unsqueeze(-1) >> shifts) & 15  # [N, K // 8, nibble]
+    words = w.packed.t() if w.n_major else w.packed
+    u = (words.unsqueeze(-1) >> shifts) & 15  # [N, K // 8, nibble]
     q = u[:, :, _K_NIBBLE].reshape(w.N, w.K).float() - 8.0
     s = w.scales.t().float().repeat_interleave(w.group_size, dim=1)
     if w.zeros is not None:
@@ -261,14 +274,14 @@ def _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, mask, N, HAS_ZEROS
 
 
 @triton.jit
-def _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
+def _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, stride_wn, stride_wk, blocks_per_group,
                 dtype: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
                 USE_ASM: tl.constexpr):
     """Dequantized weight tile [BN, BLOCK_K] of K-block kb, K order (zeros past K are
     harmless: the matching x columns load as zero)."""
     BKW: tl.constexpr = BLOCK_K // 8
     cols = kb * BKW + tl.arange(0, BKW)
-    words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :] * stride_wk,
                     mask=n_mask[:, None] & (cols < KW)[None, :], other=0)
     s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, n_mask, N, HAS_ZEROS)
     return _dequant_tile(words, s, zoff, dtype, USE_ASM)
@@ -314,7 +327,8 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-                  M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split, split,
+                  M, N, K, KW, stride_wn, stride_wk, stride_xm, stride_ym, blocks_per_group,
+                  blocks_per_split, split,
                   HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
                   USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -340,8 +354,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     for i in range(nblocks):
         kb = kb0 + i
         ks = kb * BLOCK_K + offs_k
-        w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
-                        dtype, BLOCK_K, HAS_ZEROS, USE_ASM)
+        w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, stride_wn, stride_wk,
+                        blocks_per_group, dtype, BLOCK_K, HAS_ZEROS, USE_ASM)
         if SWAP_AB:
             xt = tl.load(x_rows[None, :] + ks[:, None], mask=(ks < K)[:, None] & m_mask[None, :],
                          other=0.0)
@@ -358,8 +372,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-                       M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split,
-                       split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       M, N, K, KW, stride_wn, stride_wk, stride_xm, stride_ym, blocks_per_group,
+                       blocks_per_split, split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """CUDA-core GEMV, one x row per program; grid (N tiles, K splits, M). Per thread:
@@ -383,7 +397,7 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_pt
         kb = kb0 + i
         cols = kb * BKW + offs_w
         c_mask = cols < KW
-        words = tl.load(w_ptr + offs_n[:, None] * KW + cols[None, :],
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :] * stride_wk,
                         mask=n_mask[:, None] & c_mask[None, :], other=0)
         s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, n_mask, N, HAS_ZEROS)
         if USE_ASM:
@@ -409,15 +423,82 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_pt
 
 
 @triton.jit
-def _w4a16_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, blocks_per_group,
+def _w4a16_gemv_n_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+                         M, N, K, KW, stride_xm, stride_ym, words_per_group, words_per_split,
+                         split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """CUDA-core GEMV over N-major words (w [K // 8, N]): grid (N tiles, K splits, M tiles).
+
+    A step loads the words [BLOCK_KW, BLOCK_N] of BLOCK_KW word rows (8 k each) for
+    BLOCK_N consecutive n: each thread reads consecutive n with one vector load, a warp one
+    contiguous run per word row, and the x values a word row meets are the same for every
+    thread (a broadcast load, reused across the thread's n and, with BLOCK_M > 1 rows of x,
+    the words reused across the rows). Per-word partial sums stay in registers
+    ([BLOCK_M, BLOCK_KW, BLOCK_N]) until one reduction over the word rows at the end, so the
+    loop has no cross-thread traffic. Arithmetic as _w4a16_gemv_kernel: USE_ASM (bf16) forms
+    and sums the products in bf16x2 (_GEMV_ASM_BF16), else plain float ops. A step lies
+    inside one quantization group (BLOCK_KW divides words_per_group, splits start on a
+    step), so it reads one row of scales."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_KW)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[None, :]
+    r0 = pid_k * words_per_split
+    nsteps = tl.cdiv(tl.minimum(words_per_split, KW - r0), BLOCK_KW)
+    acc = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    for i in tl.range(nsteps, num_stages=LOOP_STAGES):
+        rows = r0 + i * BLOCK_KW + offs_r
+        r_mask = rows < KW
+        words = tl.load(w_rows + rows[:, None].to(tl.int64) * N, mask=r_mask[:, None] & n_mask[None, :],
+                        other=0)
+        g = (r0 + i * BLOCK_KW) // words_per_group
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zoff = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8.0
+        else:
+            zoff = tl.zeros_like(s) + 8.0
+        x_mask = m_mask[:, None] & r_mask[None, :]
+        shape: tl.constexpr = (BLOCK_M, BLOCK_KW, BLOCK_N)
+        if USE_ASM:
+            xp = x_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + 4 * rows[None, :]
+            x0 = tl.broadcast_to(tl.load(xp, mask=x_mask, other=0)[:, :, None], shape)
+            x1 = tl.broadcast_to(tl.load(xp + 1, mask=x_mask, other=0)[:, :, None], shape)
+            x2 = tl.broadcast_to(tl.load(xp + 2, mask=x_mask, other=0)[:, :, None], shape)
+            x3 = tl.broadcast_to(tl.load(xp + 3, mask=x_mask, other=0)[:, :, None], shape)
+            negc = tl.broadcast_to(_pair((-(zoff + 128.0)).to(tl.bfloat16))[None, None, :], shape)
+            d = tl.inline_asm_elementwise(_GEMV_ASM_BF16, "=r,r,r,r,r,r,r",
+                                          [tl.broadcast_to(words[None, :, :], shape), x0, x1, x2, x3,
+                                           negc], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            d = tl.zeros(shape, dtype=tl.float32)
+            for j in tl.static_range(8):  # nibble j holds k = 8r + 2j (j < 4), 8r + 2(j - 4) + 1
+                kj = 8 * rows + (2 * j if j < 4 else 2 * (j - 4) + 1)
+                xj = tl.load(x_rows[:, None] + kj[None, :], mask=x_mask, other=0.0).to(tl.float32)
+                u = ((words >> (4 * j)) & 15).to(tl.float32) - zoff[None, :]
+                d += u[None, :, :] * xj[:, :, None]
+        acc += d * s[None, None, :]
+    out = tl.sum(acc, axis=1)
+    _epilogue(out, offs_m, offs_n, M, N, y_ptr, stride_ym, b_ptr, ws_ptr, lock_ptr,
+              pid_m * tl.num_programs(0) + pid_n, pid_k, split, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _w4a16_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, stride_wn, stride_wk, blocks_per_group,
                           HAS_ZEROS: tl.constexpr, USE_ASM: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out [N, K] = dequantized weight, in out's dtype; grid (N tiles, K blocks)."""
     kb = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, blocks_per_group,
-                    out_ptr.dtype.element_ty, BLOCK_K, HAS_ZEROS, USE_ASM)
+    w = _load_block(w_ptr, s_ptr, z_ptr, kb, offs_n, n_mask, N, K, KW, stride_wn, stride_wk,
+                    blocks_per_group, out_ptr.dtype.element_ty, BLOCK_K, HAS_ZEROS, USE_ASM)
     ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + ks[None, :], w,
              mask=n_mask[:, None] & (ks < K)[None, :])
@@ -452,6 +533,11 @@ def _block_k(block_k: int, k: int, group_size: int) -> int:
     return bk
 
 
+def _word_strides(packed: torch.Tensor, n: int, n_major: bool) -> tuple:
+    """(stride along n, stride along word columns) of the packed words, in words."""
+    return (1, n) if n_major else (packed.shape[1], 1)
+
+
 def _blocks_per_group(k: int, group_size: int, bk: int) -> int:
     return -(-k // bk) if group_size == k else group_size // bk
 
@@ -464,25 +550,24 @@ def dequantize_w4a16_triton(w: W4A16Weight, dtype: torch.dtype) -> torch.Tensor:
     grid = (triton.cdiv(w.N, 64), triton.cdiv(w.K, bk))
     _w4a16_dequant_kernel[grid](
         w.packed, w.scales, w.scales if w.zeros is None else w.zeros, out, w.N, w.K, w.K // 8,
-        _blocks_per_group(w.K, w.group_size, bk), HAS_ZEROS=w.zeros is not None,
-        USE_ASM=_use_asm(dtype, w.scales), BLOCK_N=64, BLOCK_K=bk, num_warps=4)
+        *_word_strides(w.packed, w.N, w.n_major), _blocks_per_group(w.K, w.group_size, bk),
+        HAS_ZEROS=w.zeros is not None, USE_ASM=_use_asm(dtype, w.scales), BLOCK_N=64, BLOCK_K=bk, num_warps=4)
     return out
 
 
 def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
             zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], locks: torch.Tensor,
             k: int, group_size: int, out: Optional[torch.Tensor] = None,
-            config: Optional[W4A16Config] = None) -> torch.Tensor:
-    m, n = x.shape[0], packed.shape[0]
+            config: Optional[W4A16Config] = None, n_major: bool = False) -> torch.Tensor:
+    m, n = x.shape[0], (packed.shape[1] if n_major else packed.shape[0])
     y = torch.empty((m, n), device=x.device, dtype=x.dtype) if out is None else out
     if m == 0:
         return y
-    cfg = (config or (_FORCED[-1] if _FORCED else None) or W4A16_CONFIGS.get((m_bucket(m), n, k))
-           or default_w4a16_config(m, n, k))
+    cfg = config or (_FORCED[-1] if _FORCED else None) or lookup_w4a16_config(m, n, k, n_major)
     if cfg.gemv and m > 65535:  # grid z limit
         cfg = W4A16Config(128, 128, 128, dequant=True)
     if cfg.dequant:
-        w = W4A16Weight(packed, scales, zeros, locks, n, k, group_size)
+        w = W4A16Weight(packed, scales, zeros, locks, n, k, group_size, n_major)
         dense = dequantize_w4a16_triton(w, x.dtype)
         return torch.addmm(bias, x, dense.t(), out=out) if bias is not None else \
             torch.mm(x, dense.t(), out=out)
@@ -490,7 +575,9 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if not (cfg.gemv or cfg.swap_ab) and bk < 64:  # triton 3.6 fails to compile that tiled dot
         cfg = dataclasses.replace(cfg, swap_ab=True)
     nblocks = -(-k // bk)
-    num_m, num_n = (m if cfg.gemv else -(-m // cfg.block_m)), -(-n // cfg.block_n)
+    # the N-major GEMV takes up to block_m rows of x per program (the words read once for all)
+    gemv_rows = min(cfg.block_m, triton.next_power_of_2(m)) if n_major else 1
+    num_m, num_n = (-(-m // gemv_rows) if cfg.gemv else -(-m // cfg.block_m)), -(-n // cfg.block_n)
     split = min(cfg.split_k, nblocks)
     if num_m * num_n > locks.numel() or split * m * n >= 2**31:
         split = 1
@@ -498,13 +585,20 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     split = -(-nblocks // per_split)  # no empty trailing split
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
     blocks_per_group = _blocks_per_group(k, group_size, bk)
-    args = (x, packed, scales,
-            scales if zeros is None else zeros, y if bias is None else bias, y, ws, locks, m, n, k,
-            k // 8, x.stride(0), y.stride(0), blocks_per_group, per_split,
-            split)
+    head = (x, packed, scales, scales if zeros is None else zeros, y if bias is None else bias, y,
+            ws, locks, m, n, k, k // 8)
+    args = (*head, *_word_strides(packed, n, n_major), x.stride(0), y.stride(0), blocks_per_group,
+            per_split, split)
     flags = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
                  BLOCK_K=bk, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.gemv:
+    if cfg.gemv and n_major:
+        bkw = bk // 8
+        del flags["BLOCK_K"]
+        _w4a16_gemv_n_kernel[(num_n, split, num_m)](
+            *head, x.stride(0), y.stride(0), blocks_per_group * bkw, per_split * bkw, split,
+            USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales), BLOCK_M=gemv_rows,
+            BLOCK_KW=bkw, LOOP_STAGES=cfg.num_stages, **flags)
+    elif cfg.gemv:
         _w4a16_gemv_kernel[(num_n, split, m)](
             *args, USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales),
             LOOP_STAGES=cfg.num_stages, **flags)
@@ -521,14 +615,14 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 @torch.library.custom_op("optllm::w4a16_gemm", mutates_args=())
 def _w4a16_gemm_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                    zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                   locks: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
+                   locks: torch.Tensor, k: int, group_size: int, n_major: bool = False) -> torch.Tensor:
     # locks are restored to zero before the kernel ends, hence no declared mutation
-    return _launch(x, packed, scales, zeros, bias, locks, k, group_size)
+    return _launch(x, packed, scales, zeros, bias, locks, k, group_size, n_major=n_major)
 
 
 @_w4a16_gemm_op.register_fake
-def _(x, packed, scales, zeros, bias, locks, k, group_size):
-    return x.new_empty((x.shape[0], packed.shape[0]))
+def _(x, packed, scales, zeros, bias, locks, k, group_size, n_major=False):
+    return x.new_empty((x.shape[0], packed.shape[1] if n_major else packed.shape[0]))
 
 
 def w4a16_gemm(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] = None, *,
@@ -546,7 +640,8 @@ def w4a16_gemm(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] = N
     if out is not None and (out.shape != (x.shape[0], w.N) or out.dtype != x.dtype
                             or not out.is_contiguous()):
         raise ValueError(f"out: must be a contiguous {x.dtype} [{x.shape[0]}, {w.N}] tensor")
-    return _launch(x, w.packed, w.scales, w.zeros, bias, w.locks, w.K, w.group_size, out, config)
+    return _launch(x, w.packed, w.scales, w.zeros, bias, w.locks, w.K, w.group_size, out, config,
+                   w.n_major)
 
 
 def w4a16_linear(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] = None,
@@ -575,5 +670,5 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] =
     else:
         y = torch.ops.optllm.w4a16_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), w.packed,
                                         w.scales, w.zeros, None if bias is None else bias.to(x.dtype),
-                                        w.locks, w.K, w.group_size)
+                                        w.locks, w.K, w.group_size, w.n_major)
     return y.reshape(*x.shape[:-1], w.N)

@@ -6,7 +6,9 @@ the rest. Kept apart from the kernels so that tuning edits data, not kernel code
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
 M_BUCKETS = (1, 16, 64, 256, 4096)
@@ -16,8 +18,10 @@ M_BUCKETS = (1, 16, 64, 256, 4096)
 class W4A16Config:
     """Launch shape of the W4A16 kernel.
 
-    gemv: the CUDA-core GEMV, one x row per program (M = 1; block_m unused); its K loop is
-    software-pipelined num_stages deep (1: not pipelined).
+    gemv: the CUDA-core GEMV (decode sizes); its K loop is software-pipelined num_stages deep
+    (1: not pipelined). Over N-major words (``prepack_w4a16(n_major=True)``) a program takes
+    up to block_m rows of x (1 ..: the words are read once for all of them); over K-major
+    words one row, block_m unused.
     swap_ab: the weight tile is the MMA's M side and x's rows its N side (decode sizes);
     block_m is then the x rows per tile. dequant: dequantize the weight to x's dtype and
     call cuBLAS (large M); the block sizes are unused. block_k counts K values per
@@ -36,10 +40,12 @@ class W4A16Config:
 
     def __post_init__(self) -> None:
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-        if not pow2(self.block_m) or not 16 <= self.block_m <= 256:
-            raise ValueError(f"block_m={self.block_m}: allowed a power of two in 16..256")
-        if not pow2(self.block_n) or not 16 <= self.block_n <= 512:
-            raise ValueError(f"block_n={self.block_n}: allowed a power of two in 16..512")
+        lo = 1 if self.gemv else 16
+        if not pow2(self.block_m) or not lo <= self.block_m <= 256:
+            raise ValueError(f"block_m={self.block_m}: allowed a power of two in {lo}..256")
+        hi = 2048 if self.gemv else 512
+        if not pow2(self.block_n) or not 16 <= self.block_n <= hi:
+            raise ValueError(f"block_n={self.block_n}: allowed a power of two in 16..{hi}")
         if not pow2(self.block_k) or not 32 <= self.block_k <= 1024:
             raise ValueError(f"block_k={self.block_k}: allowed a power of two in 32..1024")
         if self.split_k < 1 or self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
@@ -77,11 +83,68 @@ W4A16_CONFIGS = MappingProxyType({
 })
 
 
-def default_w4a16_config(m: int, n: int, k: int) -> W4A16Config:
-    """Heuristic for shapes absent from W4A16_CONFIGS: the GEMV at M = 1, swap_ab tiles up
-    to M = 64, split over K until about 528 programs run (each split keeping >= 2 K-blocks),
+# The runtime's W4A16 word layout (runtime/layers/linear_methods.W4A16Method packs at load):
+# K-major, the checkpoint's, until the N-major GEMV is measured ahead at decode sizes.
+N_MAJOR = False
+
+# (gemv_bucket, N, K) -> config for N-major words (prepack_w4a16(n_major=True)), where they
+# differ from W4A16_CONFIGS: the N-major GEMV at M <= 8. Filled by benchmarks/tune_w4a16.py
+# --layout n on the GPU; empty until measured (the heuristic below decides).
+W4A16_CONFIGS_N = MappingProxyType({})
+
+
+def gemv_bucket(m: int) -> int:
+    """The N-major GEMV's buckets: the power of two >= m up to 8 (x rows per program), then
+    m_bucket's."""
+    return 1 << (m - 1).bit_length() if m <= 8 else m_bucket(m)
+
+
+def table_to_json(entries: dict) -> str:
+    """{(n_major, bucket, N, K): W4A16Config} as the JSON OPTLLM_W4A16_TABLE reads."""
+    return json.dumps([{"n_major": nm, "m": b, "n": n, "k": k, "config": asdict(c)}
+                       for (nm, b, n, k), c in entries.items()], indent=1)
+
+
+def _table_from_env() -> dict:
+    """OPTLLM_W4A16_TABLE=FILE (what tune_w4a16.py writes, table_to_json) adds to the tables,
+    read once at import: a tuning run measures its winners end to end (benchmarks/gemm.py)
+    before they are pasted above."""
+    path = os.environ.get("OPTLLM_W4A16_TABLE")
+    if not path:
+        return {}
+    with open(path) as f:
+        return {(bool(e["n_major"]), int(e["m"]), int(e["n"]), int(e["k"])): W4A16Config(**e["config"])
+                for e in json.load(f)}
+
+
+_ENV = _table_from_env()
+if _ENV:
+    W4A16_CONFIGS = MappingProxyType({**W4A16_CONFIGS, **{key[1:]: c for key, c in _ENV.items() if not key[0]}})
+    W4A16_CONFIGS_N = MappingProxyType({**W4A16_CONFIGS_N, **{key[1:]: c for key, c in _ENV.items() if key[0]}})
+
+
+def lookup_w4a16_config(m: int, n: int, k: int, n_major: bool = False) -> W4A16Config:
+    """The table's entry for this call, else the heuristic. N-major words: their own table
+    first (by gemv_bucket), then the K-major table from M = 16 up (the tile kernels read
+    either layout), then the heuristic."""
+    if n_major:
+        cfg = W4A16_CONFIGS_N.get((gemv_bucket(m), n, k))
+        if cfg is None and m > 8:
+            cfg = W4A16_CONFIGS.get((m_bucket(m), n, k))
+        return cfg or default_w4a16_config(m, n, k, n_major=True)
+    return W4A16_CONFIGS.get((m_bucket(m), n, k)) or default_w4a16_config(m, n, k)
+
+
+def default_w4a16_config(m: int, n: int, k: int, n_major: bool = False) -> W4A16Config:
+    """Heuristic for shapes absent from the tables: the GEMV at M = 1 (N-major words: up to
+    M = 8, all rows in one program, 512 n per program of 4 warps, split over K until about
+    264 programs run, each split keeping >= 4 steps of 8 word rows), swap_ab tiles up to
+    M = 64, split over K until about 528 programs run (each split keeping >= 2 K-blocks),
     dequantize + cuBLAS above (at M = 256 on the H200 it beat the plain tiled kernel on all
     four Llama shapes by 5-40%, docs/bench/tune_w4a16_h200_m256.json)."""
+    if n_major and m <= 8:
+        split = max(1, min(264 // -(-n // 512), k // (64 * 4)))
+        return W4A16Config(gemv_bucket(m), 512, 64, split, 4, 2, gemv=True)
     if m > 64:
         return W4A16Config(128, 128, 128, dequant=True)
     if m == 1:

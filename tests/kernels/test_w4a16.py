@@ -45,11 +45,11 @@ def _assert_close(y, ref, dtype):
     assert err.max() / ref.abs().max() <= BOUND[dtype]
 
 
-def _run(m, n, k, group, asym, dtype, seed, config=None, bias=True):
+def _run(m, n, k, group, asym, dtype, seed, config=None, bias=True, n_major=False):
     q, s, z, x = _quantized(n, k, group, asym, dtype, seed)
     x = x[:m].to(DEVICE, dtype)
     b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype) if bias else None
-    w = prepack_w4a16(q, s, z, group)
+    w = prepack_w4a16(q, s, z, group, n_major=n_major)
     out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)
     y = w4a16_gemm(x, w, b, config=config, out=out)
     assert y is out
@@ -63,10 +63,11 @@ SHAPES = [(64, 128, 32), (96, 192, 64), (72, 256, 128), (72, 192, 192)]
 
 @pytest.mark.parametrize("m", [1, 3, 16, 33, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_matches_reference(m, dtype):
+@pytest.mark.parametrize("n_major", [False, True])
+def test_matches_reference(m, dtype, n_major):
     # rotate shape / group / sym-asym with m so every combination of each axis appears
     for i, (n, k, group) in enumerate(SHAPES):
-        _run(m, n, k, group, asym=(i + m) % 2 == 0, dtype=dtype, seed=100 * m + i)
+        _run(m, n, k, group, asym=(i + m) % 2 == 0, dtype=dtype, seed=100 * m + i, n_major=n_major)
 
 
 @pytest.mark.slow
@@ -97,9 +98,39 @@ def test_forced_paths(m, n, k, group, config, asym):
     _run(m, n, k, group, asym, torch.bfloat16, seed=m + n + k, config=config)
 
 
+@pytest.mark.parametrize("m,n,k,group,config", [
+    (1, 72, 256, 64, W4A16Config(1, 32, 128, 2, gemv=True)),        # split-K 2, N tail
+    (1, 72, 256, 32, W4A16Config(1, 64, 64, 3, gemv=True)),         # step of 4 word rows = group 32
+    (3, 40, 192, 192, W4A16Config(4, 16, 128, 1, gemv=True)),       # 3 of 4 rows, per-channel, K tail
+    (5, 72, 512, 64, W4A16Config(8, 32, 64, 2, num_stages=3, gemv=True)),  # pipelined, 5 of 8 rows
+    (8, 64, 256, 128, W4A16Config(8, 64, 128, 4, gemv=True)),       # split-K 4, 8 rows
+    (9, 48, 128, 64, W4A16Config(4, 16, 64, 2, gemv=True)),         # 3 row tiles of 4
+    (1, 40, 200, 200, W4A16Config(1, 16, 256, 1, gemv=True)),       # one step past K
+    (3, 96, 256, 128, W4A16Config(16, 64, 256, 1, swap_ab=True)),   # the tiles read N-major too
+    (16, 72, 256, 32, W4A16Config(16, 32, 128, 2)),
+    (64, 48, 200, 200, W4A16Config(64, 16, 128, 2)),
+    (70, 48, 192, 64, W4A16Config(16, 16, 64, dequant=True)),
+])
+@pytest.mark.parametrize("asym", [False, True])
+def test_forced_paths_n_major(m, n, k, group, config, asym):
+    _run(m, n, k, group, asym, torch.bfloat16, seed=m + n + k + 1, config=config, n_major=True)
+
+
+@pytest.mark.parametrize("group,asym", [(32, False), (128, True), (200, True)])
+def test_n_major_layout_is_the_transpose(group, asym):
+    k = 200 if group == 200 else 256
+    q, s, z, _ = _quantized(40, k, group, asym, torch.bfloat16, seed=group + 3)
+    wk, wn = prepack_w4a16(q, s, z, group), prepack_w4a16(q, s, z, group, n_major=True)
+    assert wn.n_major and not wk.n_major and tuple(wn.packed.shape) == (k // 8, 40)
+    assert torch.equal(wn.packed, wk.packed.t())
+    assert torch.equal(dequantize_w4a16(wn), dequantize_w4a16(wk))
+    assert torch.equal(dequantize_w4a16_triton(wn, torch.bfloat16), dequantize_w4a16_triton(wk, torch.bfloat16))
+
+
 def test_float32_activations():
     _run(33, 72, 192, 64, True, torch.float32, seed=5)
     _run(1, 72, 192, 64, True, torch.float32, seed=6)
+    _run(3, 72, 192, 64, True, torch.float32, seed=7, n_major=True)
 
 
 @pytest.mark.parametrize("group,asym", [(32, False), (64, True), (128, True), (200, True)])
@@ -196,11 +227,12 @@ def test_configs_are_valid_data():
         assert isinstance(default_w4a16_config(m, 11008, 4096), W4A16Config)
 
 
-def test_custom_op_opcheck():
+@pytest.mark.parametrize("n_major", [False, True])
+def test_custom_op_opcheck(n_major):
     q, s, z, x = _quantized(40, 128, 64, True, torch.bfloat16, seed=9)
-    w = prepack_w4a16(q, s, z, 64)
+    w = prepack_w4a16(q, s, z, 64, n_major=n_major)
     args = (x[:3].to(DEVICE, torch.bfloat16), w.packed, w.scales, w.zeros,
-            torch.randn(40).to(DEVICE, torch.bfloat16), w.locks, w.K, w.group_size)
+            torch.randn(40).to(DEVICE, torch.bfloat16), w.locks, w.K, w.group_size, n_major)
     torch.library.opcheck(torch.ops.optllm.w4a16_gemm.default, args)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = torch.ops.optllm.w4a16_gemm(*(mode.from_tensor(a) if isinstance(a, torch.Tensor)
@@ -212,8 +244,21 @@ def test_custom_op_opcheck():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
-def test_llama_shapes_gpu(m, n, k):
-    _run(m, n, k, 128, True, torch.bfloat16, seed=m + n, bias=False)
+@pytest.mark.parametrize("n_major", [False, True])
+def test_llama_shapes_gpu(m, n, k, n_major):
+    _run(m, n, k, 128, True, torch.bfloat16, seed=m + n, bias=False, n_major=n_major)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("asym", [False, True])
+def test_n_major_gemv_gpu(m, asym):
+    # the packed-bf16x2 path (USE_ASM), odd N and K tails, every rows-per-program bucket
+    for n, k, group in [(6144, 4096, 128), (1000, 1344, 64), (576, 1536, 32)]:
+        _run(m, n, k, group, asym, torch.bfloat16, seed=m + k, n_major=True)
+        _run(m, n, k, group, asym, torch.bfloat16, seed=m + k, n_major=True,
+             config=W4A16Config(m, 256, 128, 3, 2, 3, gemv=True))
 
 
 def test_force_config_overrides_the_table():
