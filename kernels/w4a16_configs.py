@@ -83,14 +83,24 @@ W4A16_CONFIGS = MappingProxyType({
 })
 
 
-# The runtime's W4A16 word layout (runtime/layers/linear_methods.W4A16Method packs at load):
-# K-major, the checkpoint's, until the N-major GEMV is measured ahead at decode sizes.
-N_MAJOR = False
+# The runtime's W4A16 word layout per (N, K) (runtime/layers/linear_methods.W4A16Method packs
+# at load): N-major where benchmarks/gemm.py --w4-layout n measured it ahead at decode sizes
+# (H200, 2026-12-03, docs/BENCHMARKS.md): Llama-3-8B down, M = 16 22.0 vs 27.2 µs, M = 64
+# 32.2 vs 35.3, M = 1 15.6 vs 15.5, M = 256 90.8 vs 92.8. Every other shape keeps K-major,
+# the checkpoint's (qkv, o, gate_up are faster K-major at M = 1..16).
+N_MAJOR_SHAPES = frozenset({(4096, 14336)})
 
 # (gemv_bucket, N, K) -> config for N-major words (prepack_w4a16(n_major=True)), where they
-# differ from W4A16_CONFIGS: the N-major GEMV at M <= 8. Filled by benchmarks/tune_w4a16.py
-# --layout n on the GPU; empty until measured (the heuristic below decides).
-W4A16_CONFIGS_N = MappingProxyType({})
+# differ from W4A16_CONFIGS: the N-major GEMV at M = 1, from benchmarks/tune_w4a16.py --layout
+# n on the H200 (2026-12-03, µs of a CUDA-graph replay, sym g128, bf16). Its M = 4 / 8 winners
+# (22.7 / 71.1 µs on qkv: x rows per program multiply the registers) lose to the swap_ab
+# tiles, which those sizes take from W4A16_CONFIGS' M = 16 entries.
+W4A16_CONFIGS_N = MappingProxyType({
+    (1, 6144, 4096): _C(1, 256, 64, 11, 4, 3, gemv=True),     # 9.8 (K-major GEMV 8.5)
+    (1, 4096, 4096): _C(1, 256, 32, 16, 4, 3, gemv=True),     # 7.5 (6.3)
+    (1, 28672, 4096): _C(1, 512, 32, 9, 4, 3, gemv=True),     # 25.5 (24.6)
+    (1, 4096, 14336): _C(1, 256, 128, 16, 4, 3, gemv=True),   # 15.5 (15.5)
+})
 
 
 def gemv_bucket(m: int) -> int:
@@ -125,26 +135,26 @@ if _ENV:
 
 def lookup_w4a16_config(m: int, n: int, k: int, n_major: bool = False) -> W4A16Config:
     """The table's entry for this call, else the heuristic. N-major words: their own table
-    first (by gemv_bucket), then the K-major table from M = 16 up (the tile kernels read
-    either layout), then the heuristic."""
+    first (by gemv_bucket), then above M = 1 the K-major table (the tile kernels read either
+    layout), then the heuristic."""
     if n_major:
         cfg = W4A16_CONFIGS_N.get((gemv_bucket(m), n, k))
-        if cfg is None and m > 8:
+        if cfg is None and m > 1:
             cfg = W4A16_CONFIGS.get((m_bucket(m), n, k))
         return cfg or default_w4a16_config(m, n, k, n_major=True)
     return W4A16_CONFIGS.get((m_bucket(m), n, k)) or default_w4a16_config(m, n, k)
 
 
 def default_w4a16_config(m: int, n: int, k: int, n_major: bool = False) -> W4A16Config:
-    """Heuristic for shapes absent from the tables: the GEMV at M = 1 (N-major words: up to
-    M = 8, all rows in one program, 512 n per program of 4 warps, split over K until about
-    264 programs run, each split keeping >= 4 steps of 8 word rows), swap_ab tiles up to
+    """Heuristic for shapes absent from the tables: the GEMV at M = 1 (N-major words: 512 n
+    per program of 4 warps, split over K until about 264 programs run, each split keeping
+    >= 4 steps of 8 word rows), swap_ab tiles up to
     M = 64, split over K until about 528 programs run (each split keeping >= 2 K-blocks),
     dequantize + cuBLAS above (at M = 256 on the H200 it beat the plain tiled kernel on all
     four Llama shapes by 5-40%, docs/bench/tune_w4a16_h200_m256.json)."""
-    if n_major and m <= 8:
+    if n_major and m == 1:
         split = max(1, min(264 // -(-n // 512), k // (64 * 4)))
-        return W4A16Config(gemv_bucket(m), 512, 64, split, 4, 2, gemv=True)
+        return W4A16Config(1, 512, 64, split, 4, 3, gemv=True)
     if m > 64:
         return W4A16Config(128, 128, 128, dequant=True)
     if m == 1:

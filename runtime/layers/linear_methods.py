@@ -51,7 +51,7 @@ from ...kernels.nvfp4 import GROUP as NVFP4_GROUP
 from ...kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, nvfp4_linear, prepack_nvfp4
 from ...kernels.nvfp4_format import quantize_nvfp4_activations_ref
 from ...kernels.w4a16 import W4A16Weight, dequantize_w4a16, prepack_w4a16, w4a16_linear
-from ...kernels.w4a16_configs import N_MAJOR
+from ...kernels.w4a16_configs import N_MAJOR_SHAPES
 from ...kernels.w8a8_int8 import W8A8Weight, quantize_per_token_int8_ref, w8a8_int8_gemm, w8a8_int8_linear
 
 
@@ -117,16 +117,21 @@ class W4A16Method(_QuantizedMethod):
     def __init__(self, args: QuantArgs, scale_dtype: torch.dtype, backend: str) -> None:
         super().__init__(args, scale_dtype)
         self.backend = backend
-        # the kernels' word layout, chosen once at load (kernels/w4a16_configs.N_MAJOR, or
-        # OPTLLM_W4A16_LAYOUT=n|k to compare the two end to end)
-        layout = os.environ.get("OPTLLM_W4A16_LAYOUT", "n" if N_MAJOR else "k")
-        if layout not in ("n", "k"):
-            raise ValueError(f"OPTLLM_W4A16_LAYOUT={layout!r}: allowed 'n' (N-major words) or 'k' (K-major)")
-        self.n_major = layout == "n"
+        # the kernels' word layout, chosen per shape at load (kernels/w4a16_configs.N_MAJOR_SHAPES),
+        # or for every layer by OPTLLM_W4A16_LAYOUT=n|k (to compare the two end to end)
+        self.layout = os.environ.get("OPTLLM_W4A16_LAYOUT", "auto")
+        if self.layout not in ("auto", "n", "k"):
+            raise ValueError(f"OPTLLM_W4A16_LAYOUT={self.layout!r}: allowed 'n' (N-major words), 'k' (K-major) "
+                             "or 'auto' (per shape, the default)")
+
+    def _n_major(self, layer) -> bool:
+        if self.layout == "auto":
+            return (layer.out_features, layer.in_features) in N_MAJOR_SHAPES
+        return self.layout == "n"
 
     def process_after_loading(self, layer) -> None:
         q, s, z = self._take_codes(layer)
-        w = prepack_w4a16(q, s, z, self.group_size(layer), dtype=layer.dtype, n_major=self.n_major)
+        w = prepack_w4a16(q, s, z, self.group_size(layer), dtype=layer.dtype, n_major=self._n_major(layer))
         layer.register_buffer("packed", w.packed)
         layer.register_buffer("packed_scales", w.scales)
         layer.register_buffer("packed_zeros", w.zeros)
@@ -136,7 +141,7 @@ class W4A16Method(_QuantizedMethod):
 
     def weight_view(self, layer) -> W4A16Weight:
         return W4A16Weight(layer.packed, layer.packed_scales, layer.packed_zeros, layer.locks,
-                           layer.out_features, layer.in_features, self.group_size(layer), self.n_major)
+                           layer.out_features, layer.in_features, self.group_size(layer), self._n_major(layer))
 
     def apply(self, layer, x, bias):
         if self.backend == "torch":

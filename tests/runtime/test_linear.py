@@ -84,6 +84,31 @@ def test_w4a16_method_equals_dequantized_weights(sym, group):
     assert rel(layer(x), ref) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ("auto", "k", "n"))
+def test_w4a16_method_word_layout_per_shape(layout, monkeypatch):
+    """The layout is chosen at load: per (N, K) from N_MAJOR_SHAPES, or for every layer by
+    OPTLLM_W4A16_LAYOUT; the kernels (interpreter here) compute the same either way."""
+    import optllm.runtime.layers.linear_methods as lm
+
+    monkeypatch.setattr(lm, "N_MAJOR_SHAPES", frozenset({(48, 128)}))
+    monkeypatch.setenv("OPTLLM_W4A16_LAYOUT", layout)
+    torch.manual_seed(3)
+    args = QuantArgs(num_bits=4, group_size=32, symmetric=False)
+    w = torch.randn(48, 128)
+    qw = rtn_quantize(w, args, scale_dtype=torch.float32)
+    layer = RowParallelLinear(128, 48, False, W4A16Method(args, torch.float32, "triton"))
+    for name, t in (("qweight", qw.q), ("scales", qw.scale), ("zeros", qw.zero)):
+        layer.weight_loader(name, t)
+    layer.process_weights_after_loading()
+    n_major = layout in ("auto", "n")
+    assert tuple(layer.packed.shape) == ((16, 48) if n_major else (48, 16))
+    x = torch.randn(3, 128)
+    assert rel(layer(x), x.double() @ qw.dequantize(torch.float64).T) < 1e-5
+    monkeypatch.setenv("OPTLLM_W4A16_LAYOUT", "x")
+    with pytest.raises(ValueError, match="OPTLLM_W4A16_LAYOUT"):
+        W4A16Method(args, torch.float32, "triton")
+
+
 def test_kernel_takes_only_what_the_w4a16_kernels_run():
     assert kernel_takes(QuantArgs(4, 64), 576) and kernel_takes(QuantArgs(4, None), 100 * 8)
     assert not kernel_takes(QuantArgs(3, 64), 576)
