@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call, four jobs side by side on one H200:
+#  A: issue 12's W3 g64 rows at the default calibration (128 x 512), ours and llm-compressor's,
+#     sym and asym, perplexity on every window of each text kind (device_peer_quality.sh, GPU eval);
+#  B: GPTQ W4 g64 asym variants on every window at 128 x 512 (the Hessian shrink; chat was the
+#     kind below 50% of RTN's gap), benchmarks/quality.py on the GPU, float32;
+#  C: issue 14 part 8, a W8A8 checkpoint's kernels against their references layer by layer
+#     (benchmarks/kernel_vs_ref_layers.py);
+#  D: pytest -m gpu on tests/kernels and tests/runtime.
+# Before: .carry1's part in /root/m (an earlier call); carry .carry2 and .whl-llmc.
+# Results: $OUT/all.tgz (every log and JSON) and the tables at the end of the output.
+set -uo pipefail
+source benchmarks/device_stage.sh
+mkdir -p "$OUT/logs" "$OUT/w3"
+( OUT=$OUT/w3 INSTALL=0 NS=128 SL=512 BITS=3 P=5 EVAL_DEV=cuda E=1 JOB_S=300 EVAL_S=150 \
+    timeout ${PEER_S:-400} bash benchmarks/device_peer_quality.sh > "$OUT/logs/w3_run.log" 2>&1 ) &
+( timeout ${SWEEP_S:-400} python3 benchmarks/quality.py --device cuda --bits 4 --symmetry asym --group-size 64 \
+    --out /root/sweep/gptq --algos rtn,gptq --variant "gptq-shrink5:gptq:hessian_shrink=0.5" \
+    --variant "gptq-shrink7:gptq:hessian_shrink=0.7" --variant "gptq-shrink0:gptq:hessian_shrink=0.0" \
+    > "$OUT/logs/sweep_gptq.log" 2>&1
+  cp /root/sweep/gptq/quality.md "$OUT/sweep_gptq.md"; cp /root/sweep/gptq/quality.json "$OUT/sweep_gptq.json" ) &
+( timeout ${W8_S:-300} python3 -m optllm quantize smollm2-135m --scheme w8a8-int8 --num-samples 16 --seq-len 512 \
+    --device cuda --no-compare --overwrite --out /root/w8a8 > "$OUT/logs/w8a8_quantize.log" 2>&1 &&
+  timeout 200 python3 benchmarks/kernel_vs_ref_layers.py /root/w8a8 --device cuda --dtype float32 --top 16 \
+    > "$OUT/w8a8_layers.txt" 2>&1 ) &
+( timeout ${TEST_S:-330} python3 -m pytest -q -m gpu tests/kernels tests/runtime -p no:cacheprovider \
+    > "$OUT/gpu_tests.log" 2>&1; echo "pytest -m gpu: rc $?" >> "$OUT/gpu_tests.log" ) &
+wait
+tail -3 "$OUT/gpu_tests.log"
+head -30 "$OUT/w8a8_layers.txt"
+cat "$OUT/sweep_gptq.md"
+grep -A 14 "^| model" "$OUT/logs/w3_run.log"
+cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz "$OUT/all.tgz"
