@@ -3,10 +3,12 @@ counters on /metrics."""
 
 from __future__ import annotations
 
-import openai
 import pytest
-from conftest import write_draft
-from test_server import KEY, PROMPTS, get, start
+
+openai = pytest.importorskip("openai")  # as test_server: the server extra is optional
+
+from conftest import write_draft  # noqa: E402
+from test_server import KEY, PROMPTS, get, start  # noqa: E402
 
 
 @pytest.fixture(scope="module")
