@@ -227,6 +227,37 @@ def test_configs_are_valid_data():
         assert isinstance(default_w4a16_config(m, 11008, 4096), W4A16Config)
 
 
+def test_n_major_table_and_lookup():
+    from optllm.kernels.w4a16_configs import N_MAJOR_SHAPES, W4A16_CONFIGS_N, gemv_bucket, lookup_w4a16_config
+
+    assert [gemv_bucket(m) for m in (1, 2, 3, 5, 8, 9, 17)] == [1, 2, 4, 8, 8, 16, 64]
+    for (bucket, n, k), cfg in W4A16_CONFIGS_N.items():
+        assert cfg.gemv and cfg.block_m == bucket == 1 and cfg.block_k // 8 <= 128 // 8  # a step inside g128
+    assert all(isinstance(n, int) and isinstance(k, int) for n, k in N_MAJOR_SHAPES)
+    # N-major: M = 1 from its own table, M = 2..8 and up the K-major tiles, never the multi-row GEMV
+    assert lookup_w4a16_config(1, 4096, 14336, True) == W4A16_CONFIGS_N[(1, 4096, 14336)]
+    for m in (2, 5, 8, 16):
+        assert lookup_w4a16_config(m, 4096, 14336, True) == W4A16_CONFIGS[(16, 4096, 14336)]
+    assert lookup_w4a16_config(3, 1000, 2048, True).swap_ab
+    assert lookup_w4a16_config(1, 1000, 2048, True).gemv
+    assert lookup_w4a16_config(1, 4096, 14336) == W4A16_CONFIGS[(1, 4096, 14336)]
+
+
+def test_table_json_round_trip(tmp_path, monkeypatch):
+    # what tune_w4a16.py writes is what OPTLLM_W4A16_TABLE reads back (merged into the tables
+    # at import, so gemm.py measures a sweep's winners in the same device call)
+    import optllm.kernels.w4a16_configs as wc
+
+    entries = {(True, 1, 96, 256): W4A16Config(1, 64, 64, 2, 4, 3, gemv=True),
+               (False, 16, 96, 256): W4A16Config(16, 32, 128, 2, swap_ab=True)}
+    path = tmp_path / "table.json"
+    path.write_text(wc.table_to_json(entries))
+    monkeypatch.setenv("OPTLLM_W4A16_TABLE", str(path))
+    assert wc._table_from_env() == entries
+    monkeypatch.delenv("OPTLLM_W4A16_TABLE")
+    assert wc._table_from_env() == {}
+
+
 @pytest.mark.parametrize("n_major", [False, True])
 def test_custom_op_opcheck(n_major):
     q, s, z, x = _quantized(40, 128, 64, True, torch.bfloat16, seed=9)
