@@ -473,8 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--max-windows", type=int, default=None)
     e.add_argument("--dtype", default="float32")
-    e.add_argument("--device", default="cpu", help="cpu (the CPU tables' numbers) or cuda (the same float32 "
-                   "arithmetic through our kernels: within ~1e-5 of cpu, minutes faster on every window)")
+    e.add_argument("--device", default="cpu", help="cpu (the CPU tables' numbers) or cuda (float32 through our "
+                   "kernels, minutes faster on every window; not bit-equal to cpu, so compare within one device)")
     e.add_argument("--prepared", default=None, help="the prepare folder [default: a parent of --dirs with "
                                                     f"{PREPARE_FILE}]")
     e.add_argument("--json", default=None)
