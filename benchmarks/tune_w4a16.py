@@ -110,7 +110,7 @@ def main():
     t_end = time.time() + a.budget_s
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    results, best, rows = [], {}, []
+    results, rows, entries = [], [], {}
     n_major = a.layout == "n"
     shapes, ms = parse_shapes(a.shapes), [int(v) for v in a.ms.split(",")]
     for si, sname in enumerate(shapes):
@@ -132,9 +132,8 @@ def main():
                 if not hasattr(W4A16Config(16, 16, 32), a.only):
                     raise SystemExit(f"--only {a.only}: not a W4A16Config field")
                 cfgs = [c for c in cfgs if getattr(c, a.only)]
-            default = table
-            if default not in cfgs:
-                cfgs.insert(0, default)
+            if table not in cfgs:
+                cfgs.insert(0, table)
             timed = []
             cells_left = len(ms) * (len(shapes) - si) - mi
             t_cell = time.time() + max(0.0, t_end - time.time()) / cells_left  # an even share per cell
@@ -154,21 +153,18 @@ def main():
             us, cfg = timed[0]
             ref = x.float() @ w4k.dequantize_w4a16(ws[0]).t()
             err = float((w4k.w4a16_gemm(x, ws[0], config=cfg).float() - ref).norm() / ref.norm())
-            d_us = next((t for t, c in timed if c == default), None)
-            best[(sname, m)] = (us, cfg, err, d_us, len(timed))
-            rows.append({"shape": sname, "M": m, "us": us, "config": repr(cfg), "err": err,
-                         "table_us": d_us, "timed": len(timed)})
+            d_us = next((t for t, c in timed if c == table), None)
+            bucket = gemv_bucket(m) if n_major else m_bucket(m)
+            entries[(n_major, bucket, n, k)] = cfg
+            rows.append({"shape": sname, "M": m, "bucket": bucket, "N": n, "K": k, "us": us, "config": repr(cfg),
+                         "err": err, "table_us": d_us, "timed": len(timed)})
             print(f"{sname} M={m}: best {us:.1f} us {cfg} err {err:.1e} (table/default {d_us}, "
                   f"{len(timed)} timed)", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"tune_w4a16_{a.layout}.json").write_text(json.dumps({"best": rows, "all": results}, indent=1))
-    entries = {}
     print(f"\n# {'W4A16_CONFIGS_N' if n_major else 'W4A16_CONFIGS'} entries")
-    for (sname, m), (us, cfg, err, d_us, cnt) in best.items():
-        k, n = SHAPES[sname]
-        bucket = gemv_bucket(m) if n_major else m_bucket(m)
-        entries[(n_major, bucket, n, k)] = cfg
-        print(f"    ({bucket}, {n}, {k}): {cfg!r},  # {us:.1f} us, {sname}")
+    for r in rows:
+        print(f"    ({r['bucket']}, {r['N']}, {r['K']}): {r['config']},  # {r['us']:.1f} us, {r['shape']}")
     (a.out / "w4a16_table.json").write_text(table_to_json(entries))
 
 

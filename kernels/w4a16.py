@@ -424,7 +424,7 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_pt
 
 @triton.jit
 def _w4a16_gemv_n_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-                         M, N, K, KW, stride_xm, stride_ym, words_per_group, words_per_split,
+                         M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split,
                          split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr, LOOP_STAGES: tl.constexpr):
@@ -437,9 +437,9 @@ def _w4a16_gemv_n_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_
     the words reused across the rows). Per-word partial sums stay in registers
     ([BLOCK_M, BLOCK_KW, BLOCK_N]) until one reduction over the word rows at the end, so the
     loop has no cross-thread traffic. Arithmetic as _w4a16_gemv_kernel: USE_ASM (bf16) forms
-    and sums the products in bf16x2 (_GEMV_ASM_BF16), else plain float ops. A step lies
-    inside one quantization group (BLOCK_KW divides words_per_group, splits start on a
-    step), so it reads one row of scales."""
+    and sums the products in bf16x2 (_GEMV_ASM_BF16), else plain float ops. A step is the
+    other kernels' K-block (8 * BLOCK_KW k, inside one quantization group), so it reads one
+    row of scales."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -450,20 +450,16 @@ def _w4a16_gemv_n_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_
     m_mask = offs_m < M
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[None, :]
-    r0 = pid_k * words_per_split
-    nsteps = tl.cdiv(tl.minimum(words_per_split, KW - r0), BLOCK_KW)
+    kb0 = pid_k * blocks_per_split
+    nblocks = tl.minimum(blocks_per_split, tl.cdiv(KW, BLOCK_KW) - kb0)
     acc = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
-    for i in tl.range(nsteps, num_stages=LOOP_STAGES):
-        rows = r0 + i * BLOCK_KW + offs_r
+    for i in tl.range(nblocks, num_stages=LOOP_STAGES):
+        kb = kb0 + i
+        rows = kb * BLOCK_KW + offs_r
         r_mask = rows < KW
         words = tl.load(w_rows + rows[:, None].to(tl.int64) * N, mask=r_mask[:, None] & n_mask[None, :],
                         other=0)
-        g = (r0 + i * BLOCK_KW) // words_per_group
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zoff = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8.0
-        else:
-            zoff = tl.zeros_like(s) + 8.0
+        s, zoff = _group_params(s_ptr, z_ptr, kb, blocks_per_group, offs_n, n_mask, N, HAS_ZEROS)
         x_mask = m_mask[:, None] & r_mask[None, :]
         shape: tl.constexpr = (BLOCK_M, BLOCK_KW, BLOCK_N)
         if USE_ASM:
@@ -592,12 +588,11 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     flags = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
                  BLOCK_K=bk, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.gemv and n_major:
-        bkw = bk // 8
         del flags["BLOCK_K"]
         _w4a16_gemv_n_kernel[(num_n, split, num_m)](
-            *head, x.stride(0), y.stride(0), blocks_per_group * bkw, per_split * bkw, split,
+            *head, x.stride(0), y.stride(0), blocks_per_group, per_split, split,
             USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales), BLOCK_M=gemv_rows,
-            BLOCK_KW=bkw, LOOP_STAGES=cfg.num_stages, **flags)
+            BLOCK_KW=bk // 8, LOOP_STAGES=cfg.num_stages, **flags)
     elif cfg.gemv:
         _w4a16_gemv_kernel[(num_n, split, m)](
             *args, USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales),

@@ -132,6 +132,7 @@ class W4A16Method(_QuantizedMethod):
     def process_after_loading(self, layer) -> None:
         q, s, z = self._take_codes(layer)
         w = prepack_w4a16(q, s, z, self.group_size(layer), dtype=layer.dtype, n_major=self._n_major(layer))
+        layer.packed_n_major = w.n_major  # decided once, here; every call's weight view reads it
         layer.register_buffer("packed", w.packed)
         layer.register_buffer("packed_scales", w.scales)
         layer.register_buffer("packed_zeros", w.zeros)
@@ -141,7 +142,7 @@ class W4A16Method(_QuantizedMethod):
 
     def weight_view(self, layer) -> W4A16Weight:
         return W4A16Weight(layer.packed, layer.packed_scales, layer.packed_zeros, layer.locks,
-                           layer.out_features, layer.in_features, self.group_size(layer), self._n_major(layer))
+                           layer.out_features, layer.in_features, self.group_size(layer), layer.packed_n_major)
 
     def apply(self, layer, x, bias):
         if self.backend == "torch":
