@@ -9,7 +9,9 @@
 #        with padded lengths in buckets of 64 and the step time planned on the probe's median.
 # Then (SPEC=1, after A-C, the GPU to itself): the speculative-decoding section of `optllm eval`
 # with that draft, greedy, the adaptive policy at batches BS and the fixed one at batch 1.
-# The machine is given back 30 s after a call ends: everything that needs the draft is in this call.
+# The machine is given back 30 s after a call ends: everything that needs the draft is in this call,
+# or (DRAFT_OUT=1) the draft comes back as $OUT/draft.tgz.part* (15 MiB pieces) for a later call to
+# carry (device_spec_profile.sh). SYMS="" skips the AWQ sweeps.
 # Before: the GGUF staged (.carry1's part in /root/m); carry .carry2. Results: $OUT/* (logs in
 # logs.tgz: only a few files come back).
 set -uo pipefail
@@ -26,7 +28,7 @@ ALGOS=${ALGOS:-rtn,awq}
 V=(--variant "awq-cs3:awq:awq={clip_shrink: 0.3}" --variant "awq-cs10:awq:awq={clip_shrink: 1.0}"
    --variant "awq-ss5:awq:awq={scale_shrink: 0.5}" --variant "awq-cs5ss5:awq:awq={clip_shrink: 0.5, scale_shrink: 0.5}")
 [ -n "${VARIANTS:-}" ] && eval "V=($VARIANTS)"
-for sym in ${SYMS:-asym sym}; do
+for sym in ${SYMS-asym sym}; do
   ( timeout "${SWEEP_S:-480}" $Q --symmetry "$sym" --out "/root/sweep/awq-$sym" --algos "$ALGOS" "${V[@]}" \
       > "$OUT/logs/sweep_awq_$sym.log" 2>&1
     cp "/root/sweep/awq-$sym/quality.md" "$OUT/awq_w${BITS}_$sym.md"; cp "/root/sweep/awq-$sym/quality.json" "$OUT/awq_w${BITS}_$sym.json" ) &
@@ -41,6 +43,9 @@ wait
 if [ "${SPEC:-0}" = 1 ] && [ -f /root/d/eagle/config.json ]; then
   spec auto "${BS:-1,8,64}" "${SPEC_S:-150}"
   spec fixed 1 "${SPEC1_S:-70}"
+fi
+if [ "${DRAFT_OUT:-0}" = 1 ] && [ -f /root/d/eagle/config.json ]; then
+  tar czf /tmp/draft.tgz -C /root/d --exclude 'checkpoint-*' eagle && split -b 15m /tmp/draft.tgz "$OUT/draft.tgz.part"
 fi
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
 tar xzf "$OUT/logs.tgz" -O logs/train_eagle.log 2>/dev/null | grep -v "^step" | tail -12

@@ -7,8 +7,8 @@
 #     sym and asym, perplexity on every window of each text kind (device_peer_quality.sh, GPU eval);
 #  B: GPTQ W4 g64 asym variants on every window at 128 x 512 (the Hessian shrink; chat was the
 #     kind below 50% of RTN's gap), benchmarks/quality.py on the GPU, float32;
-#  C: issue 14 part 8, a W8A8 checkpoint's kernels against their references layer by layer
-#     (benchmarks/kernel_vs_ref_layers.py);
+#  C: issue 14 part 8, a W8A8 checkpoint's (SCHEMES: those schemes') kernels against their references
+#     layer by layer (benchmarks/kernel_vs_ref_layers.py);
 #  D: pytest -m gpu on tests/kernels and tests/runtime.
 # Before: .carry1's part in /root/m (an earlier call); carry .carry2 and .whl-llmc.
 # Results: $OUT/all.tgz (every log and JSON) and the tables at the end of the output.
@@ -27,18 +27,20 @@ if has gptq; then
     > "$OUT/logs/sweep_gptq.log" 2>&1
   cp /root/sweep/gptq/quality.md "$OUT/sweep_gptq.md"; cp /root/sweep/gptq/quality.json "$OUT/sweep_gptq.json"
 fi
-if has w8a8; then
-  timeout ${W8_S:-300} python3 -m optllm quantize smollm2-135m --scheme w8a8-int8 --num-samples 16 --seq-len 512 \
-    --device cuda --no-compare --overwrite --out /root/w8a8 > "$OUT/logs/w8a8_quantize.log" 2>&1 &&
-  timeout 200 python3 benchmarks/kernel_vs_ref_layers.py /root/w8a8 --device cuda --dtype float32 --top 16 \
-    > "$OUT/w8a8_layers.txt" 2>&1
+if has w8a8; then  # each SCHEMES checkpoint's kernels beside their references, layer by layer
+  for scheme in ${SCHEMES:-w8a8-int8}; do
+    timeout ${W8_S:-300} python3 -m optllm quantize smollm2-135m --scheme "$scheme" --num-samples 16 --seq-len 512 \
+      --device cuda --no-compare --overwrite --out "/root/$scheme" > "$OUT/logs/${scheme}_quantize.log" 2>&1 &&
+    timeout 200 python3 benchmarks/kernel_vs_ref_layers.py "/root/$scheme" --device cuda --dtype float32 --top 16 \
+      > "$OUT/${scheme}_layers.txt" 2>&1
+  done
 fi
 if has tests; then
   timeout ${TEST_S:-330} python3 -m pytest -q -m gpu tests/kernels tests/runtime -p no:cacheprovider \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest -m gpu: rc $?" >> "$OUT/gpu_tests.log"
 fi
 tail -3 "$OUT/gpu_tests.log" 2>/dev/null
-head -30 "$OUT/w8a8_layers.txt" 2>/dev/null
+head -30 "$OUT"/*_layers.txt 2>/dev/null
 cat "$OUT/sweep_gptq.md" 2>/dev/null
 grep -A 14 "^| model" "$OUT/logs/w3_run.log" 2>/dev/null
 cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz "$OUT/all.tgz"

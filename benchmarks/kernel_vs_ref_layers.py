@@ -32,7 +32,10 @@ def main() -> None:
     from optllm.hub.corpus import eval_text
     from optllm.runtime.layers.linear import LinearBase
 
-    kw = dict(device=a.device, dtype=a.dtype, enforce_eager=True, gpu_memory_utilization=0.25)
+    # two engines in one process: each gets a KV cache just big enough for the prompt (the memory
+    # check of a second engine sized by gpu_memory_utilization counts the first one's cache as used)
+    kw = dict(device=a.device, dtype=a.dtype, enforce_eager=True, max_model_len=a.tokens + 16,
+              num_kv_blocks=a.tokens // 16 + 4)
     ref = LLM(a.model, quantized_linear="dequant", **kw)
     ker = LLM(a.model, quantized_linear="kernel", **kw)
     ids = ref.tokenizer(eval_text("docs"))["input_ids"][: a.tokens]

@@ -3,8 +3,11 @@ engine ran at 0.69-0.86x of plain at batch 32-64 on the H200): the same decode w
 without a draft and on one with a draft whose adaptive policy never speculates (its cost table set so
 that no tree can win), per-step wall time of engine.step split into schedule / execute / the rest,
 then torch.profiler's top operations by CPU and by device time over a few steps of each.
+--trees N,...: also the draft engine with speculation always on (the fixed policy, EAGLE trees of
+N draft nodes): where a speculative step's time goes (its kernels' count and summed device time per
+step beside the step's wall time; tokens a sequence gets per step).
 
-    python benchmarks/profile_spec_off.py smollm2-135m --draft D [--batch 64] [--device cuda]
+    python benchmarks/profile_spec_off.py smollm2-135m --draft D [--batch 64] [--device cuda] [--trees 40,8]
 """
 
 from __future__ import annotations
@@ -17,33 +20,39 @@ import time
 import torch
 
 
-def engine(model: str, draft: str | None, args):
+def engine(model: str, draft: str | None, args, tree: int = 0):
     from optllm.runtime.llm import LLM
     from optllm.runtime.spec.policy import CostTable
 
     kw = dict(draft=draft, spec_policy="adaptive") if draft else {}
+    if tree:
+        kw = dict(draft=draft, spec_policy="fixed", spec_num_draft=tree)
     # two engines live one after the other in this process: each gets under half of the GPU
     llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch, gpu_memory_utilization=0.4,
               **kw)
-    if draft:  # no tree can ever beat a plain step: speculation stays off, exploration too
+    if draft and not tree:  # no tree can ever beat a plain step: speculation stays off, exploration too
         pol = llm.engine.runner.spec.policy
         pol.cost = CostTable(pol.cost.batches, {n: [1.0 if n == 1 else 1e6] * len(pol.cost.batches)
                                                 for n in pol.cost.ms})
     return llm
 
 
-def timed_steps(llm, args) -> dict:
+def timed_steps(llm, args, prof=None) -> dict:
+    """Median step / schedule / execute milliseconds of args.steps decode steps of args.batch
+    sequences after their prefill (the profiler, when given, records those steps only), mean
+    tokens a sequence gets per step; the requests are aborted at the end."""
     from optllm.runtime.sampling_params import SamplingParams
 
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True, detokenize=False)
+    # a speculative step emits up to depth + 1 tokens: no sequence may finish inside the window
+    params = SamplingParams(temperature=0, max_tokens=8 * args.steps + 8, ignore_eos=True, detokenize=False)
     vocab = eng.runner.vocab_size
-    for i in range(args.batch):
-        eng.add_request([1 + (i * 7919 + j * 31) % (vocab - 1) for j in range(args.prompt_len)], params)
+    rids = [eng.add_request([1 + (i * 7919 + j * 31) % (vocab - 1) for j in range(args.prompt_len)], params)
+            for i in range(args.batch)]
     while any(s.num_uncomputed_tokens > 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()  # prefill
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    parts: dict[str, list[float]] = {"schedule": [], "execute": [], "step": []}
+    parts: dict[str, list[float]] = {"schedule": [], "execute": [], "step": [], "tokens": []}
     sched, run = eng.scheduler.schedule, eng.runner.execute
 
     def t_sched():
@@ -59,13 +68,25 @@ def timed_steps(llm, args) -> dict:
         return r
 
     eng.scheduler.schedule, eng.runner.execute = t_sched, t_run
+    if prof is not None:
+        sync()
+        prof.start()
     for _ in range(args.steps):
         sync()
+        before = sum(len(s.output_token_ids) for s in eng.scheduler.running)
         t = time.perf_counter()
         eng.step()
         parts["step"].append(time.perf_counter() - t)
+        after = sum(len(s.output_token_ids) for s in eng.scheduler.running)
+        parts["tokens"].append((after - before) / max(1, len(eng.scheduler.running)))
+    if prof is not None:
+        sync()
+        prof.stop()
     eng.scheduler.schedule, eng.runner.execute = sched, run
-    return {k: 1e3 * statistics.median(v) for k, v in parts.items()}
+    for rid in rids:
+        eng.abort_request(rid)
+    tokens = parts.pop("tokens")
+    return {**{k: 1e3 * statistics.median(v) for k, v in parts.items()}, "tokens": statistics.fmean(tokens)}
 
 
 def main() -> None:
@@ -78,29 +99,39 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--profile", action="store_true", help="also torch.profiler's top operations")
+    ap.add_argument("--trees", default="", help="N,...: also speculation always on, EAGLE trees of N draft nodes")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     rows = {}
-    for label, draft in (("no draft", None), ("draft, speculation off", args.draft)):
-        llm = engine(args.model, draft, args)
+    runs = [("no draft", None, 0), ("draft, speculation off", args.draft, 0)]
+    trees = [int(n) for n in args.trees.split(",") if n]
+    runs += [(f"draft, tree of {n} + 1 every step", args.draft, n) for n in trees]
+    for label, draft, tree in runs:
+        llm = engine(args.model, draft, args, tree)
         rows[label] = timed_steps(llm, args)
         if args.profile:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-            with profile(activities=acts) as prof:
-                timed_steps(llm, argparse.Namespace(**{**vars(args), "steps": 8}))
+            steps = 8
+            prof = profile(activities=acts)
+            timed_steps(llm, argparse.Namespace(**{**vars(args), "steps": steps}), prof)
             key = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            rows[label]["kernels"] = len(kernels) / steps
+            rows[label]["kernel_ms"] = sum(e.device_time for e in kernels) / 1e3 / steps
             print(f"## {label}: top operations by {key}")
-            print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=70))
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print(f"| engine (batch {args.batch}) | step ms | schedule ms | execute ms |")
-    print("|---|---|---|---|")
+    print(f"| engine (batch {args.batch}) | step ms | schedule ms | execute ms | tokens / seq-step "
+          "| kernels / step | kernel ms / step |")
+    print("|---|---|---|---|---|---|---|")
     for label, r in rows.items():
-        print(f"| {label} | {r['step']:.3f} | {r['schedule']:.3f} | {r['execute']:.3f} |")
+        print(f"| {label} | {r['step']:.3f} | {r['schedule']:.3f} | {r['execute']:.3f} | {r['tokens']:.2f} "
+              f"| {r.get('kernels', float('nan')):.0f} | {r.get('kernel_ms', float('nan')):.3f} |")
 
 
 if __name__ == "__main__":
