@@ -2,9 +2,9 @@
 
 Without CUDA everything here runs under Triton's CPU interpreter (fp8 tl.dot works there; it
 computes in fp32). Bounds, fp32 out vs float64 from the dequantized fp8 values: 1e-5 under
-the interpreter; on a GPU 5e-3, because Hopper's fp8 tensor cores accumulate with fewer
-mantissa bits than fp32 (2e-4 measured when promoted every block_k, up to 3e-3 with the
-fast_accum configs used from M = 256 at K = 14336). bf16/fp16 out:
+the interpreter; on a GPU 1e-3, because Hopper's fp8 tensor cores accumulate with fewer
+mantissa bits than fp32 (2e-4 measured when promoted every block_k, as every default config
+does; up to 3e-3 with the opt-in fast_accum tiles at K = 14336, which this bound fails). bf16/fp16 out:
 1e-2 (one output ulp). The pipeline vs the unquantized float model: 6e-2 (E4M3 keeps 3
 mantissa bits, ~3.6% rms rounding of each activation).
 """
@@ -17,7 +17,7 @@ from optllm.kernels import fp8 as F
 from optllm.kernels.w8a8_int8 import GemmConfig, m_bucket, scaled_mm_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-GEMM_TOL = 5e-3 if DEV == "cuda" else 1e-5
+GEMM_TOL = 1e-3 if DEV == "cuda" else 1e-5
 MS = (1, 3, 16, 33, 128)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -190,9 +190,19 @@ def test_torch_compile_sees_the_ops(static):
     assert {quant, "optllm.fp8_gemm.default"} <= targets
 
 
+@pytest.mark.skipif(F.FAST_ACCUM, reason="OPTLLM_FP8_FAST_ACCUM=1 chose the fast tiles")
+def test_every_default_config_promotes_its_partial_sums():
+    """fast_accum is opt-in: no table entry or heuristic config of any bucket uses it."""
+    for (bucket, n, k), cfg in F.FP8_CONFIGS.items():
+        assert not cfg.fast_accum, (bucket, n, k)
+    for bucket in (16, 32, 64, 128, 256, 512, 1024, 4096):
+        for n, k in ((576, 576), (3072, 576), (4096, 14336)):
+            assert not F.default_fp8_config(bucket, n, k).fast_accum, (bucket, n, k)
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 200, 1024])
+@pytest.mark.parametrize("m", [1, 16, 64, 200, 1024, 4096])
 def test_gpu_llama_shapes_and_scaled_mm(m):
     shapes = {(n, k) for (_, n, k) in F.FP8_CONFIGS} | {(4096, 4096)}
     for n, k in sorted(shapes):
