@@ -7,13 +7,16 @@ dynamically (per token, scale = row absmax / 448); fp32 accumulation on fp8 tens
 The weight stays [N, K] row-major for the reason given in kernels/scaled_mm.py (Hopper's fp8
 wgmma takes K-major operands only); the matmul kernel itself is the shared one there, and this
 file holds the E4M3 activation quantizer, the FP8 config table, the fp8 ops and references.
-Hopper's fp8 tensor cores accumulate with fewer mantissa bits than fp32: every config promotes
-partial sums to fp32 every block_k (as torch._scaled_mm does by default). fast_accum (sums over
-all of K stay in the tensor core) is 15-25% faster from M = 256 up but not accurate enough to
-serve by default: 1.3e-3 relative error at K=4096 and 2.9e-3 at K=14336 on random data, against
-2e-4 promoted, and 6.8e-3 on SmolLM2's real down_proj inputs (K=1536; H200,
-benchmarks/kernel_vs_ref_layers.py), which moved its perplexity 0.2-0.6% off the reference's.
-OPTLLM_FP8_FAST_ACCUM=1 (read at import) restores the fast-accumulate tiles from M = 256 up.
+Hopper's fp8 tensor cores accumulate with fewer mantissa bits than fp32. Below M = 256 every
+config promotes partial sums to fp32 every block_k (as torch._scaled_mm does by default); from
+M = 256 up, where the gemm is compute-bound, the tiles use fast_accum (sums over all of K stay
+in the tensor core), as vLLM's CUTLASS FP8 kernels do. The trade, measured on the H200
+(docs/BENCHMARKS.md, eleventh session): fast_accum is 1.3-1.5x faster at M = 256 / 4096
+(0.95-0.99x torch._scaled_mm against 0.66-0.78x promoted) and its relative error is 1.3e-3
+(K=4096) to 2.9e-3 (K=14336) on random data and 6.8e-3 on SmolLM2's real down_proj inputs,
+against 2e-4 / 4e-4 promoted; SmolLM2's perplexity through either stays within the spread
+float rounding alone gives an FP8 model (benchmarks/ref_noise_floor.py).
+OPTLLM_FP8_FAST_ACCUM=0 (read at import) promotes at every M.
 """
 
 from __future__ import annotations
@@ -41,15 +44,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 (fn) value
 
 
-FAST_ACCUM = os.environ.get("OPTLLM_FP8_FAST_ACCUM", "0") == "1"
+FAST_ACCUM = os.environ.get("OPTLLM_FP8_FAST_ACCUM", "1") != "0"
 
 
-def default_fp8_config(bucket: int, n: int, k: int) -> GemmConfig:
+def default_fp8_config(bucket: int, n: int, k: int, fast: bool | None = None) -> GemmConfig:
     """Heuristic config for shapes absent from FP8_CONFIGS (the H200 sweep's usual winners).
-
-    From M = 256 up the gemm is compute-bound; promoting partial sums to fp32 every block_k
-    takes a second accumulator, so those tiles are at most 128 x 128 (a 128 x 256 tile's two
-    accumulators would not fit in the registers); FAST_ACCUM keeps the larger fast tiles."""
+    fast (None: FAST_ACCUM): fast_accum tiles from M = 256 up; else tiles that promote, at
+    most 128 x 128 there (promotion takes a second accumulator: a 128 x 256 tile's two would
+    not fit in the registers)."""
+    fast = FAST_ACCUM if fast is None else fast
     if bucket == 16:
         return GemmConfig(16, 64, 512, 1, 4, 4, swap_ab=True)
     if bucket == 32:
@@ -58,24 +61,28 @@ def default_fp8_config(bucket: int, n: int, k: int) -> GemmConfig:
         return GemmConfig(64, 32, 256, 8, 4, 5)
     if bucket == 128:
         return GemmConfig(64, 64, 256, 8, 4, 4)
-    if FAST_ACCUM:
+    if fast:
         return (GemmConfig(64, 128, 128, 8, 4, 4, fast_accum=True) if bucket <= 512
                 else GemmConfig(128, 256, 128, 8, 8, 3, fast_accum=True))
     return GemmConfig(64, 128, 128, 8, 4, 4) if bucket <= 512 else GemmConfig(128, 128, 128, 8, 8, 3)
 
 
-# H200 sweep (triton 3.6, CUDA-graph timing, 4 weight copies rotated) at Llama-3-8B shapes,
-# where the winner differs from the heuristic; keys are (m_bucket(M), N, K).
-FP8_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
-    (16, 28672, 4096): GemmConfig(16, 128, 256, 1, 4, 3, swap_ab=True),
-    (64, 6144, 4096): GemmConfig(64, 64, 256, 1, 4, 5, swap_ab=True),
-    (64, 28672, 4096): GemmConfig(64, 128, 128, 8, 4, 4),
-}
-if FAST_ACCUM:
-    FP8_CONFIGS.update({
-        (256, 28672, 4096): GemmConfig(128, 256, 128, 8, 8, 3, fast_accum=True),
-        (1024, 28672, 4096): GemmConfig(128, 256, 128, 8, 8, 4, fast_accum=True),
-    })
+def fp8_configs(fast: bool) -> dict[tuple[int, int, int], GemmConfig]:
+    """The H200 sweep's winners (triton 3.6, CUDA-graph timing, 4 weight copies rotated) at
+    Llama-3-8B shapes where they differ from the heuristic; keys are (m_bucket(M), N, K). The
+    M >= 256 winners are fast_accum tiles: without fast, the heuristic's promoting tiles."""
+    table = {
+        (16, 28672, 4096): GemmConfig(16, 128, 256, 1, 4, 3, swap_ab=True),
+        (64, 6144, 4096): GemmConfig(64, 64, 256, 1, 4, 5, swap_ab=True),
+        (64, 28672, 4096): GemmConfig(64, 128, 128, 8, 4, 4),
+    }
+    if fast:
+        table[(256, 28672, 4096)] = GemmConfig(128, 256, 128, 8, 8, 3, fast_accum=True)
+        table[(1024, 28672, 4096)] = GemmConfig(128, 256, 128, 8, 8, 4, fast_accum=True)
+    return table
+
+
+FP8_CONFIGS = fp8_configs(FAST_ACCUM)
 
 
 @triton.jit
