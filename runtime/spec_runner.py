@@ -480,35 +480,43 @@ class SpecDecoder:
         # the smallest menu sizes can keep)
         depth = self.tree_depth(n)
         builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=depth, num_draft=n - 1)
-        feats_in, toks, masks = [], [], None
+        feats_in, toks = [], []
         prev_nodes, prev_out = None, None
+        if depth > 1:
+            # every level's rows are a prefix of the last level's (row r: frontier node r % k of
+            # depth r // k + 1, at position c + r // k, in slot c + r): their index tensors are
+            # built once here and sliced per level (each level rebuilding them cost ~15 kernels)
+            rows = (depth - 1) * k
+            r = torch.arange(rows, device=dev)
+            at = ctx[:, None] + r[None, :]
+            slots_all = tables.long().gather(1, at // bs) * bs + at % bs  # [B, rows]
+            pos_all = ctx[:, None] + (r // k)[None, :]
+            ctx32 = ctx.to(torch.int32)
+            step32 = torch.arange(bsz + 1, device=dev, dtype=torch.int32)
+            step64 = torch.arange(bsz, device=dev)
+            # the ancestor-or-self mask over all rows, filled a level at a time (a row's
+            # ancestors are earlier rows: later columns stay False)
+            full = torch.eye(rows, dtype=torch.bool, device=dev).expand(bsz, rows, rows).clone()
         for d in range(1, depth):
             front = builder.frontier  # [B, k] pool indices, all at depth d
             tok = builder.frontier_tokens
+            m = d * k
             if d == 1:
                 parent_feat = states[:, None, :].expand(bsz, k, states.shape[-1])
-                parent_row = None
             else:
                 par = builder.pool_parents.gather(1, front)  # [B, k]: nodes of the previous frontier
                 j = (par[:, :, None] == prev_nodes[:, None, :]).float().argmax(dim=-1)  # their index there
                 parent_feat = prev_out.gather(1, j[:, :, None].expand(bsz, k, prev_out.shape[-1]))
                 parent_row = (d - 2) * k + j
+                full[:, m - k:m, :m - k] = full[:, :m - k, :m - k].gather(
+                    1, parent_row[:, :, None].expand(bsz, k, m - k))
             feats_in.append(parent_feat)
             toks.append(tok)
-            m = d * k
-            # ancestor-or-self mask over the rows so far (row r = frontier node r % k of depth r // k + 1)
-            new = torch.zeros(bsz, m, m, dtype=torch.bool, device=dev)
-            if masks is not None:
-                new[:, :m - k, :m - k] = masks
-                new[:, m - k:, :m - k] = masks.gather(1, parent_row[:, :, None].expand(bsz, k, m - k))
-            masks = new | torch.eye(m, dtype=torch.bool, device=dev)  # (no host scalar: graph-safe)
-            rows_pos = ctx[:, None] + torch.arange(m, device=dev)[None, :]
-            slots = (tables.long().gather(1, rows_pos // bs) * bs + rows_pos % bs).reshape(-1)
-            positions = (ctx[:, None] + torch.arange(d, device=dev).repeat_interleave(k)[None, :]).reshape(-1)
+            masks = full[:, :m, :m]
             meta = AttentionMetadata(
-                slot_mapping=slots, block_tables=tables, seq_lens=(ctx + m).to(torch.int32), decode=False,
-                cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * m).to(torch.int32), max_seqlen_q=m,
-                mask=masks.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (m * m))
+                slot_mapping=slots_all[:, :m].reshape(-1), block_tables=tables, seq_lens=ctx32 + m, decode=False,
+                cu_seqlens_q=step32 * m, max_seqlen_q=m, mask=masks.reshape(-1), mask_offsets=step64 * (m * m))
+            positions = pos_all[:, :m].reshape(-1)
             f = torch.cat(feats_in, dim=1).reshape(bsz * m, -1)
             ids = torch.cat(toks, dim=1).reshape(-1)
             out = self.draft(f, ids, positions, meta).view(bsz, m, -1)[:, m - k:]
