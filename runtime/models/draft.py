@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import UserError
+from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -79,21 +80,39 @@ class _EagleAttention(nn.Module):
                                           device, backend)
         self.attn = Attention(nh, nkv, d, d ** -0.5, 0, backend)
 
+        self.register_buffer("qkv_weight", None, persistent=False)  # fuse() sets it
+
+    def fuse(self) -> None:
+        """After loading: q / k / v as one matrix (one GEMM a forward instead of three; a
+        speculative step runs the draft once per tree level, and its cost is the kernels' count)."""
+        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).contiguous()
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # views of the fused output, as the target's attention takes them
+            q, k, v = F.linear(x, self.qkv_weight).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class _EagleMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, backend: str = "torch") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = SiluAndMul(backend)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # fuse() sets it
+
+    def fuse(self) -> None:
+        """After loading: gate and up as one matrix, read by the fused SiLU-and-multiply."""
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(F.linear(x, self.gate_up_weight)))
 
 
 class _EagleLayer(nn.Module):
@@ -102,7 +121,7 @@ class _EagleLayer(nn.Module):
         self.self_attn = _EagleAttention(cfg, max_position, device, backend)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], float(cfg["rms_norm_eps"]), dtype, device,
                                                 backend)
-        self.mlp = _EagleMLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.mlp = _EagleMLP(cfg["hidden_size"], cfg["intermediate_size"], backend)
 
     def forward(self, positions, x, meta):
         x = x + self.self_attn(positions, x, meta)
@@ -165,7 +184,7 @@ class _Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(h, eps, dtype, device, backend)
         self.self_attn = _Eagle3Attention(cfg, max_position, device, backend)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device, backend)
-        self.mlp = _EagleMLP(h, cfg["intermediate_size"])
+        self.mlp = _EagleMLP(h, cfg["intermediate_size"], backend)
 
     def forward(self, positions, hidden, emb, meta):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
@@ -301,4 +320,8 @@ def load_draft(folder: str | Path, target, target_config, target_folder: Path | 
                                 f"expected {tuple(p.shape)}")
             p.data = state[name].to(device=device, dtype=dtype)
     draft.requires_grad_(False).eval()
-    return draft.to(device)
+    draft = draft.to(device)
+    for mod in draft.modules():
+        if isinstance(mod, (_EagleAttention, _EagleMLP)):
+            mod.fuse()
+    return draft
