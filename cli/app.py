@@ -35,7 +35,8 @@ def _group(value: str) -> int | str:
 def quantize(
     model: str = typer.Argument(..., help="HF model folder, built-in alias (see `optllm models`) or hub id"),
     scheme: Optional[str] = typer.Option(None, help="w4a16-rtn | w4a16-awq | w4a16-gptq (w3a16-*, w8a16-* too) | "
-                                         "w8a8-int8 | w8a8-int8-static | fp8 | fp8-dynamic | nvfp4 | nvfp4a16"),
+                                         "w8a8-int8 | w8a8-int8-asym | w8a8-int8-static | fp8 | fp8-dynamic | "
+                                         "nvfp4 | nvfp4a16"),
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
     group_size: Optional[str] = typer.Option(None, help="32, 64, 128 or 'channel' [default: the scheme's, 128]"),
     asym: Optional[bool] = typer.Option(None, "--asym/--sym",

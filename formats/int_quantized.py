@@ -4,7 +4,8 @@ Each quantized linear X has X.weight (torch.int8 [N, K]: the codes themselves, u
 X.weight_scale ([N, 1] per output channel, the checkpoint dtype) and, when its input
 activations are static, X.input_scale ([1], the checkpoint dtype); dynamic activations store
 nothing (their scale is taken per token at run time). w = weight * weight_scale, in the
-scale's dtype. Symmetric only: no zero points are stored.
+scale's dtype. No zero points are stored: the weights and static inputs are symmetric; dynamic
+per-token inputs may be asymmetric (``w8a8-int8-asym``: their zero points are taken at run time).
 
 Matched against compressed-tensors 0.20.1 (the package installed in .venv):
 - compressors/naive_quantized/base.py: IntQuantizationCompressor (registered as
@@ -65,10 +66,10 @@ class IntQuantizedWeight(QuantizedWeight):
                                   input_scale=None if self.input_scale is None else self.input_scale.cpu())
 
 
-def _check_int8(role: str, args: QuantArgs) -> None:
+def _check_int8(role: str, args: QuantArgs, zero_points: bool = False) -> None:
     if args.type != "int" or args.num_bits != 8:
         raise ValueError(f"{role} {args.type} {args.num_bits}-bit is not supported here; allowed: int 8-bit")
-    if not args.symmetric:
+    if not args.symmetric and not zero_points:
         raise ValueError(f"{role}: asymmetric int8 is not supported here; allowed: symmetric (no zero points)")
 
 
@@ -90,8 +91,9 @@ class IntQuantizedCodec(StaticInputScaleCodec):
         if input_activations is None:
             raise ValueError("int-quantized is W8A8: input_activations must be given (int8 weight-only is "
                              "pack-quantized: w8a16-*)")
-        _check_int8("input activation type", input_activations)
         acts = (input_activations.strategy, input_activations.dynamic)
+        # dynamic inputs may have zero points (taken per token at run time: nothing stored)
+        _check_int8("input activation type", input_activations, zero_points=acts == ("token", True))
         if acts not in (("token", True), ("tensor", False)):
             raise ValueError(f"int8 input activations with strategy {acts[0]!r} and dynamic {acts[1]} are not "
                              "supported; allowed: 'token' dynamic or 'tensor' static")

@@ -72,9 +72,11 @@ def vllm_int8_incompatibility(weights: QuantArgs, input_activations: QuantArgs |
         return "vLLM takes static symmetric INT8 weights per tensor or per channel."
     if input_activations is None or input_activations.type != "int" or input_activations.num_bits != 8:
         return "vLLM's INT8 W8A8 path takes 8-bit int input activations."
-    if input_activations.dynamic:
+    if input_activations.dynamic:  # symmetric or with zero points (its azp kernels)
         return None if input_activations.strategy == "token" else \
             "vLLM takes dynamic INT8 input activations only per token."
+    if not input_activations.symmetric:
+        return "optllm writes static INT8 input activations only symmetric."
     if input_activations.strategy != "tensor":
         return "vLLM takes static INT8 input activations only per tensor."
     return None

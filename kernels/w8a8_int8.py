@@ -7,6 +7,17 @@ Here: the per-token int8 quantize kernel, the INT8 config table and its heuristi
 public int8 ops (registered as torch custom ops), W8A8Weight and the torch references.
 The matmul itself is the scaled-matmul kernel of kernels/scaled_mm.py, shared with
 kernels/fp8.py; its module docstring says why the weight stays [N, K] row-major.
+
+Asymmetric activations (``w8a8_int8_azp_linear``): per token, over [min(min, 0), max(max, 0)],
+scale = range / 255 and a zero point azp = round(-128 - min / scale), xq = sat(round(x / scale)
++ azp) (compressed-tensors' asymmetric grid; vLLM's azp quantizer takes the same from the row's
+own range); the int32 products then carry azp * sum_k w[n, k], which the
+epilogue subtracts with the weight's per-channel code sums (``int8_code_sums``, taken once):
+
+    y[m, n] = x_scale[m] * w_scale[n] * (sum_k xq[m, k] * w[n, k] - azp[m] * sum_k w[n, k])
+
+Rows with outliers (a few channels far larger than the rest, as in small LLMs' norm outputs)
+keep about twice the resolution a symmetric grid leaves them.
 """
 
 from __future__ import annotations
@@ -216,7 +227,63 @@ def w8a8_int8_linear(x: torch.Tensor, weight: W8A8Weight, bias: torch.Tensor | N
     return y.reshape(*x.shape[:-1], weight.weight.shape[0])
 
 
+def int8_code_sums(weight: W8A8Weight) -> torch.Tensor:
+    """w_scale[n] * sum_k w[n, k] in float32 [N] (the sum exact in int32): the asymmetric
+    activations' correction, taken once per weight."""
+    return weight.weight.sum(dim=1, dtype=torch.int32).float() * weight.scale
+
+
+def w8a8_int8_azp_linear(x: torch.Tensor, weight: W8A8Weight, code_sums: torch.Tensor,
+                         bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W^T (+ bias), x quantized per token to int8 with a zero point
+    (module docstring); code_sums = int8_code_sums(weight). The activation quantizer is torch
+    ops (bit-identical to the reference on every device); the int8 GEMM is the Triton one
+    (backend as w8a8_int8_linear's), in float32, then the zero points' rank-one correction.
+    Output dtype is x's dtype."""
+    k, n = weight.weight.shape[1], weight.weight.shape[0]
+    check_activation(x, k)
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias.shape={tuple(bias.shape)} must be ({n},)")
+    if tuple(code_sums.shape) != (n,) or code_sums.dtype != torch.float32:
+        raise ValueError(f"code_sums must be float32 [{n}] (int8_code_sums); got {code_sums.dtype} "
+                         f"{tuple(code_sums.shape)}")
+    if not use_triton(backend, x):
+        return w8a8_int8_azp_linear_ref(x, weight, bias)
+    xq, xs, azp = quantize_per_token_int8_azp_ref(x.reshape(-1, k))
+    y = _gemm_op(xq, xs, weight.weight, weight.scale, None, torch.float32)
+    y = y - (xs * azp) * code_sums
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 # --------------------------------------------------------------------------- references
+def quantize_per_token_int8_azp_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq int8 [M, K], scale float32 [M, 1], azp float32 [M, 1], integer-valued):
+    per row, over the range [min(min, 0), max(max, 0)] (compressed-tensors' calculate_qparams:
+    zero stays exact, and a constant row cannot blow up), scale = range / 255, azp =
+    round(-128 - min / scale), xq = clamp(round(x / scale) + azp, -128, 127), in float32 (vLLM's
+    dynamic_scaled_int8_azp_quant computes the same from the row's own min and max); an
+    all-zero row gets the smallest scale. x ~ (xq - azp) * scale."""
+    xf = x.float()
+    lo, hi = xf.amin(dim=-1, keepdim=True).clamp(max=0), xf.amax(dim=-1, keepdim=True).clamp(min=0)
+    scale = ((hi - lo) / torch.full_like(hi, 255.0)).clamp(min=SCALE_EPS)
+    azp = torch.round(-128.0 - lo / scale)
+    xq = (torch.round(xf / scale) + azp).clamp(-128, 127).to(torch.int8)
+    return xq, scale, azp
+
+
+def w8a8_int8_azp_linear_ref(x: torch.Tensor, weight: W8A8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of w8a8_int8_azp_linear: the dequantized activations (xq - azp) * scale
+    times the dequantized weight, in float32."""
+    k, n = weight.weight.shape[1], weight.weight.shape[0]
+    xq, xs, azp = quantize_per_token_int8_azp_ref(x.reshape(-1, k))
+    y = ((xq.float() - azp) * xs) @ (weight.weight.float() * weight.scale[:, None]).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 def quantize_per_token_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of quantize_per_token_int8 (bit-identical outputs)."""
     xf = x.float()

@@ -1,4 +1,5 @@
-"""SmoothQuant (Xiao et al., 2023) and the W8A8-INT8 schemes ``w8a8-int8`` / ``w8a8-int8-static``.
+"""SmoothQuant (Xiao et al., 2023) and the W8A8-INT8 schemes ``w8a8-int8`` / ``w8a8-int8-static`` /
+``w8a8-int8-asym``.
 
 Activations of LLMs have a few input channels with outliers 10-100x the others, so quantizing
 them to int8 per token wastes the grid on those channels; weights are flat. SmoothQuant moves
@@ -28,9 +29,10 @@ int8 weights and its inputs quantized as the runtime quantizes them.
 Then the weights: int8, symmetric, per output channel (scale = absmax / 127.5, codes in
 [-128, 127]: compressed-tensors' grid), by RTN or, when asked (``weights: gptq``), by the GPTQ
 step of quant/gptq.py on the smoothed block (gptq_per_channel_step: columns in act-order).
-Input activations: ``w8a8-int8`` quantizes them per token at run time; ``w8a8-int8-static``
-calibrates one per-tensor input scale per linear, absmax / 127.5 over every calibration token
-reaching it with the block's weights quantized.
+Input activations: ``w8a8-int8`` quantizes them per token at run time (symmetric, absmax / 127);
+``w8a8-int8-asym`` per token with a zero point ((max - min) / 255, kernels/w8a8_int8.py);
+``w8a8-int8-static`` calibrates one per-tensor input scale per linear, absmax / 127.5 over every
+calibration token reaching it with the block's weights quantized.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from torch import nn
 from ..formats.args import QuantArgs
 from ..formats.int_quantized import IntQuantizedWeight, int8_scale, quantize_static_int8
 from ..hub.architectures import BlockMapping, SmoothMapping
-from ..kernels.w8a8_int8 import quantize_per_token_int8_ref
+from ..kernels.w8a8_int8 import quantize_per_token_int8_azp_ref, quantize_per_token_int8_ref
 from . import observers
 from .algorithm import Algorithm, BlockContext, BlockResult, quantize_in_place, register_algorithm
 from .awq import apply_scales, channel_reduce, gqa_channel_index, out_features
@@ -107,10 +109,13 @@ class SmoothQuantStep:
     smoothing: SmoothQuantOptions
     static_input: bool
     gptq: GPTQOptions
+    asym_input: bool = False  # dynamic per-token inputs with zero points (w8a8-int8-asym)
 
 
 def smoothquant_options(config: "QuantizeConfig") -> SmoothQuantStep:
-    return SmoothQuantStep(config.smoothquant, config.static_inputs(), GPTQOptions.from_config(config))
+    acts = config.quant_scheme().input_activations
+    return SmoothQuantStep(config.smoothquant, config.static_inputs(), GPTQOptions.from_config(config),
+                           asym_input=acts is not None and not acts.symmetric)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -180,11 +185,15 @@ def smooth_block(layer: nn.Module, inputs: BlockInputs, mappings: Sequence[Smoot
 
 
 # --------------------------------------------------------------------------- activations
-def fake_quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+def fake_quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None, asym: bool = False) -> torch.Tensor:
     """x quantized to int8 and back, as the runtime's W8A8 linear sees it: per token
-    (kernels.w8a8_int8's quantizer) when input_scale is None, else with that static scale."""
+    (kernels.w8a8_int8's quantizer; asym: with a zero point) when input_scale is None, else with
+    that static scale."""
     flat = x.reshape(-1, x.shape[-1])
-    if input_scale is None:
+    if asym:
+        xq, xs, azp = quantize_per_token_int8_azp_ref(flat)
+        out = (xq.float() - azp) * xs
+    elif input_scale is None:
         xq, xs = quantize_per_token_int8_ref(flat)
         out = xq.float() * xs
     else:
@@ -193,14 +202,15 @@ def fake_quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> to
 
 
 @contextmanager
-def quantized_inputs(linears: dict[str, nn.Linear], input_scales: dict[str, torch.Tensor] | None) -> Iterator[None]:
+def quantized_inputs(linears: dict[str, nn.Linear], input_scales: dict[str, torch.Tensor] | None,
+                     asym: bool = False) -> Iterator[None]:
     """While open, each linear's input is fake-quantized (fake_quantize_input; input_scales:
-    static scales by linear name, None: per token)."""
+    static scales by linear name, None: per token; asym: per token with zero points)."""
 
     def make(name):
         def hook(_m, args):
             scale = None if input_scales is None else input_scales[name]
-            return (fake_quantize_input(args[0], scale),) + tuple(args[1:])
+            return (fake_quantize_input(args[0], scale, asym),) + tuple(args[1:])
 
         return hook
 
@@ -231,7 +241,8 @@ def token_error(outs: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return (total / count) ** 0.5 if count else 0.0
 
 
-def quantized_block_error(ctx: BlockContext, static_input: bool, ref: list[torch.Tensor]) -> float:
+def quantized_block_error(ctx: BlockContext, static_input: bool, ref: list[torch.Tensor],
+                          asym_input: bool = False) -> float:
     """The block's output error against ref with every quantized linear's weight RTN int8 and its
     inputs quantized (static scales measured first); the weights are changed in place."""
     with torch.no_grad():
@@ -239,12 +250,13 @@ def quantized_block_error(ctx: BlockContext, static_input: bool, ref: list[torch
             lin.weight.copy_(observers.fake_quantize(lin.weight, ctx.weights, scale_dtype=ctx.scale_dtype)
                              .to(lin.weight.dtype))
     scales = static_input_scales(ctx) if static_input else None
-    with quantized_inputs(ctx.linears, scales):
+    with quantized_inputs(ctx.linears, scales, asym_input):
         return token_error(run_block(ctx.layer, ctx.inputs), ref)
 
 
 def search_alpha(ctx: BlockContext, mappings: Sequence[SmoothMapping], x_absmax: dict[str, torch.Tensor],
-                 opts: SmoothQuantOptions, static_input: bool) -> tuple[float | None, dict[str, float]]:
+                 opts: SmoothQuantOptions, static_input: bool,
+                 asym_input: bool = False) -> tuple[float | None, dict[str, float]]:
     """The α of {None (no smoothing), 0, 1/n, ..., 1} with the lowest quantized block error
     (ties keep the earlier); the block is left as it was. Returns (α, error per candidate)."""
     ref = run_block(ctx.layer, ctx.inputs)
@@ -255,7 +267,7 @@ def search_alpha(ctx: BlockContext, mappings: Sequence[SmoothMapping], x_absmax:
         for alpha in [None] + [i / opts.alpha_grid for i in range(opts.alpha_grid + 1)]:
             if alpha is not None:
                 smooth_block(ctx.layer, ctx.inputs, mappings, alpha, x_absmax)
-            err = quantized_block_error(ctx, static_input, ref)
+            err = quantized_block_error(ctx, static_input, ref, asym_input)
             errors["none" if alpha is None else f"{alpha:g}"] = err
             if err == err and (best is None or err < best[0]):
                 best = (err, alpha)
@@ -284,7 +296,7 @@ def smoothquant_step(ctx: BlockContext, opts: SmoothQuantStep) -> BlockResult:
             amax = channel_absmax(ctx.layer, ctx.inputs, mappings)
             alpha: float | None = float(sq.alpha) if not sq.search else None
             if sq.search:
-                alpha, errors = search_alpha(ctx, mappings, amax, sq, opts.static_input)
+                alpha, errors = search_alpha(ctx, mappings, amax, sq, opts.static_input, opts.asym_input)
                 stats["search_errors"] = errors
             stats["alpha"] = alpha
             if alpha is not None:
@@ -323,3 +335,8 @@ register_scheme(QuantScheme("w8a8-int8", NAME, _WEIGHTS, QuantArgs(num_bits=8, g
                                                                    dynamic=True), format=FORMAT))
 register_scheme(QuantScheme("w8a8-int8-static", NAME, _WEIGHTS, QuantArgs(num_bits=8, group_size=None,
                                                                           strategy="tensor"), format=FORMAT))
+# the same weights with asymmetric dynamic per-token inputs (a zero point per token, which vLLM's
+# INT8 path also takes): the symmetric preset's activations cost SmolLM2 1.1-1.4% perplexity,
+# these 0.6-0.9% (docs/BENCHMARKS.md)
+register_scheme(QuantScheme("w8a8-int8-asym", NAME, _WEIGHTS, QuantArgs(num_bits=8, group_size=None, strategy="token",
+                                                                        dynamic=True, symmetric=False), format=FORMAT))

@@ -52,7 +52,15 @@ from ...kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, nvfp4_linear, prepac
 from ...kernels.nvfp4_format import quantize_nvfp4_activations_ref
 from ...kernels.w4a16 import W4A16Weight, dequantize_w4a16, prepack_w4a16, w4a16_linear
 from ...kernels.w4a16_configs import N_MAJOR_SHAPES
-from ...kernels.w8a8_int8 import W8A8Weight, quantize_per_token_int8_ref, w8a8_int8_gemm, w8a8_int8_linear
+from ...kernels.w8a8_int8 import (
+    W8A8Weight,
+    int8_code_sums,
+    quantize_per_token_int8_azp_ref,
+    quantize_per_token_int8_ref,
+    w8a8_int8_azp_linear,
+    w8a8_int8_gemm,
+    w8a8_int8_linear,
+)
 
 
 class DenseMethod:
@@ -200,7 +208,8 @@ class FP8Method:
         return fp8_linear(x, FP8Weight(layer.fp8_weight, layer.fp8_scale), xs, bias, backend="triton")
 
     def describe(self, layer) -> str:
-        acts = "static per-tensor" if self.static else "dynamic per-token"
+        acts = "static per-tensor" if self.static else (
+            "dynamic per-token asymmetric" if self.azp else "dynamic per-token")
         return f"fp8 w8a8 ({self.args.strategy} weights, {acts} activations, {self.backend})"
 
 
@@ -217,13 +226,17 @@ class W8A8Int8Method:
         self.args, self.scale_dtype, self.dequant = args, scale_dtype, dequant
         self.backend = "torch" if dequant else backend
         self.static = input_activations is not None and not input_activations.dynamic
+        # dynamic per-token inputs with a zero point (w8a8-int8-asym)
+        self.azp = input_activations is not None and not input_activations.symmetric
 
     @staticmethod
     def takes(args: QuantArgs, input_activations: QuantArgs | None) -> bool:
-        return (args.type == "int" and args.num_bits == 8 and args.symmetric and args.strategy in ("channel", "tensor")
+        if not (args.type == "int" and args.num_bits == 8 and args.symmetric and args.strategy in ("channel", "tensor")
                 and input_activations is not None and input_activations.type == "int"
-                and input_activations.num_bits == 8 and input_activations.symmetric
-                and (input_activations.strategy, input_activations.dynamic) in (("token", True), ("tensor", False)))
+                and input_activations.num_bits == 8):
+            return False
+        how = (input_activations.strategy, input_activations.dynamic)
+        return how in (("token", True), ("tensor", False)) if input_activations.symmetric else how == ("token", True)
 
     def create_weights(self, layer, device) -> None:
         n, k = layer.out_features, layer.in_features
@@ -244,11 +257,23 @@ class W8A8Int8Method:
         layer.register_buffer("int8_input_scale", xs)
         if self.backend == "torch":  # the kernels' reference weight, made once
             layer.register_buffer("dense", w.float() * s.float().reshape(-1, 1), persistent=False)
+        elif self.azp:
+            layer.register_buffer("int8_code_sums", int8_code_sums(W8A8Weight(layer.int8_weight, layer.int8_scale)),
+                                  persistent=False)
 
     def apply(self, layer, x, bias):
         k, n = layer.in_features, layer.out_features
         xs = layer.int8_input_scale
         x2 = x.reshape(-1, k)
+        if self.azp:
+            if self.backend == "torch":  # = kernels.w8a8_int8.w8a8_int8_azp_linear_ref, the weight dequantized once
+                xq, x_scale, azp = quantize_per_token_int8_azp_ref(x2)
+                y = ((xq.float() - azp) * x_scale) @ layer.dense.t()
+                if bias is not None:
+                    y = y + bias.float()
+                return y.to(x.dtype).reshape(*x.shape[:-1], n)
+            return w8a8_int8_azp_linear(x, W8A8Weight(layer.int8_weight, layer.int8_scale), layer.int8_code_sums,
+                                        bias, backend="triton")
         if self.backend == "torch":  # = kernels.w8a8_int8.w8a8_int8_linear_ref, with the weight dequantized once
             if xs is None:
                 xq, x_scale = quantize_per_token_int8_ref(x2)
@@ -267,7 +292,8 @@ class W8A8Int8Method:
         return y.reshape(*x.shape[:-1], n)
 
     def describe(self, layer) -> str:
-        acts = "static per-tensor" if self.static else "dynamic per-token"
+        acts = "static per-tensor" if self.static else (
+            "dynamic per-token asymmetric" if self.azp else "dynamic per-token")
         how = "dequantized weights, torch" if self.dequant else self.backend
         return f"int8 w8a8 ({self.args.strategy} weights, {acts} activations, {how})"
 
@@ -384,8 +410,8 @@ def unserved(weights: QuantArgs, input_activations: QuantArgs | None) -> str | N
         return None
     if input_activations is not None:
         return f"quantized input activations ({input_activations.type} {input_activations.num_bits}-bit) " \
-               "with integer weights are served only as symmetric int8 W8A8 (per-token dynamic or " \
-               "per-tensor static inputs)"
+               "with integer weights are served only as int8 W8A8 (per-token dynamic inputs, symmetric or " \
+               "with zero points, or symmetric per-tensor static ones)"
     return None
 
 

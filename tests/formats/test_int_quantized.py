@@ -18,6 +18,7 @@ from optllm.quant.smoothquant import int8_rtn
 W = QuantArgs(8, None, strategy="channel")
 DYNAMIC = QuantArgs(8, None, strategy="token", dynamic=True)
 STATIC = QuantArgs(8, None, strategy="tensor")
+DYNAMIC_ASYM = QuantArgs(8, None, strategy="token", dynamic=True, symmetric=False)  # w8a8-int8-asym
 
 
 def _weight(n=16, k=64, seed=0, static=False) -> IntQuantizedWeight:
@@ -50,8 +51,8 @@ def test_codec_tensors_read_back_exactly(acts):
         codec.decode({**parts, "weight": qw.q.float()}, W)
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_round_trip_through_compressed_tensors_is_bit_exact(static):
+@pytest.mark.parametrize("acts", ["dynamic", "static", "asym"])
+def test_round_trip_through_compressed_tensors_is_bit_exact(acts):
     """compressed-tensors' IntQuantizationCompressor decompresses our tensors to our dequantized
     weight bit for bit, and compresses that weight (with our scale) back to our very codes."""
     pytest.importorskip("compressed_tensors")
@@ -59,8 +60,11 @@ def test_round_trip_through_compressed_tensors_is_bit_exact(static):
     from compressed_tensors.quantization import QuantizationScheme
 
     codec = get_codec("int-quantized")
-    acts = STATIC if static else DYNAMIC
-    group = quantization_config(W, ["Linear"], ["lm_head"], "int-quantized", acts)["config_groups"]["group_0"]
+    static = acts == "static"
+    args = {"dynamic": DYNAMIC, "static": STATIC, "asym": DYNAMIC_ASYM}[acts]
+    codec.check(W, args)
+    group = quantization_config(W, ["Linear"], ["lm_head"], "int-quantized", args)["config_groups"]["group_0"]
+    assert group["input_activations"]["symmetric"] == (acts != "asym")
     scheme = QuantizationScheme(targets=["Linear"], weights=group["weights"],
                                 input_activations=group["input_activations"])
     assert IntQuantizationCompressor.can_compress(torch.nn.Linear, scheme)
@@ -142,7 +146,11 @@ def test_arguments_int_quantized_cannot_hold_are_one_sentence():
         codec.check(W, None)
     with pytest.raises(ValueError, match="strategy 'token' and dynamic False are not supported"):
         codec.check(W, QuantArgs(8, None, strategy="token"))
+    with pytest.raises(ValueError, match="input activation type: asymmetric int8 is not supported"):
+        codec.check(W, QuantArgs(8, None, strategy="tensor", symmetric=False))  # static inputs: symmetric only
+    codec.check(W, DYNAMIC_ASYM)  # dynamic per-token inputs may have zero points (taken at run time)
     assert codec.vllm_incompatibility(W, DYNAMIC) is None and codec.vllm_incompatibility(W, STATIC) is None
+    assert codec.vllm_incompatibility(W, DYNAMIC_ASYM) is None
     assert "per tensor" in codec.vllm_incompatibility(W, QuantArgs(8, None, strategy="channel"))
     with pytest.raises(ValueError, match="symmetric torch.int8 codes"):
         codec.encode(IntQuantizedWeight(torch.zeros(2, 8, dtype=torch.int8), torch.ones(2, 1), torch.zeros(2, 1), W))

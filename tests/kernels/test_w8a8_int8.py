@@ -210,3 +210,76 @@ def test_quantize_bit_exact_large_gpu(k, heavy_tailed_rows):
     ties[:, 0] = 381.0
     xq, s = W.quantize_per_token_int8(ties)
     assert (s == 3.0).all() and torch.equal(xq, W.quantize_per_token_int8_ref(ties)[0])
+
+
+# ----------------------------------------------------------------------- asymmetric activations
+def test_azp_quantizer_hand_values():
+    """Row [-1, 0, 3]: scale 4/255, azp round(-128 + 255/4) = round(-64.25) = -64; codes
+    round(x / scale) + azp: -1 -> -64 - 64 = -128, 0 -> -64, 3 -> 191 - 64 = 127. A constant
+    row [0.5, 0.5] spans [0, 0.5] (zero stays in the range): scale 0.5/255, azp -128, codes 127.
+    An all-zero row keeps the smallest scale and codes at its zero point."""
+    x = torch.tensor([[-1.0, 0.0, 3.0], [0.5, 0.5, 0.5], [0.0, 0.0, 0.0]])
+    xq, s, azp = W.quantize_per_token_int8_azp_ref(x)
+    assert torch.allclose(s[0], torch.tensor([4 / 255]))
+    assert azp[0].item() == -64
+    assert xq[0].tolist() == [-128, -64, 127]
+    assert torch.allclose(s[1], torch.tensor([0.5 / 255])) and azp[1].item() == -128
+    assert xq[1].tolist() == [127, 127, 127]
+    assert s[2].item() == pytest.approx(W.SCALE_EPS) and xq[2].tolist() == [azp[2].item()] * 3
+    assert xq.dtype == torch.int8 and azp.dtype == torch.float32
+
+
+@pytest.mark.parametrize("shift", [0.0, 3.0])
+def test_azp_quantizer_round_trip_and_range(shift):
+    """(xq - azp) * scale is within half a step of x everywhere, every code is in [-128, 127],
+    and both ends of each row's range [min(min, 0), max(max, 0)] are used."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 200, generator=g) + shift
+    x[:, 7] *= 40  # an outlier channel
+    xq, s, azp = W.quantize_per_token_int8_azp_ref(x)
+    back = (xq.float() - azp) * s
+    assert ((back - x).abs() <= s * 0.5 + 1e-6 * x.abs()).all()
+    assert xq.min() >= -128 and xq.max() <= 127
+    assert (xq.amax(1) >= 126).all()  # the top of each row's range
+    crosses = x.amin(1) < 0
+    assert crosses.any() and (xq.amin(1)[crosses] <= -127).all()  # and its bottom, where below zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", MS)
+def test_azp_linear_pipeline(dtype, m):
+    """The Triton GEMM plus the zero-point correction against the float64 pipeline reference
+    (1e-5 fp32 out: the correction adds two fp32 roundings of terms as large as the product), and
+    closer to the float model than the symmetric pipeline on rows with an offset and an outlier."""
+    n, k = 72, 200
+    g = torch.Generator(device=DEV).manual_seed(m)
+    w_f = torch.randn(n, k, device=DEV, generator=g)
+    ws = w_f.abs().amax(1) / 127
+    weight = W.prepack_w8a8(torch.round(w_f / ws[:, None]).to(torch.int8), ws)
+    sums = W.int8_code_sums(weight)
+    assert torch.equal(sums, weight.weight.double().sum(1).float() * weight.scale)
+    x = torch.randn(m, k, device=DEV, generator=g) + 2.0
+    x[:, 3] = 30.0
+    x = x.to(dtype).reshape(1, m, k)
+    bias = torch.randn(n, device=DEV, generator=g)
+    y = W.w8a8_int8_azp_linear(x, weight, sums, bias)
+    assert y.shape == (1, m, n) and y.dtype == dtype
+    xq, s, azp = W.quantize_per_token_int8_azp_ref(x.reshape(m, k))
+    w_deq = weight.weight.double() * weight.scale.double()[:, None]
+    pipe = ((xq.double() - azp.double()) * s.double()) @ w_deq.t() + bias.double()
+    assert rel(y.reshape(m, n), pipe) < (1e-5 if dtype == torch.float32 else 1e-2)
+    ref = W.w8a8_int8_azp_linear_ref(x, weight, bias)
+    assert rel(y, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    model = x.double().reshape(m, k) @ w_deq.t() + bias.double()
+    sym = W.w8a8_int8_linear_ref(x, weight, bias, compute_dtype=torch.float64).reshape(m, n)
+    if dtype == torch.float32:
+        assert rel(y.reshape(m, n), model) < 0.6 * rel(sym, model)
+
+
+def test_azp_bad_inputs():
+    weight = W.prepack_w8a8(rand_int8(8, 32), torch.ones(8, device=DEV))
+    x = torch.randn(2, 32, device=DEV)
+    with pytest.raises(ValueError, match="code_sums must be float32"):
+        W.w8a8_int8_azp_linear(x, weight, torch.ones(7, device=DEV))
+    with pytest.raises(ValueError, match=r"bias.shape=\(3,\)"):
+        W.w8a8_int8_azp_linear(x, weight, W.int8_code_sums(weight), torch.ones(3, device=DEV))

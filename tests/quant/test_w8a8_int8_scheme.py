@@ -1,5 +1,6 @@
-"""W8A8-INT8 schemes end to end: `optllm quantize --scheme w8a8-int8 | w8a8-int8-static` writes an
-int-quantized checkpoint (smoothed norms, int8 weights, per-channel scales, static input scales)
+"""W8A8-INT8 schemes end to end: `optllm quantize --scheme w8a8-int8 | w8a8-int8-static |
+w8a8-int8-asym` writes an int-quantized checkpoint (smoothed norms, int8 weights, per-channel
+scales, static input scales; asym: per-token inputs with zero points)
 that the runtime serves (CPU: the INT8 kernels' torch reference) within a stated bound of the
 dequantized reference (the checkpoint's weights dequantized in a transformers model, its inputs
 quantized the same way), near the float model, with a wrong scale caught; transformers (through
@@ -19,18 +20,19 @@ from safetensors.torch import load_file, save_file
 from optllm import LLM, SamplingParams
 from optllm.formats.args import QuantArgs
 from optllm.formats.int_quantized import quantize_static_int8
-from optllm.kernels.w8a8_int8 import W8A8Weight, scaled_mm_ref, w8a8_int8_linear_ref
+from optllm.kernels.w8a8_int8 import W8A8Weight, scaled_mm_ref, w8a8_int8_azp_linear_ref, w8a8_int8_linear_ref
 from optllm.quant.config import QuantizeConfig
 from optllm.quant.pipeline import quantize
 from optllm.quant.smoothquant import int8_rtn, quantized_inputs
 from optllm.runtime.layers.linear import ColumnParallelLinear
 from optllm.runtime.layers.linear_methods import W8A8Int8Method
 
-SCHEMES = ["w8a8-int8", "w8a8-int8-static"]
+SCHEMES = ["w8a8-int8", "w8a8-int8-static", "w8a8-int8-asym"]
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7, 11, 12, 13], list(range(20, 61)), [300, 1, 300, 2] * 5]
 PARAMS = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
 W8 = QuantArgs(8, None, strategy="channel")
 DYNAMIC = QuantArgs(8, None, strategy="token", dynamic=True)
+DYNAMIC_ASYM = QuantArgs(8, None, strategy="token", dynamic=True, symmetric=False)
 STATIC = QuantArgs(8, None, strategy="tensor")
 # |log p| differences over the 70 prompt tokens of PROMPTS on the tiny llama (float32 compute,
 # bf16 checkpoint tensors), measured:
@@ -60,13 +62,16 @@ def prompt_logprobs(folder, mode="kernel") -> torch.Tensor:
 
 def reference_logprobs(folder) -> torch.Tensor:
     """The checkpoint in a transformers model: weights dequantized (hf_reference), each quantized
-    linear's input quantized as the runtime quantizes it (per token, or with its input_scale)."""
+    linear's input quantized as the runtime quantizes it (per token, with a zero point when the
+    config says asymmetric, or with its input_scale)."""
     model, _, qweights = load_quantized(folder, dtype="float32")
     linears = {n: model.get_submodule(n) for n in qweights}
     static = {n: qw.input_scale for n, qw in qweights.items()} if any(
         qw.input_scale is not None for qw in qweights.values()) else None
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    asym = not qc["config_groups"]["group_0"]["input_activations"]["symmetric"]
     out = []
-    with torch.no_grad(), quantized_inputs(linears, static):
+    with torch.no_grad(), quantized_inputs(linears, static, asym):
         for p in PROMPTS:
             lp = model(torch.tensor([p])).logits[0].float().log_softmax(-1)
             out += [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
@@ -81,8 +86,9 @@ def checkpoints(tiny_llama, tmp_path_factory):
                  "--no-compare", "--out", str(root / "w8a8-int8"))
     assert r.exit_code == 0, r.output
     assert "vLLM: loads this checkpoint (compressed-tensors int-quantized)." in r.stdout
-    quantize(str(tiny_llama), root / "w8a8-int8-static",
-             QuantizeConfig(scheme="w8a8-int8-static", num_samples=4, seq_len=32), progress=False)
+    for scheme in SCHEMES[1:]:
+        quantize(str(tiny_llama), root / scheme, QuantizeConfig(scheme=scheme, num_samples=4, seq_len=32),
+                 progress=False)
     return root
 
 
@@ -94,6 +100,7 @@ def test_checkpoint_is_int_quantized_smoothed_and_serves_near_the_reference(sche
     acts = qc["config_groups"]["group_0"]["input_activations"]
     assert qc["format"] == "int-quantized" and (acts["strategy"], acts["dynamic"]) == \
         (("tensor", False) if static else ("token", True))
+    assert acts["symmetric"] == (not scheme.endswith("asym"))
     report = json.loads((folder / "optllm-report.json").read_text())
     assert report["scheme"] == scheme and report["vllm_loadable"] is True
     assert [b["smoothquant"]["alpha"] for b in report["blocks"]] == [0.5, 0.5]
@@ -160,12 +167,14 @@ def test_generate_runs_the_checkpoint_greedily_as_the_reference(checkpoints):
     assert list(outs[0].outputs[0].token_ids) == seq[len(ids):]
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_cpu_method_is_the_int8_kernels_reference(static):
+@pytest.mark.parametrize("acts", ["dynamic", "static", "asym"])
+def test_cpu_method_is_the_int8_kernels_reference(acts):
     """The CPU W8A8 linear equals kernels.w8a8_int8's reference bit for bit (fused shards with
-    scales of their own; static input scale = the shards' largest)."""
+    scales of their own; static input scale = the shards' largest; asym: zero points per token)."""
     g = torch.Generator().manual_seed(1)
-    method = W8A8Int8Method(W8, STATIC if static else DYNAMIC, torch.bfloat16, "torch")
+    static = acts == "static"
+    method = W8A8Int8Method(W8, {"dynamic": DYNAMIC, "static": STATIC, "asym": DYNAMIC_ASYM}[acts], torch.bfloat16,
+                            "torch")
     lin = ColumnParallelLinear(32, 24, True, method)
     qw = int8_rtn(torch.randn(24, 32, generator=g), W8, torch.bfloat16)
     lin.weight_loader("qweight", qw.q)
@@ -180,6 +189,8 @@ def test_cpu_method_is_the_int8_kernels_reference(static):
         xs = torch.tensor([0.03])
         want = scaled_mm_ref(quantize_static_int8(x, xs), xs.expand(5, 1), weight.weight, weight.scale, lin.bias,
                              torch.float32)
+    elif acts == "asym":
+        want = w8a8_int8_azp_linear_ref(x, weight, lin.bias)
     else:
         want = w8a8_int8_linear_ref(x, weight, lin.bias)
     assert torch.equal(lin(x), want)
