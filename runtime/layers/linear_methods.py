@@ -208,8 +208,7 @@ class FP8Method:
         return fp8_linear(x, FP8Weight(layer.fp8_weight, layer.fp8_scale), xs, bias, backend="triton")
 
     def describe(self, layer) -> str:
-        acts = "static per-tensor" if self.static else (
-            "dynamic per-token asymmetric" if self.azp else "dynamic per-token")
+        acts = "static per-tensor" if self.static else "dynamic per-token"
         return f"fp8 w8a8 ({self.args.strategy} weights, {acts} activations, {self.backend})"
 
 
