@@ -30,7 +30,7 @@ Then the weights: int8, symmetric, per output channel (scale = absmax / 127.5, c
 [-128, 127]: compressed-tensors' grid), by RTN or, when asked (``weights: gptq``), by the GPTQ
 step of quant/gptq.py on the smoothed block (gptq_per_channel_step: columns in act-order).
 Input activations: ``w8a8-int8`` quantizes them per token at run time (symmetric, absmax / 127);
-``w8a8-int8-asym`` per token with a zero point ((max - min) / 255, kernels/w8a8_int8.py);
+``w8a8-int8-asym`` per token with a zero point (over [min(min, 0), max(max, 0)]: kernels/w8a8_int8.py);
 ``w8a8-int8-static`` calibrates one per-tensor input scale per linear, absmax / 127.5 over every
 calibration token reaching it with the block's weights quantized.
 """
