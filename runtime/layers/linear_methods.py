@@ -264,17 +264,11 @@ class W8A8Int8Method:
         k, n = layer.in_features, layer.out_features
         xs = layer.int8_input_scale
         x2 = x.reshape(-1, k)
-        if self.azp:
-            if self.backend == "torch":  # = kernels.w8a8_int8.w8a8_int8_azp_linear_ref, the weight dequantized once
+        if self.backend == "torch":  # = kernels.w8a8_int8's references, with the weight dequantized once
+            if self.azp:  # w8a8_int8_azp_linear_ref
                 xq, x_scale, azp = quantize_per_token_int8_azp_ref(x2)
-                y = ((xq.float() - azp) * x_scale) @ layer.dense.t()
-                if bias is not None:
-                    y = y + bias.float()
-                return y.to(x.dtype).reshape(*x.shape[:-1], n)
-            return w8a8_int8_azp_linear(x, W8A8Weight(layer.int8_weight, layer.int8_scale), layer.int8_code_sums,
-                                        bias, backend="triton")
-        if self.backend == "torch":  # = kernels.w8a8_int8.w8a8_int8_linear_ref, with the weight dequantized once
-            if xs is None:
+                xd = (xq.float() - azp) * x_scale
+            elif xs is None:  # w8a8_int8_linear_ref
                 xq, x_scale = quantize_per_token_int8_ref(x2)
                 xd = xq.float() * x_scale
             else:
@@ -283,6 +277,9 @@ class W8A8Int8Method:
             if bias is not None:
                 y = y + bias.float()
             return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        if self.azp:
+            return w8a8_int8_azp_linear(x, W8A8Weight(layer.int8_weight, layer.int8_scale), layer.int8_code_sums,
+                                        bias, backend="triton")
         if xs is None:
             return w8a8_int8_linear(x, W8A8Weight(layer.int8_weight, layer.int8_scale), bias, backend="triton")
         xq = quantize_static_int8(x2, xs)

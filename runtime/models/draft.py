@@ -79,8 +79,7 @@ class _EagleAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(SimpleNamespace(rope_theta=float(cfg["rope_theta"])), d, max_position,
                                           device, backend)
         self.attn = Attention(nh, nkv, d, d ** -0.5, 0, backend)
-
-        self.register_buffer("qkv_weight", None, persistent=False)  # fuse() sets it
+        self.register_buffer("qkv_weight", None, persistent=False)  # fuse() sets it (load_draft calls it)
 
     def fuse(self) -> None:
         """After loading: q / k / v as one matrix (one GEMM a forward instead of three; a
@@ -88,10 +87,8 @@ class _EagleAttention(nn.Module):
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).contiguous()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.qkv_weight is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:  # views of the fused output, as the target's attention takes them
-            q, k, v = F.linear(x, self.qkv_weight).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # views of the fused output, as the target's attention takes them
+        q, k, v = F.linear(x, self.qkv_weight).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
@@ -103,15 +100,13 @@ class _EagleMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act = SiluAndMul(backend)
-        self.register_buffer("gate_up_weight", None, persistent=False)  # fuse() sets it
+        self.register_buffer("gate_up_weight", None, persistent=False)  # fuse() sets it (load_draft calls it)
 
     def fuse(self) -> None:
         """After loading: gate and up as one matrix, read by the fused SiLU-and-multiply."""
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(self.act(F.linear(x, self.gate_up_weight)))
 
 
