@@ -7,7 +7,7 @@ One graph of CHAIN small kernels is timed (host time of replay(), and replay + s
 then again after capturing EXTRA more graphs of the same shape, from one shared memory pool as
 the runtime's graphs are, and after capturing them each from a pool of its own.
 
-    python benchmarks/graph_launch_cost.py [--chain 312] [--extra 0,16,64,256]
+    python benchmarks/graph_launch_cost.py [--chain 312] [--extra 0,16,64,256] [--extra-chain 1000]
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chain", type=int, default=312, help="kernels in each graph (a plain decode step: 312)")
     ap.add_argument("--extra", default="0,16,64,256", help="more graphs captured before each measurement")
+    ap.add_argument("--extra-chain", type=int, default=1000,
+                    help="kernels in each of the other graphs (a speculative step: ~1000)")
     a = ap.parse_args()
     rows = []
     for shared in (True, False):
@@ -65,7 +67,7 @@ def main() -> None:
         have = 0
         for extra in [int(e) for e in a.extra.split(",")]:
             while have < extra:
-                held.append(capture(a.chain, pool if shared else None))
+                held.append(capture(a.extra_chain, pool if shared else None))
                 have += 1
             timed(g, 20)
             host, full = timed(g)
@@ -75,7 +77,9 @@ def main() -> None:
         del held, g, keep
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    print(f"| pools | graphs besides it | replay() host µs | replay + sync µs |  ({a.chain} kernels a graph)")
+    print(f"| pools | graphs besides it | replay() host µs | replay + sync µs | "
+          f"({a.chain} kernels in the timed graph, "
+          f"{a.extra_chain} in each other)")
     print("|---|---|---|---|")
     for shared, extra, host, full in rows:
         print(f"| {'one shared' if shared else 'one each'} | {extra} | {host:.1f} | {full:.1f} |")

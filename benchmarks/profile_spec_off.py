@@ -6,6 +6,9 @@ then torch.profiler's top operations by CPU and by device time over a few steps 
 --trees N,...: also the draft engine with speculation always on (the fixed policy, EAGLE trees of
 N draft nodes): where a speculative step's time goes (its kernels' count and summed device time per
 step beside the step's wall time; tokens a sequence gets per step).
+--order plain,off,plain,...: the engines in that order (an engine built later in a process may pay
+for what earlier ones left behind); each row also times its decode graph's replay alone (host
+time of CUDAGraph.replay() and replay + synchronize, the same batch bucket), apart from the step.
 
     python benchmarks/profile_spec_off.py smollm2-135m --draft D [--batch 64] [--device cuda] [--trees 40,8]
 """
@@ -89,6 +92,27 @@ def timed_steps(llm, args, prof=None) -> dict:
     return {**{k: 1e3 * statistics.median(v) for k, v in parts.items()}, "tokens": statistics.fmean(tokens)}
 
 
+def replay_only(llm, reps: int = 200) -> dict:
+    """Median µs of the engine's decode graph for its largest bucket replayed alone: host time of
+    replay(), and replay() + synchronize() (inputs as the last step left them); {} without graphs."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None or graphs.eager_stand_in:
+        return {}
+    g = graphs.graphs[graphs.buckets[-1]]
+    host, full = [], []
+    for i in range(reps + 20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        g.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= 20:
+            host.append((t1 - t0) * 1e6)
+            full.append((t2 - t0) * 1e6)
+    return {"replay_host_us": statistics.median(host), "replay_sync_us": statistics.median(full)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -100,16 +124,24 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--profile", action="store_true", help="also torch.profiler's top operations")
     ap.add_argument("--trees", default="", help="N,...: also speculation always on, EAGLE trees of N draft nodes")
+    ap.add_argument("--order", default="plain,off", help="engines before the trees: plain (no draft), off (draft, "
+                                                          "speculation off), in this order, repeats allowed")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     rows = {}
-    runs = [("no draft", None, 0), ("draft, speculation off", args.draft, 0)]
+    kinds = {"plain": ("no draft", None), "off": ("draft, speculation off", args.draft)}
+    runs, seen = [], {}
+    for k in args.order.split(","):
+        label, draft = kinds[k]
+        seen[label] = seen.get(label, 0) + 1
+        runs.append((label if seen[label] == 1 else f"{label} ({seen[label]})", draft, 0))
     trees = [int(n) for n in args.trees.split(",") if n]
     runs += [(f"draft, tree of {n} + 1 every step", args.draft, n) for n in trees]
     for label, draft, tree in runs:
         llm = engine(args.model, draft, args, tree)
         rows[label] = timed_steps(llm, args)
+        rows[label].update(replay_only(llm))
         if args.profile:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
             steps = 8
@@ -127,11 +159,12 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print(f"| engine (batch {args.batch}) | step ms | schedule ms | execute ms | tokens / seq-step "
-          "| kernels / step | kernel ms / step |")
-    print("|---|---|---|---|---|---|---|")
+          "| kernels / step | kernel ms / step | graph replay() host µs | replay + sync µs |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, r in rows.items():
         print(f"| {label} | {r['step']:.3f} | {r['schedule']:.3f} | {r['execute']:.3f} | {r['tokens']:.2f} "
-              f"| {r.get('kernels', float('nan')):.0f} | {r.get('kernel_ms', float('nan')):.3f} |")
+              f"| {r.get('kernels', float('nan')):.0f} | {r.get('kernel_ms', float('nan')):.3f} "
+              f"| {r.get('replay_host_us', float('nan')):.1f} | {r.get('replay_sync_us', float('nan')):.1f} |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
 
 import torch
 
@@ -203,16 +204,22 @@ class ModelRunner:
             return self._execute(batch.seqs, batch.num_new_tokens, batch.decode_only)
         result: list = [None] * len(batch.seqs)
         plain = [i for i, s in enumerate(batch.speculate) if not s]
+        spec = [i for i, s in enumerate(batch.speculate) if s]
+        policy = self.spec.policy
+        t0 = time.perf_counter()
         if plain:
             seqs = [batch.seqs[i] for i in plain]
             counts = [batch.num_new_tokens[i] for i in plain]
             decode = all(k == 1 for k in counts) and all(batch.sampling[i] for i in plain)
             for i, tok in zip(plain, self._execute(seqs, counts, decode)):
                 result[i] = tok
-        spec = [i for i, s in enumerate(batch.speculate) if s]
+            if policy is not None and decode and not spec:  # a pure plain decode step: its cost
+                policy.observe_cost(1, len(plain), (time.perf_counter() - t0) * 1e3)
         if spec:
             for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
                 result[i] = toks
+            if policy is not None and not plain:  # a pure speculative step (each ends in a host sync)
+                policy.observe_cost(self.spec.n, len(spec), (time.perf_counter() - t0) * 1e3)
         return result
 
     def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:

@@ -22,7 +22,16 @@ of the sequences seen so far. A size that could not win even if every draft toke
 accepted (``max_accept``: the tree's depth) is never chosen. While speculation is off nothing
 is observed, so now and then a step verifies the smallest size that could win, to keep the
 estimates fresh: after ``explore_every`` steps without speculation at least, and rarely enough
-that exploring costs at most ``explore_budget`` of the plain steps' time. Plain Python, no torch.
+that exploring costs at most ``explore_budget`` of the plain steps' time.
+
+The start-up profile times the steps' GPU paths on an idle engine; a serving step also pays its
+host side (building inputs, the per-sequence bookkeeping of acceptance, a catch-up outside the
+graph), which grows with the batch and differs between plain and speculative steps. So the
+engine reports each pure step's measured wall time (``observe_cost``: every eligible decode
+plain, or every one speculating with the same tree), and cost(n, B) is the profile's time times
+a running ratio measured / profiled, per tree size and power-of-two batch bucket (the profile
+counts as one observation; each ratio is clamped to [1/4, 20] against a stray stall). A tree
+that looked cheap at start-up but is slow in service stops being chosen. Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -80,7 +89,10 @@ class AdaptivePolicy:
     margin: float = 1.02  # speculation must be this much faster than a plain step
     explore_every: int = 16
     explore_budget: float = 0.01
+    cost_decay: float = 0.9  # weight of the past in each measured / profiled ratio
     _seq: dict[int, dict[int, float]] = field(default_factory=dict)
+    _ratio: dict[tuple[int, int], float] = field(default_factory=dict)
+    _ratio_n: dict[tuple[int, int], int] = field(default_factory=dict)
     _global: dict[int, float] = field(default_factory=dict)
     _global_n: int = 0
     _idle: int = 0
@@ -97,6 +109,28 @@ class AdaptivePolicy:
                               for n in self.sizes}
         self._global = {n: float(base.get(n, 0.0)) for n in self.sizes}
 
+    @staticmethod
+    def _bucket(batch: int) -> int:
+        """The power of two >= batch."""
+        return 1 << max(batch - 1, 0).bit_length()
+
+    def step_cost(self, n: int, batch: int) -> float:
+        """Expected milliseconds of a step of `batch` decodes with trees of n nodes (1: plain):
+        the profile's time times the measured ratio of its (n, batch bucket), 1 until measured."""
+        return self.cost.cost(n, batch) * self._ratio.get((n, self._bucket(batch)), 1.0)
+
+    def observe_cost(self, n: int, batch: int, ms: float) -> None:
+        """A pure step's measured wall milliseconds: `batch` decodes, all plain (n = 1) or all
+        verifying trees of n nodes."""
+        if n not in self.cost.ms or batch < 1 or not ms > 0:
+            return
+        key = (n, self._bucket(batch))
+        count = self._ratio_n.get(key, 0) + 1
+        self._ratio_n[key] = count
+        w = min(self.cost_decay, 1.0 - 1.0 / (count + 1))  # the profile counts as one observation
+        r = min(max(ms / self.cost.cost(n, batch), 0.25), 20.0)
+        self._ratio[key] = w * self._ratio.get(key, 1.0) + (1.0 - w) * r
+
     def expected(self, seq_id: int) -> dict[int, float]:
         return self._seq.get(seq_id) or self._global
 
@@ -106,7 +140,7 @@ class AdaptivePolicy:
         b = len(seq_ids)
         if b == 0:
             return 1
-        plain_ms = self.cost.cost(1, b)
+        plain_ms = self.step_cost(1, b)
         plain = b / plain_ms
         best, best_rate = 1, plain * self.margin
         can_win = []
@@ -114,18 +148,19 @@ class AdaptivePolicy:
             if budget is not None and b * n > budget:
                 continue
             top = (self.max_accept or {}).get(n, n - 1)
-            if b * (1.0 + top) / self.cost.cost(n, b) <= plain * self.margin:
+            spec_ms = self.step_cost(n, b)
+            if b * (1.0 + top) / spec_ms <= plain * self.margin:
                 continue  # slower than plain even if every draft token were accepted
             can_win.append(n)
             gain = sum(1.0 + self.expected(s)[n] for s in seq_ids)
-            rate = gain / self.cost.cost(n, b)
+            rate = gain / spec_ms
             if rate > best_rate:
                 best, best_rate = n, rate
         if best == 1:
             self._idle += 1
             if can_win:
                 n = can_win[0]
-                extra = max(self.cost.cost(n, b) / plain_ms - 1.0, 0.0)
+                extra = max(self.step_cost(n, b) / plain_ms - 1.0, 0.0)
                 if self._idle >= max(self.explore_every, math.ceil(extra / self.explore_budget)):
                     self._idle = 0
                     best = n

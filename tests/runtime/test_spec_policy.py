@@ -78,6 +78,35 @@ def test_policy_never_tries_a_tree_that_cannot_win():
     assert pol.choose([0]) in (3, 6)
 
 
+def test_measured_step_costs_correct_the_profile():
+    """Speculative steps that cost 3x what the start-up profile said (host work the profile did
+    not see): after a few measured steps the policy stops choosing them; plain steps measured
+    slower than profiled make speculation relatively cheaper again. Ratios are per tree size and
+    power-of-two batch bucket, the profile counting as one observation, clamped to [1/4, 20]."""
+    sizes = [3, 6, 11]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 1.0, 6: 1.6, 11: 2.0})
+    assert pol.choose([0]) == 11 and pol.step_cost(11, 1) == pytest.approx(1.4)
+    pol.observe_cost(11, 1, 4.2)
+    assert pol.step_cost(11, 1) == pytest.approx(1.4 * (1 + 3) / 2)  # the profile weighs as one step
+    for _ in range(20):
+        pol.observe_cost(11, 1, 4.2)
+    assert pol.step_cost(11, 1) == pytest.approx(4.2, rel=0.05)
+    assert pol.choose([0]) == 6  # 3 tokens for 4.2 ms lose to 2.6 for 1.4 ms
+    for n in (3, 6):
+        for _ in range(20):
+            pol.observe_cost(n, 1, 4.2)
+    assert pol.choose([0]) == 1  # every tree now loses to 1 token a ms
+    for _ in range(30):
+        pol.observe_cost(1, 1, 2.5)  # plain steps measured 2.5x slower too
+    assert pol.choose([0]) == 11
+    # another bucket keeps its own ratio; a stray stall is clamped
+    assert pol.step_cost(11, 8) == pytest.approx(gpu_like_costs(sizes).cost(11, 8))
+    pol.observe_cost(1, 8, 1e6)
+    assert pol.step_cost(1, 8) == pytest.approx(1.0 * (1 + 20) / 2)
+    pol.observe_cost(7, 1, 5.0)  # a size not in the table: ignored
+    assert (7, 1) not in pol._ratio
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_accepted_per_size_equals_verifying_the_smaller_trees(seed):
     """Greedy acceptance of the first m nodes of a Medusa tree, and of an EAGLE-2 tree built with
@@ -143,6 +172,9 @@ def test_adaptive_engine_keeps_the_output(tiny_llama, tmp_path, method):
     assert table.batches == [1, 2, 4, 8] and set(table.ms) == {1, *spec.sizes} and len(spec.sizes) > 1
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # the engine measured its pure steps: plain decodes at least (sizes explored, if any, too)
+    pol = spec.policy
+    assert pol._ratio_n.get((1, 4), 0) > 0 and all(r > 0 for r in pol._ratio.values())
 
 
 def test_policy_turned_off_by_costs_only_explores(tiny_llama, tmp_path, monkeypatch):
@@ -168,8 +200,10 @@ def test_policy_turned_off_by_costs_only_explores(tiny_llama, tmp_path, monkeypa
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.stats().speculation["steps"] == 0  # 50 ms for at most 5 tokens: never
     # 1.1 ms a tree: a loss with nothing accepted, a win with enough: starting from no acceptance
-    # the policy explores, and speculates where that pays
+    # the policy explores, and speculates where that pays (the table alone: the CPU's measured
+    # step times would otherwise correct it)
     spec_ms = 1.1
+    monkeypatch.setattr(AdaptivePolicy, "observe_cost", lambda self, n, batch, ms: None)
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive")
     pol = llm.engine.runner.spec.policy
     pol._global = {n: 0.0 for n in pol._global}
