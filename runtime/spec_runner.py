@@ -50,7 +50,7 @@ from .sampler import token_logprobs
 from .sampling_params import GREEDY_EPS, SamplingParams
 from .spec.acceptance import AcceptResult, accepted_per_size, greedy_accept, rejection_accept, target_probs
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
-from .spec.tree import DynamicTreeBuilder, StaticTree
+from .spec.tree import DynamicTreeBuilder, StaticTree, const_arange, const_eye, const_tensor
 from .step_inputs import HostBatch, host_tensor
 
 # Medusa's tree when none is given: ranks of the heads' top-k along each path, widest near the
@@ -365,10 +365,10 @@ class SpecDecoder:
         if not self.eagle:
             return self._medusa_states(ctx, tables)
         g = ids.shape[1]
-        pos = ctx[:, None] - g + torch.arange(g, device=dev)[None, :]
+        pos = ctx[:, None] + const_arange(g, dev, start=-g)[None, :]
         slots = _slots(tables, pos, bs).reshape(-1)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=ctx.to(torch.int32), decode=False,
-                                 cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * g).to(torch.int32),
+                                 cu_seqlens_q=const_arange(bsz + 1, dev, torch.int32, step=g),
                                  max_seqlen_q=g)
         pred = self.draft(self.store[slots], ids.reshape(-1), pos.reshape(-1), meta)
         return pred.view(bsz, g, -1)[:, -1]
@@ -430,10 +430,10 @@ class SpecDecoder:
             tree, ranks = self._propose_eagle(roots, states, ctx, tables, n)
         else:
             tree = self._propose_medusa(roots, states, n)
-            ranks = torch.arange(tree.num_nodes, device=dev).expand(bsz, -1)
+            ranks = const_arange(tree.num_nodes, dev).expand(bsz, -1)
         n = tree.num_nodes
         # verify: every node at once, K/V to slots c + i, positions c + depth
-        pos = ctx[:, None] + torch.arange(n, device=dev)[None, :]
+        pos = ctx[:, None] + const_arange(n, dev)[None, :]
         slots = _slots(tables, pos, bs).reshape(-1)
         graphs = None if inner else self.runner.verify_graphs
         hidden = None if graphs is None else graphs.run(tree.tokens, tree.positions(ctx), slots, tables,
@@ -441,8 +441,8 @@ class SpecDecoder:
         if hidden is None:
             meta = AttentionMetadata(
                 slot_mapping=slots, block_tables=tables, seq_lens=(ctx + n).to(torch.int32), decode=False,
-                cu_seqlens_q=(torch.arange(bsz + 1, device=dev) * n).to(torch.int32), max_seqlen_q=n,
-                mask=tree.mask.reshape(-1), mask_offsets=torch.arange(bsz, device=dev) * (n * n))
+                cu_seqlens_q=const_arange(bsz + 1, dev, torch.int32, step=n), max_seqlen_q=n,
+                mask=tree.mask.reshape(-1), mask_offsets=const_arange(bsz, dev, step=n * n))
             hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
         aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
@@ -454,7 +454,7 @@ class SpecDecoder:
         src, dst = accepted_kv_slots(tables, ctx, res.accepted, bs)
         move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
         # the accepted rows' features at positions c .. c + k (the rest: the dump row)
-        rows = (torch.arange(bsz, device=dev)[:, None] * n + res.accepted.clamp_min(0)).reshape(-1)
+        rows = (const_arange(bsz, dev, step=n)[:, None] + res.accepted.clamp_min(0)).reshape(-1)
         self.store.store(hidden[rows], None if aux is None else aux[rows],
                          torch.where(res.accepted.reshape(-1) >= 0, slots, -1))
         return tree, hidden, logits, res, ranks
@@ -481,31 +481,31 @@ class SpecDecoder:
         depth = self.tree_depth(n)
         builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=depth, num_draft=n - 1)
         feats_in, toks = [], []
-        prev_nodes, prev_out = None, None
+        prev_out = None
         if depth > 1:
             # every level's rows are a prefix of the last level's (row r: frontier node r % k of
             # depth r // k + 1, at position c + r // k, in slot c + r): their index tensors are
             # built once here and sliced per level (each level rebuilding them cost ~15 kernels)
-            rows = (depth - 1) * k
-            r = torch.arange(rows, device=dev)
-            at = ctx[:, None] + r[None, :]
+            rows, levels = (depth - 1) * k, depth - 1
+            at = ctx[:, None] + const_arange(rows, dev)[None, :]
             slots_all = tables.long().gather(1, at // bs) * bs + at % bs  # [B, rows]
-            pos_all = ctx[:, None] + (r // k)[None, :]
-            ctx32 = ctx.to(torch.int32)
-            step32 = torch.arange(bsz + 1, device=dev, dtype=torch.int32)
-            step64 = torch.arange(bsz, device=dev)
+            pos_all = ctx[:, None] + const_tensor(tuple(i // k for i in range(rows)), dev)[None, :]
+            # each level's attention metadata, a row per level (m = k, 2k, ...): key counts
+            # c + m; the constant query offsets b * m and mask offsets b * m * m
+            ms = range(k, rows + 1, k)
+            lens_lv = ctx.to(torch.int32)[None, :] + const_arange(levels, dev, torch.int32, k, k)[:, None]
+            cu_lv = const_tensor(tuple(tuple(b * m for b in range(bsz + 1)) for m in ms), dev, torch.int32)
+            off_lv = const_tensor(tuple(tuple(b * m * m for b in range(bsz)) for m in ms), dev)
             # the ancestor-or-self mask over all rows, filled a level at a time (a row's
             # ancestors are earlier rows: later columns stay False)
-            full = torch.eye(rows, dtype=torch.bool, device=dev).expand(bsz, rows, rows).clone()
+            full = const_eye(rows, dev).expand(bsz, rows, rows).clone()
         for d in range(1, depth):
-            front = builder.frontier  # [B, k] pool indices, all at depth d
-            tok = builder.frontier_tokens
+            tok = builder.frontier_tokens  # of the frontier: k nodes, all at depth d
             m = d * k
             if d == 1:
                 parent_feat = states[:, None, :].expand(bsz, k, states.shape[-1])
             else:
-                par = builder.pool_parents.gather(1, front)  # [B, k]: nodes of the previous frontier
-                j = (par[:, :, None] == prev_nodes[:, None, :]).float().argmax(dim=-1)  # their index there
+                j = builder.frontier_parent  # [B, k]: each node's parent, an index into the previous frontier
                 parent_feat = prev_out.gather(1, j[:, :, None].expand(bsz, k, prev_out.shape[-1]))
                 parent_row = (d - 2) * k + j
                 full[:, m - k:m, :m - k] = full[:, :m - k, :m - k].gather(
@@ -514,15 +514,16 @@ class SpecDecoder:
             toks.append(tok)
             masks = full[:, :m, :m]
             meta = AttentionMetadata(
-                slot_mapping=slots_all[:, :m].reshape(-1), block_tables=tables, seq_lens=ctx32 + m, decode=False,
-                cu_seqlens_q=step32 * m, max_seqlen_q=m, mask=masks.reshape(-1), mask_offsets=step64 * (m * m))
+                slot_mapping=slots_all[:, :m].reshape(-1), block_tables=tables, seq_lens=lens_lv[d - 1],
+                decode=False, cu_seqlens_q=cu_lv[d - 1], max_seqlen_q=m, mask=masks.reshape(-1),
+                mask_offsets=off_lv[d - 1])
             positions = pos_all[:, :m].reshape(-1)
             f = torch.cat(feats_in, dim=1).reshape(bsz * m, -1)
             ids = torch.cat(toks, dim=1).reshape(-1)
             out = self.draft(f, ids, positions, meta).view(bsz, m, -1)[:, m - k:]
             lp = torch.log_softmax(self.draft.logits(out.reshape(bsz * k, -1)).float(), dim=-1)
             builder.expand(lp.view(bsz, k, -1))
-            prev_nodes, prev_out = front, out
+            prev_out = out
         tree = builder.build()
         # rank of each kept node by score, as build() chose them (stable, descending)
         order = torch.sort(builder.kept_scores, dim=1, descending=True, stable=True).indices

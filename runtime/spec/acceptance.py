@@ -38,7 +38,7 @@ import torch
 
 from ..sampler import _kth_largest
 from ..sampling_params import GREEDY_EPS, SamplingParams
-from .tree import TreeBatch
+from .tree import TreeBatch, const_arange
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _result(tree: TreeBatch, accepted: torch.Tensor, num: torch.Tensor, final: t
     n = tree.num_nodes
     path_tok = tree.tokens.gather(1, accepted.clamp_min(0))
     tokens = torch.cat([path_tok[:, 1:], torch.zeros_like(path_tok[:, :1])], dim=1)
-    col = torch.arange(n, device=tokens.device)[None, :]
+    col = const_arange(n, tokens.device)[None, :]
     tokens = torch.where(col == num[:, None], final[:, None], tokens)
     tokens = torch.where(col > num[:, None], -1, tokens)
     return AcceptResult(accepted, num, tokens)
@@ -80,7 +80,7 @@ def greedy_accept(tree: TreeBatch, target_ids: torch.Tensor) -> AcceptResult:
     matched &= valid
     ok = valid & ~(tree.mask & ~matched[:, None, :]).any(dim=-1)  # every node on the path matched
     best = torch.where(ok, tree.depths, -1).argmax(dim=1)  # the deepest; ties: the lowest index
-    rows = torch.arange(tree.batch_size, device=best.device)
+    rows = const_arange(tree.batch_size, best.device)
     accepted = tree.paths[rows, best]
     return _result(tree, accepted, tree.depths[rows, best], target_ids[rows, best])
 

@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .tree import const_arange
+
 
 def accepted_kv_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, accepted: torch.Tensor,
                       block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +38,7 @@ def accepted_kv_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, ac
     dev = accepted.device
     ctx = context_lens.to(dev, torch.int64)[:, None]
     table = block_tables.to(dev, torch.int64)
-    i = torch.arange(accepted.shape[1], device=dev)[None, :]
+    i = const_arange(accepted.shape[1], dev)[None, :]
     moves = (accepted >= 0) & (accepted != i)
     src_pos = torch.where(moves, ctx + accepted, ctx)
     dst_pos = torch.where(moves, ctx + i, ctx)

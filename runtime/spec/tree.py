@@ -123,9 +123,34 @@ class TreeBatch:
     depths: torch.Tensor
     mask: torch.Tensor
     paths: torch.Tensor
-    leaves: torch.Tensor
-    first_child: torch.Tensor
-    next_sibling: torch.Tensor
+
+    # leaves, first_child, next_sibling: computed when first read (greedy acceptance reads none of
+    # them, and inside a speculative step's CUDA graph every tensor op is a kernel launch)
+    @functools.cached_property
+    def _child_of(self) -> torch.Tensor:
+        """bool [B, N, N]: [b, j, i] = i is j's child."""
+        idx = const_arange(self.num_nodes, self.parents.device)
+        return (self.parents[:, None, :] == idx[None, :, None]) & self.valid[:, None, :]
+
+    @functools.cached_property
+    def leaves(self) -> torch.Tensor:
+        return self.valid & ~self._child_of.any(dim=-1)
+
+    @functools.cached_property
+    def first_child(self) -> torch.Tensor:
+        n = self.num_nodes
+        idx = torch.arange(n, device=self.parents.device)
+        first = torch.where(self._child_of, idx[None, None, :], n).amin(dim=-1)
+        return torch.where(first < n, first, -1)
+
+    @functools.cached_property
+    def next_sibling(self) -> torch.Tensor:
+        n, parents = self.num_nodes, self.parents
+        idx = torch.arange(n, device=parents.device)
+        same = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)
+        same &= (idx[None, None, :] > idx[None, :, None]) & self.valid[:, None, :]
+        nxt = torch.where(same, idx[None, None, :], n).amin(dim=-1)
+        return torch.where(nxt < n, nxt, -1)
 
     @property
     def batch_size(self) -> int:
@@ -139,7 +164,7 @@ class TreeBatch:
     @property
     def valid(self) -> torch.Tensor:
         """bool [B, N]: real nodes."""
-        return torch.arange(self.num_nodes, device=self.sizes.device)[None, :] < self.sizes[:, None]
+        return const_arange(self.num_nodes, self.sizes.device)[None, :] < self.sizes[:, None]
 
     def positions(self, context_lens: torch.Tensor) -> torch.Tensor:
         """int64 [B, N]: context_lens[b] + depth (padding nodes: context_lens[b])."""
@@ -153,10 +178,11 @@ class TreeBatch:
 
     @staticmethod
     def build(tokens: torch.Tensor, parents: torch.Tensor, sizes: Optional[torch.Tensor] = None, *,
-              validate: bool = True) -> TreeBatch:
+              validate: bool = True, max_depth: Optional[int] = None) -> TreeBatch:
         """A TreeBatch from tokens / parents int64 [B, N] (entries past sizes[b] are ignored;
         sizes None: all N). Tensor ops only; validate=True checks the parents (one host sync):
-        parents[b, 0] == -1 and 0 <= parents[b, i] < i for 1 <= i < sizes[b]."""
+        parents[b, 0] == -1 and 0 <= parents[b, i] < i for 1 <= i < sizes[b]. max_depth: a bound
+        the caller guarantees on every node's depth (fewer squarings of the ancestor relation)."""
         if tokens.dim() != 2 or parents.shape != tokens.shape:
             raise ValueError(f"tokens, parents: must be two [B, N] tensors, got {tuple(tokens.shape)} and "
                              f"{tuple(parents.shape)}")
@@ -165,11 +191,11 @@ class TreeBatch:
         if n == 0:
             raise ValueError("tokens: a tree has at least its root (N >= 1)")
         if sizes is None:
-            sizes = torch.full((bsz,), n, dtype=torch.int64, device=dev)
+            sizes = const_full((bsz,), n, torch.int64, dev)
         sizes = sizes.to(dev, torch.int64)
         if sizes.shape != (bsz,):
             raise ValueError(f"sizes: must have shape ({bsz},), got {tuple(sizes.shape)}")
-        idx = torch.arange(n, device=dev)
+        idx = const_arange(n, dev)
         valid = idx[None, :] < sizes[:, None]
         parents = torch.where(valid, parents.to(torch.int64), -1)
         parents[:, 0] = -1
@@ -182,11 +208,11 @@ class TreeBatch:
         tokens = torch.where(valid, tokens.to(torch.int64), 0)
         # ancestor-or-self: the reflexive-transitive closure of "j is i's parent" by squaring
         # (ceil(log2 N) boolean products; 0/1 sums <= N are exact in float32 and TF32)
-        eye = torch.eye(n, dtype=torch.bool, device=dev)
+        eye = const_eye(n, dev)
         reach = (eye[None] & valid[:, :, None]) | ((idx[None, None, :] == parents[:, :, None])
                                                    & (parents[:, :, None] >= 0))
-        span = 1
-        while span < n - 1:
+        span, reach_depth = 1, n - 1 if max_depth is None else min(n - 1, max_depth)
+        while span < reach_depth:
             r = reach.float()
             reach = torch.bmm(r, r) > 0
             span *= 2
@@ -198,15 +224,7 @@ class TreeBatch:
         paths = torch.full((bsz, n, n + 1), -1, dtype=torch.int64, device=dev)
         paths.scatter_(2, col, vals)
         paths = paths[:, :, :n]
-        child_of = (parents[:, None, :] == idx[None, :, None]) & valid[:, None, :]  # [b, j, i]: i is j's child
-        has_child = child_of.any(dim=-1)
-        first = torch.where(child_of, idx[None, None, :], n).amin(dim=-1)
-        first_child = torch.where(first < n, first, -1)
-        same = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)
-        same &= (idx[None, None, :] > idx[None, :, None]) & valid[:, None, :]
-        nxt = torch.where(same, idx[None, None, :], n).amin(dim=-1)
-        next_sibling = torch.where(nxt < n, nxt, -1)
-        return TreeBatch(tokens, parents, sizes, depths, mask, paths, valid & ~has_child, first_child, next_sibling)
+        return TreeBatch(tokens, parents, sizes, depths, mask, paths)
 
     @staticmethod
     def from_trees(trees: Sequence[TokenTree], tokens: Sequence[Sequence[int]], device=None) -> TreeBatch:
@@ -292,9 +310,33 @@ class StaticTree:
 
 
 @functools.lru_cache(maxsize=512)
-def _const(values: tuple, device: torch.device) -> torch.Tensor:
-    """An int64 tensor of fixed values, made once per device (no host copy inside a graph capture)."""
-    return torch.tensor(values, dtype=torch.int64, device=device)
+def _const(values: tuple, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A tensor of fixed values (nested tuples: more dimensions), made once per device (no host
+    copy inside a graph capture)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+const_tensor = _const
+
+
+# Constants of a speculative step, made once per (shape, device) and shared: inside a CUDA graph
+# every torch.arange / eye / full is a kernel launch, and a step's cost is its launches' count
+# (the warm-up run before each capture makes them outside it). Shared: never write into them.
+@functools.lru_cache(maxsize=1024)
+def const_arange(n: int, device: torch.device, dtype: torch.dtype = torch.int64, start: int = 0,
+                 step: int = 1) -> torch.Tensor:
+    """start, start + step, ... (n values)."""
+    return torch.arange(n, device=device, dtype=dtype) * step + start
+
+
+@functools.lru_cache(maxsize=256)
+def const_full(shape: tuple, value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def const_eye(n: int, device: torch.device) -> torch.Tensor:
+    return torch.eye(n, dtype=torch.bool, device=device)
 
 
 # --------------------------------------------------------------------------- EAGLE-2
@@ -330,12 +372,13 @@ class DynamicTreeBuilder:
         bsz, dev = root_logprobs.shape[0], root_logprobs.device
         s, t = _ranked_topk(root_logprobs.float().clamp_max(0.0), top_k)
         self._tokens = [root_tokens.to(dev, torch.int64)[:, None], t]
-        self._scores = [torch.zeros(bsz, 1, device=dev), s]
-        self._parents = [torch.full((bsz, 1), -1, dtype=torch.int64, device=dev),
-                         torch.zeros(bsz, top_k, dtype=torch.int64, device=dev)]
+        self._scores = [const_full((bsz, 1), 0.0, torch.float32, dev), s]
+        self._parents = [const_full((bsz, 1), -1, torch.int64, dev), const_full((bsz, top_k), 0, torch.int64, dev)]
         self._size = 1 + top_k
-        self._frontier = torch.arange(1, 1 + top_k, device=dev).expand(bsz, top_k)
+        self._frontier = const_arange(top_k, dev, start=1).expand(bsz, top_k)
         self._frontier_scores = s
+        self._frontier_tokens = t
+        self._frontier_parent = self._parents[1]
         self.steps = 1
         self.kept_scores: Optional[torch.Tensor] = None  # float32 [B, num_draft + 1], set by build
 
@@ -347,7 +390,13 @@ class DynamicTreeBuilder:
     @property
     def frontier_tokens(self) -> torch.Tensor:
         """int64 [B, top_k]: their tokens (the draft's next input)."""
-        return self.pool_tokens.gather(1, self._frontier)
+        return self._frontier_tokens
+
+    @property
+    def frontier_parent(self) -> torch.Tensor:
+        """int64 [B, top_k]: each frontier node's parent as an index into the previous frontier
+        (the one the last ``expand`` read; after none: 0, the root)."""
+        return self._frontier_parent
 
     @property
     def pool_tokens(self) -> torch.Tensor:
@@ -376,7 +425,7 @@ class DynamicTreeBuilder:
         s, t = _ranked_topk(logprobs.float().clamp_max(0.0), k)  # [B, k, k]
         cum = (self._frontier_scores[:, :, None] + s).reshape(bsz, k * k)
         parents = self._frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
-        ids = self._size + torch.arange(k * k, device=cum.device)
+        ids = const_arange(k * k, cum.device, start=self._size)
         self._tokens.append(t.reshape(bsz, k * k))
         self._scores.append(cum)
         self._parents.append(parents)
@@ -384,6 +433,8 @@ class DynamicTreeBuilder:
         best = torch.sort(cum, dim=1, descending=True, stable=True).indices[:, :k]
         self._frontier = ids[best]
         self._frontier_scores = cum.gather(1, best)
+        self._frontier_tokens = self._tokens[-1].gather(1, best)
+        self._frontier_parent = best // k  # candidate p * k + c is frontier node p's child c
         self.steps += 1
 
     def build(self) -> TreeBatch:
@@ -394,11 +445,11 @@ class DynamicTreeBuilder:
         keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
         keep = keep.sort(dim=1).values  # creation order: parents before children, root first
         remap = torch.full_like(parents, -1)
-        remap.scatter_(1, keep, torch.arange(n, device=keep.device).expand_as(keep).contiguous())
+        remap.scatter_(1, keep, const_arange(n, keep.device).expand_as(keep))
         par = parents.gather(1, keep)
         tree_par = torch.where(par >= 0, remap.gather(1, par.clamp_min(0)), -1)
         self.kept_scores = scores.gather(1, keep)
-        return TreeBatch.build(tokens.gather(1, keep), tree_par, validate=False)
+        return TreeBatch.build(tokens.gather(1, keep), tree_par, validate=False, max_depth=self.steps)
 
 
 def _ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
