@@ -331,8 +331,10 @@ def eval_cmd(
                                  title=f"optllm eval (partial: speculation measured for {len(done)} of "
                                        f"{len(models)} models)")
 
+            # a GPU batch of 128 tokens takes ~0.2 s: three measured batches per case against noise
             results = evaluate_speculation(models, draft, spec_sizes, spec_len, device=dev, dtype=dtype,
-                                           temperatures=temps, policy=spec_policy, on_model=spec_partial)
+                                           temperatures=temps, reps=3 if str(dev).startswith("cuda") else 1,
+                                           policy=spec_policy, on_model=spec_partial)
             rows = add_results(rows, models, results, spec_fields)
     except (UserError, ValueError) as e:
         _fail(str(e))

@@ -96,11 +96,12 @@ def speed_table(rows: list) -> str:
 def speculation_table(rows: list) -> str:
     """Speculation: a row per model, temperature and batch size (plain and speculative output
     tok/s, speedup, tau, the share of speculative sequence-steps accepting at least d draft
-    tokens for d = 1..4, greedy outputs identical); "" when no row has speculation."""
+    tokens for d = 1..4, speculative steps per tree size (n: steps), greedy outputs identical); ""
+    when no row has speculation."""
     if not any(getattr(r, "speculation", None) for r in rows):
         return ""
     head = ["model", "scheme", "temp", "batch", "plain tok/s", "spec tok/s", "speedup", "τ", "≥1", "≥2", "≥3", "≥4",
-            "same tokens"]
+            "spec steps (tree: steps)", "same tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     f = lambda v, fmt: "–" if v is None else fmt.format(v)  # noqa: E731
     for r in rows:
@@ -110,7 +111,8 @@ def speculation_table(rows: list) -> str:
             lines.append("| " + " | ".join([
                 r.model, r.kind, f"{s['temperature']:g}", str(s["batch_size"]), f(s.get("plain_tok_s"), "{:.1f}"),
                 f(s.get("spec_tok_s"), "{:.1f}"), f(s.get("speedup"), "{:.2f}×"), f(s.get("tau"), "{:.2f}"),
-                *[f(None if d is None else 100 * d, "{:.0f}%") for d in depth], same]) + " |")
+                *[f(None if d is None else 100 * d, "{:.0f}%") for d in depth],
+                ", ".join(f"{n}: {c}" for n, c in (s.get("steps_by_size") or {}).items()) or "–", same]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -121,11 +123,11 @@ def speculation_intro(rows: list) -> str:
     return (f"Draft `{s['draft']}` ({s['draft_method']}, policy {s['policy']}) on held-out chat prompts (the "
             f"built-in chat corpus's eval family, which no draft trains on), each request decoding exactly "
             f"{s['output_len']} tokens, a batch arriving at once. tok/s: output tokens over the whole call, without "
-            "and with the draft (engines loaded one after the other, same shape); τ: tokens a speculative "
-            "sequence-step emits (accepted draft tokens + 1); ≥d: share of speculative sequence-steps that accepted "
-            "at least d draft tokens; same tokens: greedy outputs identical with and without the draft (else "
-            "how many sequences were, and the largest top-2 log-prob margin of the target where one parted: a "
-            "bf16 rounding step, ~0.1, is a tie that other kernels broke the other way).\n\n")
+            "and with the draft (both engines loaded side by side, same shape, their batches alternating); τ: "
+            "tokens a speculative sequence-step emits (accepted draft tokens + 1); ≥d: share of speculative "
+            "sequence-steps that accepted at least d draft tokens; same tokens: greedy outputs identical with and "
+            "without the draft (else how many sequences were, and the largest top-2 log-prob margin of the target "
+            "where one parted: a bf16 rounding step, ~0.1, is a tie that other kernels broke the other way).\n\n")
 
 
 _TIE_MARGIN = 0.5  # a few bf16 rounding steps of logits of magnitude 16..64 (0.125..0.25 each)

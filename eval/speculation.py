@@ -15,8 +15,12 @@ corpus's eval split (stories, letters, advice, role-play, poems, trips: hub/corp
 family train-draft never sees (it writes its own prompts), rendered with the model's chat
 template (plain text when it has none). Each request decodes exactly ``output_len`` tokens
 (EOS ignored), all of a batch arriving at once; one warm-up batch, then ``reps`` measured
-ones. The plain and the speculative engine are loaded one after the other (never both), with
-the same shape; the speculative one runs the draft's tree under the given policy.
+ones. The plain and the speculative engine (the draft's tree under the given policy) are loaded
+side by side with the same shape, their KV caches sized to the workload, and their batches
+alternate (plain, speculative, plain, ...): a GPU's step time drifts by several percent between
+engines built one after the other in a process (measured on the H200: the same decode graph
+replayed 12% slower in the second engine), which would otherwise count against whichever ran
+second.
 """
 
 from __future__ import annotations
@@ -76,17 +80,25 @@ def _batch(llm: LLM, prompts, params) -> tuple[float, int, list[list[int]]]:
 def _spec_counts(llm: LLM) -> dict:
     st = llm.engine.stats().speculation
     return {"seq_steps": st["seq_steps"], "drafted": st["drafted"], "accepted": st["accepted"],
-            "histogram": list(st["histogram"])}
+            "histogram": list(st["histogram"]), "steps_by_size": dict(st["steps_by_size"])}
 
 
 def _delta(after: dict, before: dict) -> dict:
     h = [a - (before["histogram"][i] if i < len(before["histogram"]) else 0) for i, a in enumerate(after["histogram"])]
-    return {k: after[k] - before[k] for k in ("seq_steps", "drafted", "accepted")} | {"histogram": h}
+    sizes = {n: c - before["steps_by_size"].get(n, 0) for n, c in after["steps_by_size"].items()}
+    return {k: after[k] - before[k] for k in ("seq_steps", "drafted", "accepted")} | {
+        "histogram": h, "steps_by_size": {n: c for n, c in sorted(sizes.items()) if c}}
 
 
-def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
-    return dict(device=device, dtype=dtype, quantized_linear="kernel", max_num_seqs=max(batch_sizes),
-                max_model_len=max_prompt + output_len + 64)
+def _engine_args(batch_sizes, output_len, device, dtype, max_prompt, block_size: int = 16) -> dict:
+    """Both engines' shape; on a GPU a KV cache of the blocks the largest batch needs (room for
+    the speculative lookahead included), so that the two fit side by side."""
+    max_len = max_prompt + output_len + 64
+    args = dict(device=device, dtype=dtype, quantized_linear="kernel", max_num_seqs=max(batch_sizes),
+                max_model_len=max_len, block_size=block_size)
+    if str(device).startswith("cuda"):
+        args["num_kv_blocks"] = max(batch_sizes) * (-(-max_len // block_size) + 1) + 16
+    return args
 
 
 def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], output_len: int, device: str = "cpu",
@@ -106,40 +118,45 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
     _free()
     cases = [(t, bs) for t in temperatures for bs in batch_sizes]
     results: dict[tuple, dict] = {(t, bs): {} for t, bs in cases}
-    bar = _bar(2 * len(cases)) if progress else None
+    bar = _bar(len(cases)) if progress else None
+    args = _engine_args(batch_sizes, output_len, device, dtype, longest)
+    engines = {}
     try:
-        for label in ("plain", "spec"):
-            extra = {} if label == "plain" else dict(draft=str(draft), spec_policy=policy, **(spec_options or {}))
-            llm = LLM(str(model), **_engine_args(batch_sizes, output_len, device, dtype, longest), **extra)
-            spec = getattr(llm.engine.runner, "spec", None) if label == "spec" else None
-            table = getattr(spec, "cost_table", None)  # the adaptive policy's start-up profile
-            for t, bs in cases:
-                params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, detokenize=False)
-                batches = [prompts[bs][r * bs:(r + 1) * bs] for r in range(reps + 1)]
+        engines["plain"] = LLM(str(model), **args)
+        engines["spec"] = LLM(str(model), **args, draft=str(draft), spec_policy=policy, **(spec_options or {}))
+        spec = engines["spec"].engine.runner.spec
+        table = getattr(spec, "cost_table", None)  # the adaptive policy's start-up profile
+        for t, bs in cases:
+            params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, detokenize=False)
+            batches = [prompts[bs][r * bs:(r + 1) * bs] for r in range(reps + 1)]
+            for llm in engines.values():
                 _batch(llm, batches[0], params)  # warm-up
-                before = _spec_counts(llm) if label == "spec" else None
-                seconds = tokens = 0
-                ids = []
-                for b in batches[1:]:
-                    s, n, out = _batch(llm, b, params)
-                    seconds, tokens = seconds + s, tokens + n
-                    ids += out
-                r = results[(t, bs)]
-                r[f"{label}_tok_s"] = tokens / seconds if seconds > 0 else None
-                r[f"{label}_ids"] = ids
-                if label == "spec":
-                    r["counts"] = _delta(_spec_counts(llm), before)
-                    r["cost_ms"] = None if table is None else {"batches": table.batches, "ms": table.ms}
-                    if t == 0:
-                        r["margins"] = _divergence_margins(llm, [p for b in batches[1:] for p in b], r["plain_ids"],
-                                                           ids)
-                if bar is not None:
-                    bar.update(1)
-            del llm
-            _free()
+            before = _spec_counts(engines["spec"])
+            seconds = {"plain": 0.0, "spec": 0.0}
+            tokens = {"plain": 0, "spec": 0}
+            ids: dict[str, list] = {"plain": [], "spec": []}
+            for b in batches[1:]:  # alternating, so that a drift hits both alike
+                for label, llm in engines.items():
+                    sec, n, out = _batch(llm, b, params)
+                    seconds[label] += sec
+                    tokens[label] += n
+                    ids[label] += out
+            r = results[(t, bs)]
+            for label in engines:
+                r[f"{label}_tok_s"] = tokens[label] / seconds[label] if seconds[label] > 0 else None
+                r[f"{label}_ids"] = ids[label]
+            r["counts"] = _delta(_spec_counts(engines["spec"]), before)
+            r["cost_ms"] = None if table is None else {"batches": table.batches, "ms": table.ms}
+            if t == 0:
+                r["margins"] = _divergence_margins(engines["spec"], [p for b in batches[1:] for p in b],
+                                                   r["plain_ids"], r["spec_ids"])
+            if bar is not None:
+                bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+        engines.clear()
+        _free()
     rows = []
     for t, bs in cases:
         r = results[(t, bs)]
@@ -151,7 +168,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             plain_tok_s=r["plain_tok_s"], spec_tok_s=r["spec_tok_s"],
             speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
-            accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth,
+            accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth, steps_by_size=c["steps_by_size"],
             identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None, cost_ms=r.get("cost_ms"),
             **(_identity(r["margins"]) if t == 0 else {}),
         ))

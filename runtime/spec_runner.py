@@ -88,6 +88,7 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     histogram: list[int] = field(default_factory=list)
+    steps_by_size: dict[int, int] = field(default_factory=dict)  # speculative steps per tree size
 
     @property
     def mean_accepted_length(self) -> float:
@@ -96,7 +97,8 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted, "accepted": self.accepted,
-                "mean_accepted_length": self.mean_accepted_length, "histogram": list(self.histogram)}
+                "mean_accepted_length": self.mean_accepted_length, "histogram": list(self.histogram),
+                "steps_by_size": dict(self.steps_by_size)}
 
 
 _GREEDY = SamplingParams(temperature=0)
@@ -409,6 +411,7 @@ class SpecDecoder:
             self._record_logprobs(seqs, out, logits.view(bsz * n, -1), rows)
         st = self.stats
         st.steps += 1
+        st.steps_by_size[n] = st.steps_by_size.get(n, 0) + 1
         st.seq_steps += bsz
         st.drafted += bsz * (n - 1)
         st.accepted += sum(num_acc)
