@@ -117,8 +117,10 @@ def rejection_accept(tree: TreeBatch, target_probs: torch.Tensor, draft_probs: O
     dev = target_probs.device
     rows = torch.arange(bsz, device=dev)
     tokens = tree.tokens.to(dev)
-    first_child, next_sibling = tree.first_child.to(dev), tree.next_sibling.to(dev)
     coins = torch.rand(bsz, n, generator=generator, device=dev, dtype=torch.float64)
+    if draft_probs is None:
+        return _point_mass_accept(tree, tokens, target_probs, coins, generator)
+    first_child, next_sibling = tree.first_child.to(dev), tree.next_sibling.to(dev)
     p = target_probs[:, 0].float()
     q = draft_probs[:, 0].float() if draft_probs is not None else None
     child = first_child[:, 0]
@@ -152,6 +154,53 @@ def rejection_accept(tree: TreeBatch, target_probs: torch.Tensor, draft_probs: O
         child = torch.where(acc, first_child[rows, c], torch.where(active, nxt, -1))
     final = torch.multinomial(p, 1, generator=generator)[:, 0]
     return _result(tree, accepted, depth, final)
+
+
+def _point_mass_accept(tree: TreeBatch, tokens: torch.Tensor, target_probs: torch.Tensor, coins: torch.Tensor,
+                       generator: Optional[torch.Generator]) -> AcceptResult:
+    """rejection_accept without draft probabilities, in closed form over the whole tree at once
+    (a fixed number of tensor ops, no loop over nodes: the sampling step runs eagerly, where
+    every op is a launch). With q the point mass on each candidate, a node's children are tried
+    in index order and child i (token x_i, distinct from its earlier siblings') is accepted with
+    probability p(x_i) / (1 - sum_{j < i} p(x_j)) once the earlier ones were rejected: the
+    sequential rule's p after those rejections, renormalised; a repeated token has p 0 there.
+    Each node draws its own coin, as the sequential walk does, so a node's fate is fixed before
+    the walk: the accepted path is the longest root path whose every node is its parent's first
+    accepted child, and the final token is drawn from its last node's p with every child's token
+    removed (the residual of rejecting them all; a leaf keeps p)."""
+    bsz, n = tokens.shape
+    dev = tokens.device
+    idx = const_arange(n, dev)
+    parents, valid = tree.parents.to(dev), tree.valid.to(dev)
+    # p at the parent for each node's token (the root: unused)
+    px = target_probs.gather(1, parents.clamp_min(0)[:, :, None].expand(bsz, n, target_probs.shape[2]))
+    px = px.gather(2, tokens[:, :, None])[:, :, 0].double()
+    # earlier siblings: same parent, lower index; a token an earlier sibling had is a repeat
+    sib = (parents[:, :, None] == parents[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
+    sib &= valid[:, None, :] & (parents[:, :, None] >= 0)
+    repeat = (sib & (tokens[:, :, None] == tokens[:, None, :])).any(dim=-1)
+    before = (sib & ~repeat[:, None, :]).double() @ px[:, :, None]
+    rest = 1.0 - before[:, :, 0]
+    ratio = torch.where(repeat | (rest <= 0), 0.0, px / torch.where(rest > 0, rest, 1.0))
+    accepted_node = valid & (parents >= 0) & (coins < ratio)
+    # each node's first accepted child, then the nodes every ancestor of which is that child
+    child_of = (parents[:, None, :] == idx[None, :, None]) & valid[:, None, :]  # [b, u, c]
+    first = torch.where(child_of & accepted_node[:, None, :], idx[None, None, :], n).amin(dim=-1)
+    chosen = first.gather(1, parents.clamp_min(0)) == idx[None, :]
+    chosen[:, 0] = True
+    on_path = valid & ~(tree.mask.to(dev) & ~chosen[:, None, :]).any(dim=-1)
+    depths = tree.depths.to(dev)
+    best = torch.where(on_path, depths, -1).argmax(dim=1)  # the path is a chain: one node per depth
+    rows = const_arange(bsz, dev)
+    accepted = tree.paths.to(dev)[rows, best]
+    # the last node's children all rejected (or none): the residual without their tokens
+    v = target_probs.shape[2]
+    kids = child_of[rows, best]  # [B, N]
+    hot = torch.zeros(bsz, v + 1, dtype=target_probs.dtype, device=dev)
+    hot.scatter_(1, torch.where(kids, tokens, v), 1.0)
+    p = _residual(target_probs[rows, best].float(), hot[:, :v].float())
+    final = torch.multinomial(p, 1, generator=generator)[:, 0]
+    return _result(tree, accepted, depths[rows, best], final)
 
 
 def sampling_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
