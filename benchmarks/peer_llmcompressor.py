@@ -19,6 +19,9 @@ nothing of optllm is imported there):
         --group-size 64 [--asym] --in out/peer
     .venv-llmc/bin/python benchmarks/peer_llmcompressor.py quantize --algo awq --bits 4 \\
         --group-size 64 --in out/peer
+    #    issue 14's activation-quantized peers, llm-compressor's presets (PRESETS below):
+    .venv-llmc/bin/python benchmarks/peer_llmcompressor.py quantize --algo fp8-dynamic --in out/peer
+    .venv-llmc/bin/python benchmarks/peer_llmcompressor.py quantize --algo w8a8-sq-gptq --in out/peer
 
     #    (ours, for the same table: the same model, calibration flags and scheme; --asym for
     #    asymmetric, --scheme w4a16-awq for AWQ; --no-compare skips its own RTN comparison)
@@ -195,7 +198,16 @@ def cmd_prepare(a: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------- quantize (peer venv)
 def peer_name(algo: str, bits: int, group_size: int, asym: bool) -> str:
+    if algo in PRESETS:
+        return f"llmc-{algo}"
     return f"llmc-{algo}-w{bits}-g{group_size}-{'asym' if asym else 'sym'}"
+
+
+# Activation-quantized schemes as llm-compressor's examples make them (its presets; --bits,
+# --group-size and --asym do not apply): FP8_DYNAMIC (E4M3 per-channel weights, dynamic
+# per-token inputs; no calibration data read) and W8A8 int8 (SmoothQuant, strength 0.8 as its
+# example, then GPTQ int8 per-channel weights, dynamic per-token inputs).
+PRESETS = ("fp8-dynamic", "w8a8-sq-gptq")
 
 
 def _config_groups(bits: int, group_size: int, symmetric: bool) -> dict:
@@ -211,6 +223,15 @@ def build_recipe(algo: str, bits: int, group_size: int, symmetric: bool) -> tupl
 
     groups = _config_groups(bits, group_size, symmetric)
     ignore = ["lm_head"]
+    if algo == "fp8-dynamic":
+        args = {"targets": ["Linear"], "scheme": "FP8_DYNAMIC", "ignore": ignore}
+        return [QuantizationModifier(**args)], {"QuantizationModifier": args}
+    if algo == "w8a8-sq-gptq":
+        from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+
+        sq = {"smoothing_strength": 0.8}
+        gq = {"targets": ["Linear"], "scheme": "W8A8", "ignore": ignore}
+        return [SmoothQuantModifier(**sq), GPTQModifier(**gq)], {"SmoothQuantModifier": sq, "GPTQModifier": gq}
     if algo == "gptq":
         args = {"config_groups": groups, "ignore": ignore, "dampening_frac": 0.01, "actorder": "static",
                 "block_size": 128}
@@ -456,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
                    "windows): it changes which windows are drawn, so pass both the same [default auto]")
 
     q = sub.add_parser("quantize", help="(peer venv) llm-compressor GPTQ / AWQ on the prepared folder")
-    q.add_argument("--algo", choices=("gptq", "awq"), required=True)
+    q.add_argument("--algo", choices=("gptq", "awq", *PRESETS), required=True)
     q.add_argument("--bits", type=int, choices=(4, 3), default=4)
     q.add_argument("--group-size", type=int, default=64)
     q.add_argument("--asym", action="store_true", help="asymmetric grid with zero points [default sym]")

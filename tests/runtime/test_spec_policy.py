@@ -53,17 +53,24 @@ def test_policy_speculates_when_it_pays_and_not_when_the_batch_is_busy():
     assert pol.choose([7]) == 1
 
 
-def test_policy_explores_the_smallest_tree_while_off():
+def test_policy_explores_the_largest_tree_that_could_win_while_off():
+    """Its verify scores every smaller size too. bs 16: a tree of 6 costs 1.9 ms against 1 ms,
+    90% more: a 10% budget explores every 9th step, the default 1% every 90th; a tree that could
+    never win is not the one explored."""
     sizes = [3, 6]
-    # bs 16: a tree of 3 costs 1.4 ms against 1 ms, 40% more: a 10% budget explores every 4th step
     pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4,
                          explore_budget=0.1)
-    picks = [pol.choose(list(range(16))) for _ in range(12)]
-    assert picks == [1, 1, 1, 3] * 3
-    # the default 1% budget: every 40th step
+    picks = [pol.choose(list(range(16))) for _ in range(27)]
+    assert picks == [1] * 8 + [6] + [1] * 8 + [6] + [1] * 8 + [6]
     pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4)
-    picks = [pol.choose(list(range(16))) for _ in range(80)]
-    assert [i for i, p in enumerate(picks) if p != 1] == [39, 79]
+    picks = [pol.choose(list(range(16))) for _ in range(180)]
+    assert [i for i, p in enumerate(picks) if p != 1] == [89, 179]
+    # bs 32 with depth 1 bounding the tree of 6 to 2 tokens a sequence (64 for 3.4 ms against 32 a
+    # ms plain): it cannot win, so the tree of 3 is the one explored
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, max_accept={3: 2, 6: 1},
+                         explore_every=1, explore_budget=1.0)
+    picks = {pol.choose(list(range(32))) for _ in range(10)}
+    assert 3 in picks and picks <= {1, 3}
 
 
 def test_policy_never_tries_a_tree_that_cannot_win():
