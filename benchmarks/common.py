@@ -32,6 +32,27 @@ def graph_us(fn, rep: int = 20) -> float:
     return 1000 * triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
+def replay_us(graph, reps: int = 200, warmup: int = 0) -> tuple[float, float]:
+    """Median µs of a captured CUDA graph's replay(): its host time alone, and replay() +
+    synchronize() (the GPU idle before each), over reps replays after warmup more."""
+    import statistics
+
+    import torch
+
+    host, full = [], []
+    for i in range(warmup + reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            host.append((t1 - t0) * 1e6)
+            full.append((t2 - t0) * 1e6)
+    return statistics.median(host), statistics.median(full)
+
+
 def rotated_us(op, rep: int = 20) -> float:
     """µs per call of op(i), timed as one graph of op(0) .. op(ROT - 1) divided by ROT."""
     fn = lambda: [op(i) for i in range(ROT)]  # noqa: E731

@@ -13,10 +13,10 @@ the runtime's graphs are, and after capturing them each from a pool of its own.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from optllm.benchmarks.common import replay_us
 
 
 def capture(chain: int, pool=None):
@@ -37,21 +37,6 @@ def capture(chain: int, pool=None):
     return g, (x, y)
 
 
-def timed(g, reps: int = 200) -> tuple[float, float]:
-    """Median µs of replay() alone (host) and of replay() + synchronize()."""
-    host, full = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        g.replay()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) * 1e6)
-        full.append((t2 - t0) * 1e6)
-    return statistics.median(host), statistics.median(full)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chain", type=int, default=312, help="kernels in each graph (a plain decode step: 312)")
@@ -69,8 +54,8 @@ def main() -> None:
             while have < extra:
                 held.append(capture(a.extra_chain, pool if shared else None))
                 have += 1
-            timed(g, 20)
-            host, full = timed(g)
+            replay_us(g, 20)
+            host, full = replay_us(g)
             rows.append((shared, extra, host, full))
             print(f"shared pool {shared}, {extra} more graphs: replay host {host:.1f} us, with sync {full:.1f} us",
                   flush=True)

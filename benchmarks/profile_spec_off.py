@@ -98,19 +98,10 @@ def replay_only(llm, reps: int = 200) -> dict:
     graphs = llm.engine.runner.graphs
     if graphs is None or graphs.eager_stand_in:
         return {}
-    g = graphs.graphs[graphs.buckets[-1]]
-    host, full = [], []
-    for i in range(reps + 20):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        g.replay()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if i >= 20:
-            host.append((t1 - t0) * 1e6)
-            full.append((t2 - t0) * 1e6)
-    return {"replay_host_us": statistics.median(host), "replay_sync_us": statistics.median(full)}
+    from optllm.benchmarks.common import replay_us
+
+    host, full = replay_us(graphs.graphs[graphs.buckets[-1]], reps, warmup=20)
+    return {"replay_host_us": host, "replay_sync_us": full}
 
 
 def main() -> None:
