@@ -324,8 +324,9 @@ def cmd_quantize(a: argparse.Namespace) -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     _write_json(out / PEER_FILE, record)
-    print(f"{out}: llm-compressor {record['versions']['llmcompressor']} {a.algo} W{a.bits} g{a.group_size} "
-          f"{'asym' if a.asym else 'sym'}: oneshot {t_oneshot - t_load:.1f} s, total {t_save - t0:.1f} s")
+    what = a.algo if a.algo in PRESETS else f"{a.algo} W{a.bits} g{a.group_size} {'asym' if a.asym else 'sym'}"
+    print(f"{out}: llm-compressor {record['versions']['llmcompressor']} {what}: oneshot {t_oneshot - t_load:.1f} s, "
+          f"total {t_save - t0:.1f} s")
 
 
 # ---------------------------------------------------------------- eval (our venv)

@@ -86,8 +86,9 @@ class IntQuantizedCodec(StaticInputScaleCodec):
                              "'channel' (one scale per output channel)")
         if weights.dynamic:
             raise ValueError("int-quantized weights are static (dynamic: false)")
-        if weights.actorder is not None:
-            raise ValueError("int-quantized per-channel weights take no actorder")
+        # actorder ("static" / compressed-tensors "weight") only records the order GPTQ visited the
+        # columns in: with one scale per output channel the stored codes and scales are the same
+        # kind either way (llm-compressor's W8A8 GPTQ preset writes it; vLLM loads such files)
         if input_activations is None:
             raise ValueError("int-quantized is W8A8: input_activations must be given (int8 weight-only is "
                              "pack-quantized: w8a16-*)")

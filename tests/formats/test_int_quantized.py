@@ -149,6 +149,11 @@ def test_arguments_int_quantized_cannot_hold_are_one_sentence():
     with pytest.raises(ValueError, match="input activation type: asymmetric int8 is not supported"):
         codec.check(W, QuantArgs(8, None, strategy="tensor", symmetric=False))  # static inputs: symmetric only
     codec.check(W, DYNAMIC_ASYM)  # dynamic per-token inputs may have zero points (taken at run time)
+    # llm-compressor's W8A8 GPTQ preset records actorder "weight" ("static"): GPTQ's column order
+    # only, channel codes and scales as any other (its checkpoint failed to load here before)
+    codec.check(QuantArgs(8, None, strategy="channel", actorder="static"), DYNAMIC)
+    assert QuantArgs.from_compressed_tensors({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                                "actorder": "weight", "dynamic": False}).actorder == "static"
     assert codec.vllm_incompatibility(W, DYNAMIC) is None and codec.vllm_incompatibility(W, STATIC) is None
     assert codec.vllm_incompatibility(W, DYNAMIC_ASYM) is None
     assert "per tensor" in codec.vllm_incompatibility(W, QuantArgs(8, None, strategy="channel"))
