@@ -50,7 +50,7 @@ from .sampler import token_logprobs
 from .sampling_params import GREEDY_EPS, SamplingParams
 from .spec.acceptance import AcceptResult, accepted_per_size, greedy_accept, rejection_accept, target_probs
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
-from .spec.tree import DynamicTreeBuilder, StaticTree, const_arange, const_eye, const_tensor
+from .spec.tree import DynamicTreeBuilder, StaticTree, const_arange, const_eye
 from .step_inputs import HostBatch, host_tensor
 
 # Medusa's tree when none is given: ranks of the heads' top-k along each path, widest near the
@@ -124,6 +124,17 @@ class FeatureStore:
 
     def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
         return self.features[slots]
+
+
+@functools.lru_cache(maxsize=256)
+def _level_offsets(bsz: int, k: int, levels: int, device: torch.device):
+    """EAGLE-2 expansion levels m = k, 2k, ... (levels of them) over bsz sequences: the query
+    offsets b * m (int32 [levels, bsz + 1]), the tree-mask offsets b * m * m (int64 [levels,
+    bsz]) and each scratch row's depth - 1, r // k (int64 [levels * k]); made once per shape
+    (constants of the step: no kernels inside its graph)."""
+    m = torch.arange(1, levels + 1, device=device)[:, None] * k
+    return ((torch.arange(bsz + 1, device=device)[None, :] * m).to(torch.int32),
+            torch.arange(bsz, device=device)[None, :] * m * m, torch.arange(levels * k, device=device) // k)
 
 
 def _slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -512,13 +523,11 @@ class SpecDecoder:
             rows, levels = (depth - 1) * k, depth - 1
             at = ctx[:, None] + const_arange(rows, dev)[None, :]
             slots_all = tables.long().gather(1, at // bs) * bs + at % bs  # [B, rows]
-            pos_all = ctx[:, None] + const_tensor(tuple(i // k for i in range(rows)), dev)[None, :]
+            cu_lv, off_lv, depth_of_row = _level_offsets(bsz, k, levels, dev)
+            pos_all = ctx[:, None] + depth_of_row[None, :]
             # each level's attention metadata, a row per level (m = k, 2k, ...): key counts
             # c + m; the constant query offsets b * m and mask offsets b * m * m
-            ms = range(k, rows + 1, k)
             lens_lv = ctx.to(torch.int32)[None, :] + const_arange(levels, dev, torch.int32, k, k)[:, None]
-            cu_lv = const_tensor(tuple(tuple(b * m for b in range(bsz + 1)) for m in ms), dev, torch.int32)
-            off_lv = const_tensor(tuple(tuple(b * m * m for b in range(bsz)) for m in ms), dev)
             # the ancestor-or-self mask over all rows, filled a level at a time (a row's
             # ancestors are earlier rows: later columns stay False)
             full = const_eye(rows, dev).expand(bsz, rows, rows).clone()

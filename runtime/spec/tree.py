@@ -316,8 +316,6 @@ def _const(values: tuple, device: torch.device, dtype: torch.dtype = torch.int64
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-const_tensor = _const
-
 
 # Constants of a speculative step, made once per (shape, device) and shared: inside a CUDA graph
 # every torch.arange / eye / full is a kernel launch, and a step's cost is its launches' count
