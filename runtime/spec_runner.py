@@ -128,12 +128,12 @@ class FeatureStore:
 
 @functools.lru_cache(maxsize=256)
 def _level_offsets(bsz: int, k: int, levels: int, device: torch.device):
-    """EAGLE-2 expansion levels m = k, 2k, ... (levels of them) over bsz sequences: the query
-    offsets b * m (int32 [levels, bsz + 1]), the tree-mask offsets b * m * m (int64 [levels,
-    bsz]) and each scratch row's depth - 1, r // k (int64 [levels * k]); made once per shape
-    (constants of the step: no kernels inside its graph)."""
+    """EAGLE-2 expansion levels m = k, 2k, ... (levels of them) over bsz sequences: m itself
+    (int32 [levels, 1]), the query offsets b * m (int32 [levels, bsz + 1]), the tree-mask offsets
+    b * m * m (int64 [levels, bsz]) and each scratch row's depth - 1, r // k (int64 [levels * k]);
+    made once per shape (constants of the step: no kernels inside its graph)."""
     m = torch.arange(1, levels + 1, device=device)[:, None] * k
-    return ((torch.arange(bsz + 1, device=device)[None, :] * m).to(torch.int32),
+    return (m.to(torch.int32), (torch.arange(bsz + 1, device=device)[None, :] * m).to(torch.int32),
             torch.arange(bsz, device=device)[None, :] * m * m, torch.arange(levels * k, device=device) // k)
 
 
@@ -521,13 +521,12 @@ class SpecDecoder:
             # depth r // k + 1, at position c + r // k, in slot c + r): their index tensors are
             # built once here and sliced per level (each level rebuilding them cost ~15 kernels)
             rows, levels = (depth - 1) * k, depth - 1
-            at = ctx[:, None] + const_arange(rows, dev)[None, :]
-            slots_all = tables.long().gather(1, at // bs) * bs + at % bs  # [B, rows]
-            cu_lv, off_lv, depth_of_row = _level_offsets(bsz, k, levels, dev)
-            pos_all = ctx[:, None] + depth_of_row[None, :]
+            slots_all = _slots(tables, ctx[:, None] + const_arange(rows, dev)[None, :], bs)  # [B, rows]
             # each level's attention metadata, a row per level (m = k, 2k, ...): key counts
             # c + m; the constant query offsets b * m and mask offsets b * m * m
-            lens_lv = ctx.to(torch.int32)[None, :] + const_arange(levels, dev, torch.int32, k, k)[:, None]
+            m_lv, cu_lv, off_lv, depth_of_row = _level_offsets(bsz, k, levels, dev)
+            pos_all = ctx[:, None] + depth_of_row[None, :]
+            lens_lv = ctx.to(torch.int32)[None, :] + m_lv
             # the ancestor-or-self mask over all rows, filled a level at a time (a row's
             # ancestors are earlier rows: later columns stay False)
             full = const_eye(rows, dev).expand(bsz, rows, rows).clone()

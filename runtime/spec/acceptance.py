@@ -170,28 +170,25 @@ def _point_mass_accept(tree: TreeBatch, tokens: torch.Tensor, target_probs: torc
     removed (the residual of rejecting them all; a leaf keeps p)."""
     bsz, n = tokens.shape
     dev = tokens.device
-    idx = const_arange(n, dev)
+    idx, rows = const_arange(n, dev), const_arange(bsz, dev)
     parents, valid = tree.parents.to(dev), tree.valid.to(dev)
     # p at the parent for each node's token (the root: unused)
-    px = target_probs.gather(1, parents.clamp_min(0)[:, :, None].expand(bsz, n, target_probs.shape[2]))
-    px = px.gather(2, tokens[:, :, None])[:, :, 0].double()
-    # earlier siblings: same parent, lower index; a token an earlier sibling had is a repeat
-    sib = (parents[:, :, None] == parents[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
-    sib &= valid[:, None, :] & (parents[:, :, None] >= 0)
+    px = target_probs[rows[:, None], parents.clamp_min(0), tokens].double()
+    # a token an earlier sibling had is a repeat
+    sib = tree.earlier_siblings.to(dev)
     repeat = (sib & (tokens[:, :, None] == tokens[:, None, :])).any(dim=-1)
     before = (sib & ~repeat[:, None, :]).double() @ px[:, :, None]
     rest = 1.0 - before[:, :, 0]
     ratio = torch.where(repeat | (rest <= 0), 0.0, px / torch.where(rest > 0, rest, 1.0))
     accepted_node = valid & (parents >= 0) & (coins < ratio)
     # each node's first accepted child, then the nodes every ancestor of which is that child
-    child_of = (parents[:, None, :] == idx[None, :, None]) & valid[:, None, :]  # [b, u, c]
+    child_of = tree.child_of.to(dev)  # [b, u, c]: c is u's child
     first = torch.where(child_of & accepted_node[:, None, :], idx[None, None, :], n).amin(dim=-1)
     chosen = first.gather(1, parents.clamp_min(0)) == idx[None, :]
     chosen[:, 0] = True
     on_path = valid & ~(tree.mask.to(dev) & ~chosen[:, None, :]).any(dim=-1)
     depths = tree.depths.to(dev)
     best = torch.where(on_path, depths, -1).argmax(dim=1)  # the path is a chain: one node per depth
-    rows = const_arange(bsz, dev)
     accepted = tree.paths.to(dev)[rows, best]
     # the last node's children all rejected (or none): the residual without their tokens
     v = target_probs.shape[2]

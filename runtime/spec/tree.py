@@ -124,33 +124,40 @@ class TreeBatch:
     mask: torch.Tensor
     paths: torch.Tensor
 
-    # leaves, first_child, next_sibling: computed when first read (greedy acceptance reads none of
-    # them, and inside a speculative step's CUDA graph every tensor op is a kernel launch)
+    # child_of, earlier_siblings, leaves, first_child, next_sibling: computed when first read
+    # (greedy acceptance reads none of them, and inside a speculative step's CUDA graph every
+    # tensor op is a kernel launch)
     @functools.cached_property
-    def _child_of(self) -> torch.Tensor:
-        """bool [B, N, N]: [b, j, i] = i is j's child."""
+    def child_of(self) -> torch.Tensor:
+        """bool [B, N, N]: [b, j, i] = node i is node j's child."""
         idx = const_arange(self.num_nodes, self.parents.device)
         return (self.parents[:, None, :] == idx[None, :, None]) & self.valid[:, None, :]
 
     @functools.cached_property
+    def earlier_siblings(self) -> torch.Tensor:
+        """bool [B, N, N]: [b, i, j] = node j is a sibling of node i with a lower index (padding
+        nodes and the root have parent -1: no siblings)."""
+        idx = const_arange(self.num_nodes, self.parents.device)
+        p = self.parents
+        return (p[:, :, None] == p[:, None, :]) & (p[:, :, None] >= 0) & (idx[None, None, :] < idx[None, :, None])
+
+    @functools.cached_property
     def leaves(self) -> torch.Tensor:
-        return self.valid & ~self._child_of.any(dim=-1)
+        return self.valid & ~self.child_of.any(dim=-1)
 
     @functools.cached_property
     def first_child(self) -> torch.Tensor:
-        n = self.num_nodes
-        idx = torch.arange(n, device=self.parents.device)
-        first = torch.where(self._child_of, idx[None, None, :], n).amin(dim=-1)
-        return torch.where(first < n, first, -1)
+        return self._lowest(self.child_of)
 
     @functools.cached_property
     def next_sibling(self) -> torch.Tensor:
-        n, parents = self.num_nodes, self.parents
-        idx = torch.arange(n, device=parents.device)
-        same = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)
-        same &= (idx[None, None, :] > idx[None, :, None]) & self.valid[:, None, :]
-        nxt = torch.where(same, idx[None, None, :], n).amin(dim=-1)
-        return torch.where(nxt < n, nxt, -1)
+        return self._lowest(self.earlier_siblings.transpose(1, 2))  # [b, i, j]: j a later sibling of i
+
+    def _lowest(self, rel: torch.Tensor) -> torch.Tensor:
+        """int64 [B, N]: per node i the lowest j with rel[b, i, j], else -1."""
+        n = self.num_nodes
+        low = torch.where(rel, const_arange(n, rel.device)[None, None, :], n).amin(dim=-1)
+        return torch.where(low < n, low, -1)
 
     @property
     def batch_size(self) -> int:
@@ -310,11 +317,9 @@ class StaticTree:
 
 
 @functools.lru_cache(maxsize=512)
-def _const(values: tuple, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A tensor of fixed values (nested tuples: more dimensions), made once per device (no host
-    copy inside a graph capture)."""
-    return torch.tensor(values, dtype=dtype, device=device)
-
+def _const(values: tuple, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of fixed values, made once per device (no host copy inside a graph capture)."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 # Constants of a speculative step, made once per (shape, device) and shared: inside a CUDA graph
