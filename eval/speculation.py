@@ -35,6 +35,7 @@ import torch
 from ..errors import UserError
 from ..hub.corpus import texts
 from ..hub.loader import resolve_model
+from ..runtime.config import EngineConfig
 from ..runtime.llm import LLM
 from ..runtime.loader import checkpoint_kind
 from ..runtime.sampling_params import SamplingParams
@@ -90,14 +91,15 @@ def _delta(after: dict, before: dict) -> dict:
         "histogram": h, "steps_by_size": {n: c for n, c in sorted(sizes.items()) if c}}
 
 
-def _engine_args(batch_sizes, output_len, device, dtype, max_prompt, block_size: int = 16) -> dict:
+def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
     """Both engines' shape; on a GPU a KV cache of the blocks the largest batch needs (room for
     the speculative lookahead included), so that the two fit side by side."""
     max_len = max_prompt + output_len + 64
     args = dict(device=device, dtype=dtype, quantized_linear="kernel", max_num_seqs=max(batch_sizes),
-                max_model_len=max_len, block_size=block_size)
+                max_model_len=max_len)
     if str(device).startswith("cuda"):
-        args["num_kv_blocks"] = max(batch_sizes) * (-(-max_len // block_size) + 1) + 16
+        bs = EngineConfig.block_size  # the engines' default
+        args["num_kv_blocks"] = max(batch_sizes) * (-(-max_len // bs) + 1) + 16
     return args
 
 
