@@ -122,6 +122,9 @@ def main() -> None:
 
     rows = {}
     kinds = {"plain": ("no draft", None), "off": ("draft, speculation off", args.draft)}
+    bad = [k for k in args.order.split(",") if k not in kinds]
+    if bad:
+        ap.error(f"--order {args.order!r}: {', '.join(map(repr, bad))} not allowed; allowed: plain, off")
     runs, seen = [], {}
     for k in args.order.split(","):
         label, draft = kinds[k]
