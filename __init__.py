@@ -4,7 +4,17 @@
 imported on first use, so ``import optllm`` stays light.
 """
 
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
+
+# This checkout is the package itself. Where its folder is on sys.path (`python -m ...` run from
+# its root puts the current folder first), its subpackages are also top-level modules and shadow
+# installed ones of the same name: `kernels`, which transformers >= 5.25 imports from the HF
+# `kernels` distribution, got ours. Nothing imports them that way, so that entry is dropped.
+_ROOT = _os.path.realpath(_os.path.dirname(__file__))
+_sys.path[:] = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _ROOT]
 
 _LAZY = {"LLM": "optllm.runtime.llm", "SamplingParams": "optllm.runtime.sampling_params",
          "AsyncLLMEngine": "optllm.runtime.async_engine", "EngineConfig": "optllm.runtime.config"}

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import optllm  # noqa: F401  (before any test imports transformers: drops this checkout from sys.path)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU, every Triton kernel of the session runs on the CPU interpreter. Set here,
