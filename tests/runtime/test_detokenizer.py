@@ -16,7 +16,7 @@ TEXT = "naïve café — 東京の夜 ✓ 🎉 déjà vu: x = [1, 2]; print(x)\n
 
 @pytest.fixture(scope="module")
 def tok():
-    from tests.conftest import tiny_tokenizer
+    from conftest import tiny_tokenizer
 
     return tiny_tokenizer(vocab_size=400)
 
