@@ -11,7 +11,8 @@
 # with that draft, greedy, the adaptive policy at batches BS and the fixed one at batch 1.
 # The machine is given back 30 s after a call ends: everything that needs the draft is in this call,
 # or (DRAFT_OUT=1) the draft comes back as $OUT/draft.tgz.part* (15 MiB pieces) for a later call to
-# carry (device_spec_profile.sh). SYMS="" skips the AWQ sweeps.
+# carry (device_spec_profile.sh). SYMS="" (or GRIDS="") skips the sweeps; GRIDS="4:asym 3:sym ..." picks
+# bits and symmetry per job; ALGOS and VARIANTS make them sweeps of any algorithm (GPTQ's grid, say).
 # Before: the GGUF staged (.carry1's part in /root/m); carry .carry2. Results: $OUT/* (logs in
 # logs.tgz: only a few files come back).
 set -uo pipefail
@@ -23,15 +24,18 @@ spec() {  # spec POLICY BATCHES SECONDS
   cp "/root/spec-$1/report.md" "$OUT/spec_$1.md" 2>/dev/null
 }
 BITS=${BITS:-4}
-Q="python3 benchmarks/quality.py --device cuda --bits $BITS --group-size 64 ${WINDOWS:+--max-windows $WINDOWS}"
+Q="python3 benchmarks/quality.py --device cuda --group-size 64 ${WINDOWS:+--max-windows $WINDOWS}"
 ALGOS=${ALGOS:-rtn,awq}
 V=(--variant "awq-cs3:awq:awq={clip_shrink: 0.3}" --variant "awq-cs10:awq:awq={clip_shrink: 1.0}"
    --variant "awq-ss5:awq:awq={scale_shrink: 0.5}" --variant "awq-cs5ss5:awq:awq={clip_shrink: 0.5, scale_shrink: 0.5}")
 [ -n "${VARIANTS:-}" ] && eval "V=($VARIANTS)"
-for sym in ${SYMS-asym sym}; do
-  ( timeout "${SWEEP_S:-480}" $Q --symmetry "$sym" --out "/root/sweep/awq-$sym" --algos "$ALGOS" "${V[@]}" \
-      > "$OUT/logs/sweep_awq_$sym.log" 2>&1
-    cp "/root/sweep/awq-$sym/quality.md" "$OUT/awq_w${BITS}_$sym.md"; cp "/root/sweep/awq-$sym/quality.json" "$OUT/awq_w${BITS}_$sym.json" ) &
+# GRIDS: the sweeps as BITS:SYMMETRY pairs, one job each (default: BITS with each of SYMS)
+GRIDS=${GRIDS-$(for sym in ${SYMS-asym sym}; do printf '%s:%s ' "$BITS" "$sym"; done)}
+for grid in $GRIDS; do
+  b=${grid%%:*} sym=${grid#*:}
+  ( timeout "${SWEEP_S:-480}" $Q --bits "$b" --symmetry "$sym" --out "/root/sweep/w$b-$sym" --algos "$ALGOS" "${V[@]}" \
+      > "$OUT/logs/sweep_w${b}_$sym.log" 2>&1
+    cp "/root/sweep/w$b-$sym/quality.md" "$OUT/awq_w${b}_$sym.md"; cp "/root/sweep/w$b-$sym/quality.json" "$OUT/awq_w${b}_$sym.json" ) &
 done
 if [ "${TRAIN_S:-0}" -gt 0 ]; then
   ( timeout $(( TRAIN_S + 40 )) python3 -m optllm train-draft smollm2-135m --method eagle --out /root/d/eagle \

@@ -16,8 +16,8 @@ spec() {  # spec POLICY BATCHES SECONDS
   cp "/root/spec-$1/report.md" "$OUT/spec_$1.md" 2>/dev/null
 }
 spec auto "${BS:-1,8,32,64}" "${SPEC_S:-200}"
-spec fixed 1 "${SPEC1_S:-70}"
-for b in ${PROFILE_BS:-1 8}; do
+spec fixed "${FIXED_BS:-1}" "${SPEC1_S:-70}"
+for b in ${PROFILE_BS-1 8}; do  # PROFILE_BS="": no profile
   timeout "${PROF_S:-100}" python3 benchmarks/profile_spec_off.py smollm2-135m --draft /root/d/eagle --batch "$b" \
     --trees "${TREES:-40,8}" --profile --steps 30 > "$OUT/logs/profile_bs$b.log" 2>&1
   grep -A 8 "^| engine" "$OUT/logs/profile_bs$b.log" > "$OUT/profile_bs$b.md"

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import UserError
 from ..hub.corpus import KINDS, eval_text
+from ..runtime.config import EngineConfig
 from ..runtime.llm import LLM
 from ..runtime.loader import checkpoint_kind
 from .perplexity import perplexity, read_text_file, token_stream
@@ -94,6 +95,18 @@ def read_texts(paths: Sequence[str | Path], taken: Sequence[str] = ()) -> dict[s
     return out
 
 
+_EVAL_SEQS = 64  # windows scored at once
+
+
+def _kv_args(device: str, seq_len: int) -> dict:
+    """On a GPU, a KV cache of the blocks the windows need at most, not the engine's default
+    share of the GPU's memory: evaluations (the quality sweeps') then run side by side."""
+    if not str(device).startswith("cuda"):
+        return {}
+    bs = EngineConfig.block_size
+    return {"num_kv_blocks": _EVAL_SEQS * (-(-seq_len // bs) + 1) + 16}
+
+
 def evaluate_ppl(
     models: list[str],
     kinds: str | Sequence[str] | None = None,
@@ -119,7 +132,7 @@ def evaluate_ppl(
     for name in models:
         t0 = time.perf_counter()
         llm = LLM(name, device=device, dtype=dtype, quantized_linear=linear, max_model_len=seq_len,
-                  max_num_seqs=64, enforce_eager=True)
+                  max_num_seqs=_EVAL_SEQS, enforce_eager=True, **_kv_args(device, seq_len))
         slow = [m for m in llm.engine.runner.linear_methods() if "dequantized" in m]
         if linear == "kernel" and slow:
             q = llm.engine.source.quant

@@ -65,6 +65,8 @@ class QuantizeConfig:
     token_cap: float | None = 16.0
     # GPTQ: H <- (1 - shrink) H + shrink diag(H) (trust the inputs' correlations less)
     hessian_shrink: float = 0.3
+    # GPTQ: each group's grid, "minmax" | "mse" | "hmse" (gptq.GPTQOptions.grid)
+    gptq_grid: str = "minmax"
     # where the calibration activations (block inputs, float outputs, AWQ's captured inputs)
     # live while one block is on the device: "auto" (the CPU past OFFLOAD_AUTO_BYTES per
     # copy), "always" (the CPU), "never" (the device); a batch at a time goes to the device

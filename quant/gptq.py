@@ -27,6 +27,7 @@ from .sequential import capture_inputs, run_block
 # Hessian is beyond repair (non-finite entries, or not a Hessian at all).
 _DAMP_GROWTH = 10.0
 _DAMP_TRIES = 8
+GRIDS = ("minmax", "mse", "hmse")
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,14 @@ class GPTQOptions:
     # (HessianAccumulator token_cap; None: unweighted, as the paper)
     token_cap: float | None = 16.0
     hessian_shrink: float = 0.3  # H <- (1 - shrink) H + shrink diag(H)
+    # each group's grid: "minmax" (its range), "mse" (the range shrunk to minimise Σ|w - ŵ|^2.4,
+    # the reference code's option), "hmse" (to minimise Σ H_jj (w_j - ŵ_j)², the output error
+    # of the group's columns alone); see observers.mse_qparams
+    grid: str = "minmax"
 
     def __post_init__(self) -> None:
+        if self.grid not in GRIDS:
+            raise ValueError(f"grid={self.grid!r} is not one of {', '.join(GRIDS)}")
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.token_cap is not None and not self.token_cap > 0:
@@ -57,7 +64,7 @@ class GPTQOptions:
     def from_config(cls, config) -> "GPTQOptions":
         return cls(dampening=config.dampening, block_size=config.gptq_block_size,
                    true_sequential=config.true_sequential, token_cap=config.token_cap,
-                   hessian_shrink=config.hessian_shrink)
+                   hessian_shrink=config.hessian_shrink, grid=config.gptq_grid)
 
 
 class HessianAccumulator:
@@ -146,6 +153,7 @@ def gptq_quantize(
     dampening: float = 0.01,
     scale_dtype: torch.dtype | None = None,
     shrink: float = 0.0,
+    grid: str = "minmax",
 ) -> tuple[QuantizedWeight, float]:
     """GPTQ-quantize a weight w [N, K] (out_features, in_features) given its Hessian [K, K].
 
@@ -156,6 +164,8 @@ def gptq_quantize(
     between inputs, measured on the calibration text only, are trusted less, so less of a
     column's error is moved onto other columns on their account (λ = 0: plain GPTQ; λ → 1:
     RTN with act-order's visiting order).
+    ``grid`` sets each group's range: "minmax", or shrunk by a search ("mse", "hmse": see
+    GPTQOptions.grid).
     ``block_size`` columns are updated lazily together (the result does not depend on it
     beyond float rounding: a group's grid is set from its columns' weights as updated so far,
     including updates still pending inside the current block). Scales are rounded to
@@ -166,13 +176,15 @@ def gptq_quantize(
     GPTQ loss ½ Σ (w - ŵ)² / [H_F⁻¹]_qq over all columns, which equals
     ½ tr((W - Ŵ) H_damped (W - Ŵ)ᵀ), i.e. ‖X Wᵀ - X Ŵᵀ‖² / n plus the dampening term.
     """
-    res = _gptq(w, hessian, args, block_size, dampening, scale_dtype, shrink)
+    res = _gptq(w, hessian, args, block_size, dampening, scale_dtype, shrink, grid)
     cls = FloatQuantizedWeight if args.type == "float" else QuantizedWeight
     return cls(q=res.q, scale=res.scale, zero=res.zero, args=args), res.loss
 
 
 def _check_inputs(w: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, block_size: int, dampening: float,
-                  shrink: float = 0.0) -> None:
+                  shrink: float = 0.0, grid: str = "minmax") -> None:
+    if grid not in GRIDS:
+        raise ValueError(f"grid={grid!r} is not one of {', '.join(GRIDS)}")
     if not 0.0 <= shrink < 1.0:
         raise ValueError(f"shrink={shrink} must be in [0, 1)")
     if w.ndim != 2:
@@ -224,9 +236,10 @@ def _gptq(
     dampening: float = 0.01,
     scale_dtype: torch.dtype | None = None,
     shrink: float = 0.0,
+    grid: str = "minmax",
 ) -> _GPTQResult:
     """The algorithm itself (paper, Algorithm 1, with grouping and static act-order)."""
-    _check_inputs(w, hessian, args, block_size, dampening, shrink)
+    _check_inputs(w, hessian, args, block_size, dampening, shrink, grid)
     n, k = w.shape
     sdt = scale_dtype or w.dtype
     fp8 = args.type == "float"
@@ -248,6 +261,15 @@ def _gptq(
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    hdiag = torch.diagonal(H).clone()  # natural column order
+
+    def qparams(cols: torch.Tensor, cargs: QuantArgs, first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # the grid of weights cols [N, width], natural columns first.. (width: whole groups of cargs)
+        if grid == "minmax":
+            return observers.minmax_qparams(cols, cargs)
+        c = hdiag[first : first + cols.shape[1]] if grid == "hmse" else None
+        return observers.mse_qparams(cols, cargs, col_weight=c, norm=2.4 if grid == "mse" else 2.0,
+                                     scale_dtype=sdt)
 
     # Per-group grid [N, groups]; float32 copies of the stored (rounded) scale for the maths.
     scale = torch.empty(n, num_groups, dtype=sdt, device=W.device)
@@ -259,7 +281,7 @@ def _gptq(
     elif not dynamic_groups:
         # Per-channel, or static act-order: the grid comes from the original weight's natural
         # groups, so the codes need no g_idx whatever order the columns are visited in.
-        s, z = observers.minmax_qparams(W, args)
+        s, z = qparams(W, args, 0)
         scale.copy_(s)
         if zero is not None:
             zero.copy_(z)
@@ -301,7 +323,7 @@ def _gptq(
                 cur = W1[:, i : min(g_end, b1) - b0]
                 if g_end > b1:
                     cur = torch.cat([cur, W[:, b1:g_end] - err @ U[b0:b1, b1:g_end]], dim=1)
-                s, z = observers.minmax_qparams(cur, per_group_args)
+                s, z = qparams(cur, per_group_args, j)
                 scale[:, g] = s[:, 0].to(sdt)
                 scale32[:, g] = scale[:, g].float()
                 if zero is not None:
@@ -373,7 +395,7 @@ def gptq_step(ctx: BlockContext, opts: GPTQOptions) -> BlockResult:
             w = lin.weight.detach()
             h = acc.pop(name).hessian
             qw, _loss = gptq_quantize(w, h, ctx.weights, block_size=opts.block_size, dampening=opts.dampening,
-                                      scale_dtype=ctx.scale_dtype, shrink=opts.hessian_shrink)
+                                      scale_dtype=ctx.scale_dtype, shrink=opts.hessian_shrink, grid=opts.grid)
             result.errors.append((name, relative_error(w, qw.dequantize(torch.float32).to(w.device), h)))
             del h
             result.qweights[name] = install(lin, qw)

@@ -55,6 +55,60 @@ def minmax_qparams(
     return qparams_from_minmax(wmin, wmax, args)
 
 
+def mse_qparams(
+    w: torch.Tensor,
+    args: QuantArgs,
+    col_weight: torch.Tensor | None = None,
+    norm: float = 2.0,
+    steps: int = 80,
+    max_shrink: float = 0.8,
+    scale_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-group qparams of a weight [N, K] whose range is shrunk, group by group, to the ratio
+    of {1, 1 - 1/100, ..., 1 - (steps - 1)/100} (at least 1 - max_shrink) that minimises
+    Σ_j c_j |w_j − ŵ_j|^norm over the group's columns j (c: col_weight [K], e.g. the Hessian's
+    diagonal; None: all 1) -- the grid search of the GPTQ reference code's `mse` option.
+
+    Ratio 1 (the min-max grid) is always a candidate and wins ties, so the error is never above
+    min-max's. Scales are rounded to scale_dtype (the checkpoint's) before codes are chosen, as
+    stored. Returns float32 scale [N, groups] and int8 zero [N, groups] (None when symmetric).
+    """
+    if not norm > 0:
+        raise ValueError(f"norm={norm} must be > 0")
+    if steps < 1 or not 0.0 <= max_shrink < 1.0:
+        raise ValueError(f"steps={steps} must be >= 1 and max_shrink={max_shrink} in [0, 1)")
+    wg = _grouped(w.float(), args)  # [N, g, G]
+    wmin, wmax = torch.aminmax(wg, dim=-1)
+    c = None if col_weight is None else _grouped(col_weight.float().reshape(1, -1), args)  # [1, g, G]
+    sdt = scale_dtype or torch.float32
+    best_err = best_scale = best_zero = None
+    for i in range(steps):
+        p = 1.0 - i / 100.0
+        if p < 1.0 - max_shrink - 1e-9:
+            break
+        scale, zero = qparams_from_minmax(wmin * p, wmax * p, args)
+        s32 = scale.to(sdt).float().unsqueeze(-1)
+        q = torch.div(wg, s32).round_()
+        if zero is not None:
+            z = zero.unsqueeze(-1).float()
+            q.add_(z).clamp_(args.qmin, args.qmax).sub_(z)
+        else:
+            q.clamp_(args.qmin, args.qmax)
+        e = q.mul_(s32).sub_(wg).abs_().pow_(norm)
+        if c is not None:
+            e.mul_(c)
+        err = e.sum(dim=-1)  # [N, g]
+        if best_err is None:
+            best_err, best_scale, best_zero = err, scale, zero
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
 def fake_quantize(
     w: torch.Tensor,
     args: QuantArgs,

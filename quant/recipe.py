@@ -46,6 +46,7 @@ STEP_OPTIONS: dict[str, dict[str, str | None]] = {
         "true_sequential": "true_sequential",
         "token_cap": "token_cap",
         "hessian_shrink": "hessian_shrink",
+        "grid": "gptq_grid",
         "actorder": "actorder",
     },
     "fp8": {},

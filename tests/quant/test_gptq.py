@@ -170,13 +170,14 @@ def test_matches_literal_obs_updates(args):
     assert loss == pytest.approx(ref_loss, rel=1e-3)
 
 
+@pytest.mark.parametrize("grid", ["minmax", "hmse", "mse"])
 @pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(3, 64, False, "static"), QuantArgs(4, None, False)])
-def test_dequantize_is_what_the_algorithm_propagated(layer, args):
+def test_dequantize_is_what_the_algorithm_propagated(layer, args, grid):
     """Scales rounded to bf16 before coding: QuantizedWeight.dequantize() reproduces, bit for
-    bit, the weight whose errors GPTQ pushed onto the later columns."""
+    bit, the weight whose errors GPTQ pushed onto the later columns (whatever sets the grid)."""
     w, h, _ = layer
     wb = w.to(torch.bfloat16)
-    res = _gptq(wb, h, args)
+    res = _gptq(wb, h, args, grid=grid)
     assert res.scale.dtype == torch.bfloat16
     qw = QuantizedWeight(q=res.q, scale=res.scale, zero=res.zero, args=args)  # as the checkpoint holds it
     assert torch.equal(qw.dequantize(torch.float32), res.dq)
@@ -405,3 +406,26 @@ def test_fp8_gptq_beats_rtn_on_correlated_inputs(layer, actorder):
     e_gptq = _out_err(w, qw.dequantize(torch.float32), xe)
     e_rtn = _out_err(w, rtn.dequantize(torch.float32), xe)
     assert e_gptq < 0.75 * e_rtn, (e_gptq, e_rtn)
+
+
+@pytest.mark.parametrize("args", [QuantArgs(4, 64, True), QuantArgs(4, 64, False), QuantArgs(3, 64, False, "static"),
+                                  QuantArgs(3, 32, True, "static")])
+def test_searched_grid_lowers_the_output_error(layer, args):
+    """A grid shrunk to each group's least (Hessian-weighted) weight error leaves GPTQ less
+    output error to cancel: lower on the calibration Hessian and on held-out inputs."""
+    w, h, xe = layer
+    losses, errs = {}, {}
+    for grid in ("minmax", "hmse"):
+        qw, losses[grid] = gptq_quantize(w, h, args, grid=grid)
+        errs[grid] = _out_err(w, qw.dequantize(torch.float32), xe)
+    assert losses["hmse"] < 0.97 * losses["minmax"]
+    assert errs["hmse"] < errs["minmax"]
+
+
+def test_grid_option_errors():
+    from optllm.quant.gptq import GPTQOptions
+
+    with pytest.raises(ValueError, match="grid='absmax' is not one of minmax, mse, hmse"):
+        GPTQOptions(grid="absmax")
+    with pytest.raises(ValueError, match="grid"):
+        gptq_quantize(torch.zeros(4, 32), torch.eye(32), QuantArgs(4, 32, True), grid="nope")
