@@ -15,7 +15,9 @@ corpus's eval split (stories, letters, advice, role-play, poems, trips: hub/corp
 family train-draft never sees (it writes its own prompts), rendered with the model's chat
 template (plain text when it has none). Each request decodes exactly ``output_len`` tokens
 (EOS ignored), all of a batch arriving at once; one warm-up batch, then ``reps`` measured
-ones. The plain and the speculative engine (the draft's tree under the given policy) are loaded
+ones, each run once untimed first when reps > 1 (a GPU's): a prompt length or table width first
+seen in a timed batch could still cost a kernel compile, about a second, in a batch of a few
+hundred milliseconds. The plain and the speculative engine (the draft's tree under the given policy) are loaded
 side by side with the same shape, their KV caches sized to the workload, and their batches
 alternate (plain, speculative, plain, ...): a GPU's step time drifts by several percent between
 engines built one after the other in a process (measured on the H200: the same decode graph
@@ -95,8 +97,9 @@ def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
     """Both engines' shape; on a GPU a KV cache of the blocks the largest batch needs (room for
     the speculative lookahead included), so that the two fit side by side."""
     max_len = max_prompt + output_len + 64
+    # no prefix caching: a timed batch repeats its warm-up's prompts and must prefill them again
     args = dict(device=device, dtype=dtype, quantized_linear="kernel", max_num_seqs=max(batch_sizes),
-                max_model_len=max_len)
+                max_model_len=max_len, enable_prefix_caching=False)
     if str(device).startswith("cuda"):
         bs = EngineConfig.block_size  # the engines' default
         args["num_kv_blocks"] = max(batch_sizes) * (-(-max_len // bs) + 1) + 16
@@ -131,8 +134,9 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
         for t, bs in cases:
             params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, detokenize=False)
             batches = [prompts[bs][r * bs:(r + 1) * bs] for r in range(reps + 1)]
-            for llm in engines.values():
-                _batch(llm, batches[0], params)  # warm-up
+            for llm in engines.values():  # warm-up
+                for b in batches if reps > 1 else batches[:1]:
+                    _batch(llm, b, params)
             before = _spec_counts(engines["spec"])
             seconds = {"plain": 0.0, "spec": 0.0}
             tokens = {"plain": 0, "spec": 0}

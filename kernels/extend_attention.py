@@ -45,7 +45,8 @@ from .paged_attention import (
 )
 
 
-@triton.jit
+# sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, mask_ptr, moff_ptr,
                    out_ptr, qk_scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_bt,

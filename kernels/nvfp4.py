@@ -174,7 +174,8 @@ def _e4m3_to_f32(b):
     return tl.where((b & 0x80) != 0, -val, val)
 
 
-@triton.jit
+# sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
+@triton.jit(do_not_specialize=["M"])
 def _nvfp4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr,
     M, N, K,

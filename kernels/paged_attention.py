@@ -335,7 +335,8 @@ def attend_tile(q, k, v, k_s, v_s, visible, m_i, l_i, acc, qk_scale, FP8: tl.con
 
 
 # --------------------------------------------------------------------------- decode
-@triton.jit
+# sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, wm_ptr, wl_ptr, wacc_ptr, qk_scale,
                    window, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_ct, stride_sb,
                    stride_sh, stride_bt, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr,

@@ -24,7 +24,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_H = 16384
 
 
-@triton.jit
+# sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
+@triton.jit(do_not_specialize=["R", "inner"])
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, R, H, inner,
                      sx_o, sx_i, sr_o, sr_i, eps,
                      HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):

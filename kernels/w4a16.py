@@ -325,7 +325,8 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.jit
+# sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
                   M, N, K, KW, stride_wn, stride_wk, stride_xm, stride_ym, blocks_per_group,
                   blocks_per_split, split,
@@ -370,7 +371,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
               pid_m * num_pid_n + pid_n, pid_k, split, HAS_BIAS, SPLIT)
 
 
-@triton.jit
+# sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
                        M, N, K, KW, stride_wn, stride_wk, stride_xm, stride_ym, blocks_per_group,
                        blocks_per_split, split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -422,7 +424,8 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_pt
               lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, split, HAS_BIAS, SPLIT)
 
 
-@triton.jit
+# sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_gemv_n_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
                          M, N, K, KW, stride_xm, stride_ym, blocks_per_group, blocks_per_split,
                          split, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
