@@ -37,6 +37,9 @@ for grid in $GRIDS; do
       > "$OUT/logs/sweep_w${b}_$sym.log" 2>&1
     cp "/root/sweep/w$b-$sym/quality.md" "$OUT/awq_w${b}_$sym.md"; cp "/root/sweep/w$b-$sym/quality.json" "$OUT/awq_w${b}_$sym.json" ) &
 done
+if [ -n "${TESTS:-}" ]; then  # GPU tests beside the sweeps (no timing in them): TESTS="tests/kernels ..."
+  ( timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS > "$OUT/gpu_tests.log" 2>&1 ) &
+fi
 if [ "${TRAIN_S:-0}" -gt 0 ]; then
   ( timeout $(( TRAIN_S + 40 )) python3 -m optllm train-draft smollm2-135m --method eagle --out /root/d/eagle \
       --device cuda --num-prompts "${PROMPTS:-4096}" --max-steps "${STEPS:-20000}" --batch-size 16 \
@@ -53,5 +56,6 @@ if [ "${DRAFT_OUT:-0}" = 1 ] && [ -f /root/d/eagle/config.json ]; then
 fi
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
 tar xzf "$OUT/logs.tgz" -O logs/train_eagle.log 2>/dev/null | grep -v "^step" | tail -12
+tail -3 "$OUT/gpu_tests.log" 2>/dev/null
 cat "$OUT"/awq_*.md
 grep -h "^|" "$OUT"/spec_*.md 2>/dev/null
