@@ -10,13 +10,13 @@ set -uo pipefail
 source benchmarks/device_stage.sh
 mkdir -p "$OUT/logs" /root/d
 cat .carry-draft/draft.tgz.part* | tar xzf - -C /root/d || exit 1
-spec() {  # spec POLICY BATCHES SECONDS
+spec() {  # spec POLICY BATCHES SECONDS [TEMPERATURES]
   timeout "$3" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
-    --temperatures "${TEMPS:-0}" --batch-sizes "$2" --spec-policy "$1" --out "/root/spec-$1" > "$OUT/logs/spec_$1.log" 2>&1
+    --temperatures "${4:-${TEMPS:-0}}" --batch-sizes "$2" --spec-policy "$1" --out "/root/spec-$1" > "$OUT/logs/spec_$1.log" 2>&1
   cp "/root/spec-$1/report.md" "$OUT/spec_$1.md" 2>/dev/null
 }
 spec auto "${BS:-1,8,32,64}" "${SPEC_S:-200}"
-spec fixed "${FIXED_BS:-1}" "${SPEC1_S:-70}"
+spec fixed "${FIXED_BS:-1}" "${SPEC1_S:-70}" "${FIXED_TEMPS:-}"
 for b in ${PROFILE_BS-1 8}; do  # PROFILE_BS="": no profile
   timeout "${PROF_S:-100}" python3 benchmarks/profile_spec_off.py smollm2-135m --draft /root/d/eagle --batch "$b" \
     --trees "${TREES:-40,8}" --profile --steps 30 > "$OUT/logs/profile_bs$b.log" 2>&1

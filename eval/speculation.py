@@ -19,10 +19,11 @@ ones, each run once untimed first when reps > 1 (a GPU's): a prompt length or ta
 seen in a timed batch could still cost a kernel compile, about a second, in a batch of a few
 hundred milliseconds. The plain and the speculative engine (the draft's tree under the given policy) are loaded
 side by side with the same shape, their KV caches sized to the workload, and their batches
-alternate (plain, speculative, plain, ...): a GPU's step time drifts by several percent between
-engines built one after the other in a process (measured on the H200: the same decode graph
-replayed 12% slower in the second engine), which would otherwise count against whichever ran
-second.
+alternate (plain, speculative, plain, ...), so that a drift in time hits both alike. On a GPU
+each case is then measured twice, the engines built plain first and then speculative first,
+and the times summed: the same decode graph replayed up to 12% slower in whichever engine a
+process built second (H200, eleventh session), a bias that alternating batches does not remove
+(the speculative engine, built second, measured 0.91-0.95x of plain while it hardly speculated).
 """
 
 from __future__ import annotations
@@ -108,9 +109,14 @@ def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
 
 def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], output_len: int, device: str = "cpu",
                         dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0), reps: int = 1,
-                        policy: str = "auto", spec_options: dict | None = None, progress: bool = False) -> list[dict]:
+                        policy: str = "auto", spec_options: dict | None = None, progress: bool = False,
+                        both_orders: bool | None = None) -> list[dict]:
     """One row per (temperature, batch size): plain_tok_s, spec_tok_s, speedup, tau, histogram,
-    accept_at_depth, identical (greedy) and the counts behind them (see the module docstring)."""
+    accept_at_depth, identical (greedy) and the counts behind them (see the module docstring).
+    both_orders (None: on a GPU): every case measured twice, the engines built plain first, then
+    speculative first, their times summed (the module docstring says why)."""
+    if both_orders is None:
+        both_orders = str(device).startswith("cuda")
     if not Path(draft).is_dir():
         raise UserError(f"--draft {draft}: not a folder")
     for t in temperatures:
@@ -123,49 +129,30 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
     _free()
     cases = [(t, bs) for t in temperatures for bs in batch_sizes]
     results: dict[tuple, dict] = {(t, bs): {} for t, bs in cases}
-    bar = _bar(len(cases)) if progress else None
+    orders = [("plain", "spec"), ("spec", "plain")] if both_orders else [("plain", "spec")]
+    bar = _bar(len(cases) * len(orders)) if progress else None
     args = _engine_args(batch_sizes, output_len, device, dtype, longest)
-    engines = {}
+    build = {"plain": lambda: LLM(str(model), **args),
+             "spec": lambda: LLM(str(model), **args, draft=str(draft), spec_policy=policy, **(spec_options or {}))}
     try:
-        engines["plain"] = LLM(str(model), **args)
-        engines["spec"] = LLM(str(model), **args, draft=str(draft), spec_policy=policy, **(spec_options or {}))
-        spec = engines["spec"].engine.runner.spec
-        table = getattr(spec, "cost_table", None)  # the adaptive policy's start-up profile
-        for t, bs in cases:
-            params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, detokenize=False)
-            batches = [prompts[bs][r * bs:(r + 1) * bs] for r in range(reps + 1)]
-            for llm in engines.values():  # warm-up
-                for b in batches if reps > 1 else batches[:1]:
-                    _batch(llm, b, params)
-            before = _spec_counts(engines["spec"])
-            seconds = {"plain": 0.0, "spec": 0.0}
-            tokens = {"plain": 0, "spec": 0}
-            ids: dict[str, list] = {"plain": [], "spec": []}
-            for b in batches[1:]:  # alternating, so that a drift hits both alike
-                for label, llm in engines.items():
-                    sec, n, out = _batch(llm, b, params)
-                    seconds[label] += sec
-                    tokens[label] += n
-                    ids[label] += out
-            r = results[(t, bs)]
-            for label in engines:
-                r[f"{label}_tok_s"] = tokens[label] / seconds[label] if seconds[label] > 0 else None
-                r[f"{label}_ids"] = ids[label]
-            r["counts"] = _delta(_spec_counts(engines["spec"]), before)
-            r["cost_ms"] = None if table is None else {"batches": table.batches, "ms": table.ms}
-            if t == 0:
-                r["margins"] = _divergence_margins(engines["spec"], [p for b in batches[1:] for p in b],
-                                                   r["plain_ids"], r["spec_ids"])
-            if bar is not None:
-                bar.update(1)
+        for order in orders:
+            engines = {}
+            try:
+                for label in order:
+                    engines[label] = build[label]()
+                _measure_pass(engines, cases, prompts, reps, output_len, results, bar)
+            finally:
+                engines.clear()
+                _free()
     finally:
         if bar is not None:
             bar.close()
-        engines.clear()
-        _free()
     rows = []
     for t, bs in cases:
         r = results[(t, bs)]
+        for label in ("plain", "spec"):
+            sec = r[f"{label}_seconds"]
+            r[f"{label}_tok_s"] = r[f"{label}_tokens"] / sec if sec > 0 else None
         c = r["counts"]
         steps, hist = c["seq_steps"], c["histogram"]
         at_depth = [sum(hist[d:]) / steps if steps else None for d in range(1, len(hist))]
@@ -179,6 +166,51 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             **(_identity(r["margins"]) if t == 0 else {}),
         ))
     return rows
+
+
+def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, results: dict, bar) -> None:
+    """Every case on one pair of engines (built in the order of ``engines``), added into results:
+    seconds and tokens per engine summed over passes, the first pass's token ids, the counts."""
+    spec = engines["spec"].engine.runner.spec
+    table = getattr(spec, "cost_table", None)  # the adaptive policy's start-up profile
+    for t, bs in cases:
+        params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, detokenize=False)
+        batches = [prompts[bs][r * bs:(r + 1) * bs] for r in range(reps + 1)]
+        for llm in engines.values():  # warm-up
+            for b in batches if reps > 1 else batches[:1]:
+                _batch(llm, b, params)
+        before = _spec_counts(engines["spec"])
+        r = results[(t, bs)]
+        first = "plain_ids" not in r
+        ids: dict[str, list] = {"plain": [], "spec": []}
+        for b in batches[1:]:  # alternating, so that a drift hits both alike
+            for label, llm in engines.items():
+                sec, n, out = _batch(llm, b, params)
+                r[f"{label}_seconds"] = r.get(f"{label}_seconds", 0.0) + sec
+                r[f"{label}_tokens"] = r.get(f"{label}_tokens", 0) + n
+                ids[label] += out
+        delta = _delta(_spec_counts(engines["spec"]), before)
+        if first:
+            for label in ids:
+                r[f"{label}_ids"] = ids[label]
+            r["counts"] = delta
+            r["cost_ms"] = None if table is None else {"batches": table.batches, "ms": table.ms}
+            if t == 0:
+                r["margins"] = _divergence_margins(engines["spec"], [p for b in batches[1:] for p in b],
+                                                   r["plain_ids"], r["spec_ids"])
+        else:  # a later pass: its counts join the first's
+            c = r["counts"]
+            for k in ("seq_steps", "drafted", "accepted"):
+                c[k] += delta[k]
+            h = c["histogram"]
+            for i, v in enumerate(delta["histogram"]):
+                if i >= len(h):
+                    h.append(0)
+                h[i] += v
+            for size, v in delta["steps_by_size"].items():
+                c["steps_by_size"][size] = c["steps_by_size"].get(size, 0) + v
+        if bar is not None:
+            bar.update(1)
 
 
 def _divergence_margins(llm: LLM, prompts, plain_ids, spec_ids) -> list[float | None]:

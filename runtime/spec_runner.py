@@ -200,10 +200,11 @@ class SpecDecoder:
         profile measured on the paths the steps will take."""
         self._warm_catch_up()
         if self.adaptive and self.policy is None:
-            from .spec.policy import AdaptivePolicy
+            from .spec.policy import AdaptivePolicy, acceptance_prior
 
-            self.policy = AdaptivePolicy(self.sizes, self.measure(), max_accept={n: self.max_accept(n)
-                                                                                   for n in self.sizes})
+            depths = {n: self.max_accept(n) for n in self.sizes}
+            self.policy = AdaptivePolicy(self.sizes, self.measure(), max_accept=depths,
+                                         prior=acceptance_prior(getattr(self.draft, "heldout_top1", None), depths))
 
     @torch.inference_mode()
     def _warm_catch_up(self) -> None:

@@ -316,6 +316,8 @@ def load_draft(folder: str | Path, target, target_config, target_folder: Path | 
             p.data = state[name].to(device=device, dtype=dtype)
     draft.requires_grad_(False).eval()
     draft = draft.to(device)
+    # the held-out top-1 accuracy training measured (per step ahead): the adaptive policy's prior
+    draft.heldout_top1 = list((cfg.get("training") or {}).get("heldout_top1") or [])
     for mod in draft.modules():
         if isinstance(mod, (_EagleAttention, _EagleMLP)):
             mod.fuse()

@@ -18,7 +18,9 @@ acceptance the path a smaller prefix-tree accepts is the full tree's accepted pa
 first node outside the prefix (only one child of a node can match the target's argmax), so
 one verify scores every smaller size exactly (sampling: the same count, an estimate). Each
 sequence keeps an exponential moving average per size, starting from the engine-wide average
-of the sequences seen so far. A size that could not win even if every draft token were
+of the sequences seen so far, which starts from the draft's training record (``acceptance_prior``:
+its held-out top-1 accuracy; without one, an uninformed guess of one token at the largest size,
+under which the H200's policy hardly ever speculated at batch 1 where the 41-node tree won 1.2x). A size that could not win even if every draft token were
 accepted (``max_accept``: the tree's depth) is never chosen. While speculation is off nothing
 is observed, so now and then a step verifies the largest size that could win -- its one verify
 scores every smaller size too, while a small tree's says nothing of the larger ones (exploring
@@ -146,6 +148,7 @@ class AdaptivePolicy:
         plain = b / plain_ms
         best, best_rate = 1, plain * self.margin
         can_win = []
+        ests = None
         for n in self.sizes:
             if budget is not None and b * n > budget:
                 continue
@@ -154,7 +157,9 @@ class AdaptivePolicy:
             if b * (1.0 + top) / spec_ms <= plain * self.margin:
                 continue  # slower than plain even if every draft token were accepted
             can_win.append(n)
-            gain = sum(1.0 + self.expected(s)[n] for s in seq_ids)
+            if ests is None:  # each sequence's estimates, looked up once a step
+                ests = [self._seq.get(s) or self._global for s in seq_ids]
+            gain = b + sum(e[n] for e in ests)
             rate = gain / spec_ms
             if rate > best_rate:
                 best, best_rate = n, rate
@@ -186,3 +191,23 @@ class AdaptivePolicy:
 
     def forget(self, seq_id: int) -> None:
         self._seq.pop(seq_id, None)
+
+
+def acceptance_prior(heldout_top1, depths: dict[int, int]) -> dict[int, float] | None:
+    """Expected accepted draft tokens per tree size from the draft's training record: the held-out
+    top-1 accuracy a_i of its i-th step ahead (EAGLE: one value, every step alike; Medusa: one per
+    head), as a chain, sum_{i <= depth} prod_{j <= i} a_j for a tree of that depth -- the tokens a
+    path accepts when each step's top guess is right with probability a_i. A tree's other
+    branches only add to it, a held-out set of another family only takes from it: a starting
+    point that the observations replace (None without a record)."""
+    acc = [float(a) for a in (heldout_top1 or []) if a is not None]
+    if not acc or not all(0.0 <= a <= 1.0 for a in acc):
+        return None
+    out = {}
+    for n, depth in depths.items():
+        total, run = 0.0, 1.0
+        for i in range(depth):
+            run *= acc[min(i, len(acc) - 1)]
+            total += run
+        out[n] = min(total, float(n - 1))
+    return out

@@ -116,3 +116,18 @@ def test_each_finished_model_is_handed_on_before_the_next(tiny_llama, tmp_path, 
         (len(measured_models), [r["speculation"][0]["model"] for r in done])))
     assert len(res) == 3 and [len(d) for _, d in seen] == [1, 2]
     assert [n for n, _ in seen] == [1, 2]  # called right after each model, before the next is measured
+
+
+def test_both_build_orders_sum_two_passes(tiny_llama, measured):
+    """both_orders: each case measured with the engines built plain first, then speculative
+    first; tokens and speculative steps are those of two passes (greedy, fixed trees: the same
+    steps twice), the token ids and identity those of the first."""
+    from optllm.eval.speculation import measure_speculation
+
+    _, draft = measured
+    one = measure_speculation(str(tiny_llama), str(draft), [2], 6, temperatures=(0.0,), both_orders=False)[0]
+    two = measure_speculation(str(tiny_llama), str(draft), [2], 6, temperatures=(0.0,), both_orders=True)[0]
+    assert two["spec_seq_steps"] == 2 * one["spec_seq_steps"] and two["accepted"] == 2 * one["accepted"]
+    assert two["histogram"] == [2 * h for h in one["histogram"]] and two["tau"] == pytest.approx(one["tau"])
+    assert two["steps_by_size"] == {n: 2 * c for n, c in one["steps_by_size"].items()}
+    assert two["identical"] and two["requests"] == one["requests"]

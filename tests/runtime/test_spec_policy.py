@@ -11,7 +11,7 @@ from conftest import write_draft
 from optllm.runtime.llm import LLM
 from optllm.runtime.sampling_params import SamplingParams
 from optllm.runtime.spec.acceptance import accepted_per_size, greedy_accept
-from optllm.runtime.spec.policy import AdaptivePolicy, CostTable
+from optllm.runtime.spec.policy import AdaptivePolicy, CostTable, acceptance_prior
 from optllm.runtime.spec.tree import DynamicTreeBuilder, StaticTree, TreeBatch
 from optllm.runtime.spec_runner import DEFAULT_MEDUSA_CHOICES
 
@@ -51,6 +51,27 @@ def test_policy_speculates_when_it_pays_and_not_when_the_batch_is_busy():
         pol.observe(7, {3: 0, 6: 0, 11: 0})
     assert pol.expected(7)[11] < 0.01
     assert pol.choose([7]) == 1
+
+
+def test_acceptance_prior_from_the_drafts_training_record():
+    """A chain of the tree's depth, each step right with the held-out top-1 accuracy: EAGLE's one
+    value for every step, Medusa's one per head (the last repeated past the heads); capped at the
+    tree's draft tokens; no record, no prior."""
+    p = acceptance_prior([0.5], {2: 1, 5: 4, 41: 6})
+    assert p[2] == pytest.approx(0.5) and p[5] == pytest.approx(0.5 + 0.25 + 0.125 + 0.0625)
+    assert p[41] == pytest.approx(sum(0.5 ** i for i in range(1, 7)))
+    m = acceptance_prior([0.6, 0.5, 0.4], {3: 2, 9: 4})
+    assert m[3] == pytest.approx(0.6 + 0.3) and m[9] == pytest.approx(0.6 + 0.3 + 0.12 + 0.048)
+    assert acceptance_prior([1.0], {3: 5})[3] == 2.0  # at most n - 1
+    assert acceptance_prior([], {3: 2}) is None and acceptance_prior(None, {3: 2}) is None
+    assert acceptance_prior([1.5], {3: 2}) is None  # not an accuracy
+    # with the prior of a good draft the first step at batch 1 speculates; with the old
+    # uninformed one (linear in n, 1 token at the largest size) it would not
+    sizes = [2, 5, 41]
+    costs = CostTable([1, 8], {1: [1.0, 1.1], 2: [2.5, 2.6], 5: [2.7, 2.9], 41: [3.0, 4.0]})
+    good = acceptance_prior([0.73], {2: 1, 5: 4, 41: 6})
+    assert AdaptivePolicy(sizes, costs, prior=good).choose([0]) == 41
+    assert AdaptivePolicy(sizes, costs).choose([0]) == 1
 
 
 def test_policy_explores_the_largest_tree_that_could_win_while_off():
