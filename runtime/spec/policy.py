@@ -20,7 +20,8 @@ one verify scores every smaller size exactly (sampling: the same count, an estim
 sequence keeps an exponential moving average per size, starting from the engine-wide average
 of the sequences seen so far, which starts from the draft's training record (``acceptance_prior``:
 its held-out top-1 accuracy; without one, an uninformed guess of one token at the largest size,
-under which the H200's policy hardly ever speculated at batch 1 where the 41-node tree won 1.2x). A size that could not win even if every draft token were
+under which the H200's policy hardly ever speculated at batch 1 where the 41-node tree won 1.2x).
+A size that could not win even if every draft token were
 accepted (``max_accept``: the tree's depth) is never chosen. While speculation is off nothing
 is observed, so now and then a step verifies the largest size that could win -- its one verify
 scores every smaller size too, while a small tree's says nothing of the larger ones (exploring
