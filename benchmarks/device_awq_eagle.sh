@@ -25,7 +25,7 @@ spec() {  # spec POLICY BATCHES SECONDS
 }
 BITS=${BITS:-4}
 Q="python3 benchmarks/quality.py --device cuda --group-size 64 ${WINDOWS:+--max-windows $WINDOWS}"
-ALGOS=${ALGOS:-rtn,awq}
+ALGOS=${ALGOS-rtn,awq}  # "": the variants only
 V=(--variant "awq-cs3:awq:awq={clip_shrink: 0.3}" --variant "awq-cs10:awq:awq={clip_shrink: 1.0}"
    --variant "awq-ss5:awq:awq={scale_shrink: 0.5}" --variant "awq-cs5ss5:awq:awq={clip_shrink: 0.5, scale_shrink: 0.5}")
 [ -n "${VARIANTS:-}" ] && eval "V=($VARIANTS)"

@@ -77,10 +77,14 @@ def _hub_folder(repo_id: str) -> Path:
         ) from None
 
 
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
 def _builtin_folder(alias: str) -> Path:
     spec = BUILTIN_MODELS[alias]
     target = cache_root() / "models" / alias
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    if _complete(target):
         return target
     gguf = spec.gguf_path(cache_root())
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,9 +111,16 @@ def _builtin_folder(alias: str) -> Path:
             m.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "optllm-source.json").write_text(json.dumps({"alias": alias, "name": spec.name, "gguf": str(gguf)}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        # Several processes may convert at once (parallel quality sweeps): the first rename wins and
+        # the others keep it -- never delete a complete folder another process may be reading.
+        if not _complete(target):
+            if target.exists():  # not one of ours (we rename whole folders): a leftover, replaced
+                shutil.rmtree(target, ignore_errors=True)
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                if not _complete(target):
+                    raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -218,7 +218,10 @@ class ModelRunner:
         if spec:
             for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
                 result[i] = toks
-            if policy is not None and not plain:  # a pure speculative step (each ends in a host sync)
+            # a pure speculative step (each ends in a host sync) that did not first catch up on the rows
+            # of plain steps (a one-off, the longer the longer speculation was off: counted, an
+            # exploring step after a plain stretch would look like a slow speculative step)
+            if policy is not None and not plain and not self.spec.last_step_caught_up:
                 policy.observe_cost(self.spec.n, len(spec), (time.perf_counter() - t0) * 1e3)
         return result
 

@@ -182,6 +182,7 @@ class SpecDecoder:
         self.sizes = sorted({self.num_nodes} | ({max(2, self.num_nodes >> i) for i in range(1, 5)}
                                                 if options.policy == "adaptive" else set()))
         self.n = self.num_nodes  # this step's tree size (plan() sets it)
+        self.last_step_caught_up = False  # step() ran the draft over earlier plain steps' rows first
         self.policy = None
         self.adaptive = options.policy == "adaptive"
 
@@ -418,9 +419,12 @@ class SpecDecoder:
         g = self.catch_rows
         greedy = all(p.temperature < GREEDY_EPS and p.logprobs is None for p in params)
         key = self.graphs.bucket(bsz, self.n) if self.graphs is not None and greedy else None
+        # a step that first runs the draft over the rows of earlier plain steps (eager) pays a cost
+        # that steady speculation does not: its wall time says little of a step's
+        self.last_step_caught_up = self.eagle and any(s.num_computed_tokens - self._upto(s) > g for s in seqs)
         if key is not None and all(s.num_computed_tokens >= g for s in seqs):
             if self.eagle:  # the rows before the graph's catch-up window, eager
-                if any(s.num_computed_tokens - self._upto(s) > g for s in seqs):
+                if self.last_step_caught_up:
                     self.states(seqs, stop=[s.num_computed_tokens - g for s in seqs])
                 for s in seqs:
                     s.spec_state = (s.num_preemptions, s.num_computed_tokens)

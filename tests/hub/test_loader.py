@@ -49,3 +49,35 @@ def test_corrupt_safetensors(tiny_llama, tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="cannot load the weights"):
         load_model(str(tmp_path / "m"))
+
+
+def test_builtin_conversion_keeps_a_folder_another_process_finished_first(tiny_llama, tmp_path, monkeypatch):
+    """Parallel jobs (quality sweeps) may each convert the built-in model on first use: one that
+    finishes second keeps the first one's complete folder, which others may be reading, instead
+    of deleting it to put its own copy in place (an H200 sweep lost a job to exactly that)."""
+    import shutil
+
+    import safetensors.torch
+    import transformers
+
+    from optllm.hub import loader
+
+    monkeypatch.setenv("OPTLLM_CACHE", str(tmp_path / "cache"))
+    tiny, tok, _ = load_model(str(tiny_llama))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    monkeypatch.setattr(type(loader.BUILTIN_MODELS["smollm2-135m"]), "gguf_path", lambda self, cache=None:
+                        tmp_path / "model.gguf")
+    target = tmp_path / "cache" / "models" / "smollm2-135m"
+    real_save = safetensors.torch.save_file
+
+    def save_while_another_process_finishes(*args, **kwargs):
+        if not target.exists():  # the other process renames its complete folder into place
+            shutil.copytree(tiny_llama, target)
+            (target / "theirs").write_text("")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_while_another_process_finishes)
+    assert loader._builtin_folder("smollm2-135m") == target
+    assert (target / "theirs").is_file()  # kept, not replaced
+    assert [p.name for p in target.parent.iterdir()] == ["smollm2-135m"]  # our temporary copy is gone

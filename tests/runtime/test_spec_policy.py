@@ -239,3 +239,30 @@ def test_policy_turned_off_by_costs_only_explores(tiny_llama, tmp_path, monkeypa
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.stats().speculation["steps"] > 0
+
+
+def test_a_step_that_catches_up_is_not_a_measured_step_cost(tiny_llama, tmp_path, monkeypatch):
+    """EAGLE: the first speculative step after plain steps runs the draft over their rows first;
+    its wall time is not a speculative step's, so the policy is not told it. The steps that
+    follow it, speculating back to back, are."""
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
+              spec_top_k=3, spec_depth=4, spec_num_draft=10, max_num_seqs=4)
+    spec = llm.engine.runner.spec
+    pol = spec.policy
+    seen, told = [], []
+    real_step = spec.step
+
+    def step(seqs):
+        out = real_step(seqs)
+        seen.append(spec.last_step_caught_up)
+        return out
+
+    monkeypatch.setattr(spec, "step", step)
+    monkeypatch.setattr(pol, "observe_cost", lambda n, b, ms: told.append(n))
+    # speculation off for 6 steps, then on: one catch-up, then steady steps
+    calls = iter([1] * 6 + [spec.sizes[-1]] * 100)
+    monkeypatch.setattr(pol, "choose", lambda ids, budget=None: next(calls))
+    llm.generate(["The interpreter reads"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert seen[0] is True and len(seen) >= 3 and not any(seen[1:])
+    assert told.count(1) >= 5 and told.count(spec.sizes[-1]) == len(seen) - 1
