@@ -58,6 +58,9 @@ def quantize(
     ),
     dampening: Optional[float] = typer.Option(None, help="GPTQ: added to the Hessian diagonal, "
                                                 "a fraction of its mean [default 0.01]"),
+    gptq_grid: Optional[str] = typer.Option(None, help="GPTQ: each group's grid: minmax (its range) | hmse (the "
+                                            "range shrunk to the least Hessian-weighted error) | mse "
+                                            "[default minmax]"),
     holdout: Optional[int] = typer.Option(None, help="calibration windows held out of the fit, to compare each "
                                           "block with RTN [default max(2, num_samples // 8)]"),
     fallback_rtn: Optional[bool] = typer.Option(None, "--fallback-rtn/--no-fallback-rtn",
@@ -94,7 +97,7 @@ def quantize(
         "symmetric": None if asym is None else not asym,
         "actorder": None if actorder is None else ("static" if actorder else "none"),
         "ignore": tuple(ignore) if ignore else None,
-        "dampening": dampening, "holdout": holdout, "fallback_rtn": fallback_rtn, "kv_cache": kv_cache,
+        "dampening": dampening, "gptq_grid": gptq_grid, "holdout": holdout, "fallback_rtn": fallback_rtn, "kv_cache": kv_cache,
         "target_bits": target_bits,
         "mixed_candidates": None if mixed_candidates is None else tuple(
             c.strip() for c in mixed_candidates.split(",") if c.strip()),

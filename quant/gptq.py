@@ -50,7 +50,7 @@ class GPTQOptions:
 
     def __post_init__(self) -> None:
         if self.grid not in GRIDS:
-            raise ValueError(f"grid={self.grid!r} is not one of {', '.join(GRIDS)}")
+            raise ValueError(f"GPTQ grid {self.grid!r} is not allowed; allowed: {', '.join(GRIDS)}")
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.token_cap is not None and not self.token_cap > 0:

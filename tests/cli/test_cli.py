@@ -39,6 +39,12 @@ def test_bad_group_size(tiny_llama, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_bad_gptq_grid(tiny_llama, tmp_path):
+    _one_clear_line(run("quantize", str(tiny_llama), "--scheme", "w4a16-gptq", "--gptq-grid", "absmax",
+                        "--out", str(tmp_path / "o")), "GPTQ grid 'absmax' is not allowed; allowed: minmax, mse, hmse")
+    assert not (tmp_path / "o").exists()
+
+
 def test_corrupt_checkpoint_in_eval(tiny_llama, tmp_path):
     import shutil
 

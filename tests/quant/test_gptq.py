@@ -425,7 +425,7 @@ def test_searched_grid_lowers_the_output_error(layer, args):
 def test_grid_option_errors():
     from optllm.quant.gptq import GPTQOptions
 
-    with pytest.raises(ValueError, match="grid='absmax' is not one of minmax, mse, hmse"):
+    with pytest.raises(ValueError, match="GPTQ grid 'absmax' is not allowed; allowed: minmax, mse, hmse"):
         GPTQOptions(grid="absmax")
     with pytest.raises(ValueError, match="grid"):
         gptq_quantize(torch.zeros(4, 32), torch.eye(32), QuantArgs(4, 32, True), grid="nope")

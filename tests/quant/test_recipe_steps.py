@@ -40,6 +40,8 @@ def test_smoothquant_then_gptq_is_w8a8_int8_with_gptq_weights(tmp_path):
     assert c.scheme == "w8a8-int8" and c.num_samples == 4
     assert (c.smoothquant.smooth, c.smoothquant.alpha, c.smoothquant.weights) == (True, 0.7, "gptq")
     assert (c.dampening, c.gptq_block_size) == (0.05, 64)
+    c = QuantizeConfig.from_recipe(recipe(tmp_path, "steps:\n  - gptq: {grid: hmse}\n", "g.yaml"))
+    assert (c.scheme, c.gptq_grid) == ("w4a16-gptq", "hmse")
     # the static-input scheme, and its weights by RTN without smoothing
     c = QuantizeConfig.from_dict({"scheme": "w8a8-int8-static", "steps": [{"rtn": None}]})
     assert (c.scheme, c.smoothquant.smooth, c.smoothquant.weights) == ("w8a8-int8-static", False, "rtn")
@@ -132,7 +134,7 @@ def test_awq_with_overrides_and_mixed_precision(tmp_path):
         ("[{smoothquant: {}}, {awq: {}}]", "steps[0]: smoothquant can precede only rtn or gptq"),
         (
             "[{gptq: {damp: 0.1}}]",
-            "steps[0].gptq: unknown field 'damp'; allowed: actorder, block_size, dampening, "
+            "steps[0].gptq: unknown field 'damp'; allowed: actorder, block_size, dampening, grid, "
             "hessian_shrink, token_cap, true_sequential",
         ),
         ("[{rtn: {x: 1}}]", "steps[0].rtn: unknown field 'x'; allowed: none (the step has no options)"),
