@@ -97,7 +97,8 @@ def quantize(
         "symmetric": None if asym is None else not asym,
         "actorder": None if actorder is None else ("static" if actorder else "none"),
         "ignore": tuple(ignore) if ignore else None,
-        "dampening": dampening, "gptq_grid": gptq_grid, "holdout": holdout, "fallback_rtn": fallback_rtn, "kv_cache": kv_cache,
+        "dampening": dampening, "gptq_grid": gptq_grid, "holdout": holdout, "fallback_rtn": fallback_rtn,
+        "kv_cache": kv_cache,
         "target_bits": target_bits,
         "mixed_candidates": None if mixed_candidates is None else tuple(
             c.strip() for c in mixed_candidates.split(",") if c.strip()),
