@@ -60,7 +60,7 @@ def quantize(
                                                 "a fraction of its mean [default 0.01]"),
     gptq_grid: Optional[str] = typer.Option(None, help="GPTQ: each group's grid: minmax (its range) | hmse (the "
                                             "range shrunk to the least Hessian-weighted error) | mse "
-                                            "[default minmax]"),
+                                            "[default hmse]"),
     holdout: Optional[int] = typer.Option(None, help="calibration windows held out of the fit, to compare each "
                                           "block with RTN [default max(2, num_samples // 8)]"),
     fallback_rtn: Optional[bool] = typer.Option(None, "--fallback-rtn/--no-fallback-rtn",

@@ -59,12 +59,16 @@ def test_gptq_and_awq_beat_rtn_on_the_same_calibration(tiny_llama, tmp_path):
 
 
 def test_actorder_changes_the_stored_weights(tiny_llama, tmp_path):
-    """Static act-order keeps the original weight's grid (its scales are RTN's, bit for bit)
-    and visits columns by activation size, so its codes differ from plain GPTQ's and RTN's."""
+    """Static act-order keeps the original weight's grid (with min-max ranges its scales are RTN's,
+    bit for bit; with the searched ones, the same ranges shrunk) and visits columns by activation
+    size, so its codes differ from plain GPTQ's and RTN's."""
     ckpt = {}
-    for name, scheme, actorder in (("rtn", "w4a16-rtn", "auto"), ("static", "w4a16-gptq", "static"),
-                                   ("none", "w4a16-gptq", "none")):
-        cfg = QuantizeConfig(scheme=scheme, group_size=32, actorder=actorder, num_samples=8, seq_len=32)
+    for name, scheme, actorder, grid in (("rtn", "w4a16-rtn", "auto", "minmax"),
+                                         ("static", "w4a16-gptq", "static", "minmax"),
+                                         ("none", "w4a16-gptq", "none", "minmax"),
+                                         ("static-hmse", "w4a16-gptq", "static", "hmse")):
+        cfg = QuantizeConfig(scheme=scheme, group_size=32, actorder=actorder, num_samples=8, seq_len=32,
+                             gptq_grid=grid)
         quantize(str(tiny_llama), tmp_path / name, cfg, progress=False)
         ckpt[name] = load_quantized_weights(tmp_path / name)
     qc = ckpt["static"][2]["quantization_config"]
@@ -77,6 +81,8 @@ def test_actorder_changes_the_stored_weights(tiny_llama, tmp_path):
         assert not torch.equal(static[name].q, rtn[name].q), name
         assert not torch.equal(static[name].q, plain[name].q), name
         assert not torch.equal(plain[name].scale, rtn[name].scale), name  # plain GPTQ: grid of updated weights
+        searched = ckpt["static-hmse"][0][name].scale
+        assert (searched <= rtn[name].scale).all() and (searched < rtn[name].scale).any(), name
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-rtn", "w4a16-awq", "w4a16-gptq"])
