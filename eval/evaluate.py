@@ -103,8 +103,7 @@ def _kv_args(device: str, seq_len: int) -> dict:
     share of the GPU's memory: evaluations (the quality sweeps') then run side by side."""
     if not str(device).startswith("cuda"):
         return {}
-    bs = EngineConfig.block_size
-    return {"num_kv_blocks": _EVAL_SEQS * (-(-seq_len // bs) + 1) + 16}
+    return {"num_kv_blocks": EngineConfig.kv_blocks_for(_EVAL_SEQS, seq_len)}
 
 
 def evaluate_ppl(

@@ -102,8 +102,7 @@ def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
     args = dict(device=device, dtype=dtype, quantized_linear="kernel", max_num_seqs=max(batch_sizes),
                 max_model_len=max_len, enable_prefix_caching=False)
     if str(device).startswith("cuda"):
-        bs = EngineConfig.block_size  # the engines' default
-        args["num_kv_blocks"] = max(batch_sizes) * (-(-max_len // bs) + 1) + 16
+        args["num_kv_blocks"] = EngineConfig.kv_blocks_for(max(batch_sizes), max_len)
     return args
 
 

@@ -30,6 +30,11 @@ _DAMP_TRIES = 8
 GRIDS = ("minmax", "mse", "hmse")
 
 
+def _check_grid(grid: str) -> None:
+    if grid not in GRIDS:
+        raise ValueError(f"GPTQ grid {grid!r} is not allowed; allowed: {', '.join(GRIDS)}")
+
+
 @dataclass(frozen=True)
 class GPTQOptions:
     """The GPTQ step's options (QuantizeConfig's fields of the same names; block_size is its
@@ -50,8 +55,7 @@ class GPTQOptions:
     grid: str = "hmse"
 
     def __post_init__(self) -> None:
-        if self.grid not in GRIDS:
-            raise ValueError(f"GPTQ grid {self.grid!r} is not allowed; allowed: {', '.join(GRIDS)}")
+        _check_grid(self.grid)
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.token_cap is not None and not self.token_cap > 0:
@@ -184,8 +188,7 @@ def gptq_quantize(
 
 def _check_inputs(w: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, block_size: int, dampening: float,
                   shrink: float = 0.0, grid: str = "minmax") -> None:
-    if grid not in GRIDS:
-        raise ValueError(f"grid={grid!r} is not one of {', '.join(GRIDS)}")
+    _check_grid(grid)
     if not 0.0 <= shrink < 1.0:
         raise ValueError(f"shrink={shrink} must be in [0, 1)")
     if w.ndim != 2:

@@ -85,6 +85,14 @@ class EngineConfig:
     medusa_choices: tuple | None = None
     spec_policy: str = "auto"
 
+    @classmethod
+    def kv_blocks_for(cls, num_seqs: int, max_len: int) -> int:
+        """KV blocks (of the default block size) that num_seqs sequences of up to max_len tokens
+        need at once, with a block each for a lookahead past a block's end and a few spare: a
+        cache sized to a workload instead of a share of the GPU's memory, so engines fit side by
+        side (evaluations, benchmarks)."""
+        return num_seqs * (-(-max_len // cls.block_size) + 1) + 16
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")

@@ -131,3 +131,18 @@ def test_both_build_orders_sum_two_passes(tiny_llama, measured):
     assert two["histogram"] == [2 * h for h in one["histogram"]] and two["tau"] == pytest.approx(one["tau"])
     assert two["steps_by_size"] == {n: 2 * c for n, c in one["steps_by_size"].items()}
     assert two["identical"] and two["requests"] == one["requests"]
+
+
+def test_kv_blocks_for_a_workload():
+    """The KV cache eval sizes on a GPU: every sequence's blocks of max_len tokens, one more each
+    (a lookahead past a block's end), 16 spare -- what both eval paths pass as num_kv_blocks."""
+    from optllm.eval.evaluate import _kv_args
+    from optllm.eval.speculation import _engine_args
+    from optllm.runtime.config import EngineConfig
+
+    assert EngineConfig.block_size == 16
+    assert EngineConfig.kv_blocks_for(64, 512) == 64 * 33 + 16 and EngineConfig.kv_blocks_for(3, 17) == 3 * 3 + 16
+    assert _kv_args("cuda", 512) == {"num_kv_blocks": 64 * 33 + 16} and _kv_args("cpu", 512) == {}
+    args = _engine_args([1, 8], 128, "cuda", "auto", 100)  # max_len = 100 + 128 + 64
+    assert args["num_kv_blocks"] == 8 * (-(-292 // 16) + 1) + 16 and "num_kv_blocks" not in _engine_args(
+        [1, 8], 128, "cpu", "auto", 100)
