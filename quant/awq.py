@@ -73,6 +73,10 @@ class AWQOptions:
     # the o_proj inputs it feeds (gqa_channel_index); False: skip that mapping, as AutoAWQ and
     # llm-compressor do (off until measured better: docs/BENCHMARKS.md)
     gqa_smooth: bool = False
+    # score each scale candidate with the clipped grid the layer will get (each group's range
+    # searched as the clip step does, on the candidate's scaled inputs), not the min-max grid:
+    # the scale and the clip that follows it chosen together
+    joint_clip: bool = False
 
     def __post_init__(self) -> None:
         if self.n_grid < 1 or self.clip_grid < 1:
@@ -196,13 +200,16 @@ def search_scales(
         cands = [(a, t[index]) for a, t in shared]
     qlayers = {n: b for n, b in balance.items() if n in quantized}
     only = next(iter(balance.values()))
+    quant = _clipped_quantizer(xs, args, opts, scale_dtype, device) if opts.clip and opts.joint_clip else None
     # the Gram form costs N·K² a candidate against T·N·K: worth it with more tokens than inputs
     gram = len(balance) == 1 and list(qlayers) == list(balance) and module is only and count >= k
     with torch.no_grad():
         if gram:
-            losses = _linear_losses(only.weight, xs, cands, args, scale_dtype, opts.token_cap, opts.scale_shrink)
+            losses = _linear_losses(only.weight, xs, cands, args, scale_dtype, opts.token_cap, opts.scale_shrink,
+                                    quant=quant)
         else:
-            losses = _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype, opts.token_cap)
+            losses = _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype, opts.token_cap,
+                                    quant=quant)
     best = min(range(len(cands)), key=lambda i: (losses[i], i))  # NaN never wins; ties keep the earlier
     if not losses[best] < float("inf"):
         best = 0  # every candidate gave NaN/inf: leave the layers as they are
@@ -238,7 +245,31 @@ def gqa_channel_index(layer: nn.Module, mapping: SmoothMapping, balance_in: int,
     return (head // n_rep) * head_dim + j
 
 
-def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype, cap=None) -> list[float]:
+def _clipped_quantizer(xs: list[torch.Tensor], args: QuantArgs, opts: AWQOptions, scale_dtype, device):
+    """(w [N, K], s [K]) -> Q_c(w·s)/s float32: the weight a balance linear acts as once s is folded
+    and it is quantized with the clip search's ranges, searched (search_clip) against the
+    per-group Gram matrices of the inputs it will see, x / s -- those of xs scaled by 1/s, exact
+    (the Gram of x / s is S⁻¹ G S⁻¹), so the inputs are read once per mapping."""
+    k = xs[0].shape[-1]
+    base = ClipStats(k, args, opts.clip_tokens, 1, gram=True, token_cap=opts.token_cap)
+    for x in xs:
+        base.add(x.to(device))
+    groups, gsize = base.groups, base.gsize
+
+    def quantize(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        inv = (1.0 / s.float()).view(groups, gsize)
+        stats = ClipStats(k, args, opts.clip_tokens, 1, gram=True, shrink=opts.clip_shrink)
+        stats.gram = base.gram * inv[:, :, None] * inv[:, None, :]
+        stats.tokens = base.tokens
+        ws = w.float() * s
+        ratio = search_clip(ws, stats, args, opts, scale_dtype)
+        return observers.fake_quantize(ws, args, clip_ratio=ratio, scale_dtype=scale_dtype) / s
+
+    return quantize
+
+
+def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtype, cap=None,
+                   quant=None) -> list[float]:
     """Run the inspected module once per candidate with its quantized balance layers swapped in;
     each token's squared error weighted by observers.token_weights of its input (cap)."""
     device = next(iter(qlayers.values())).weight.device
@@ -253,7 +284,9 @@ def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtyp
     try:
         for _alpha, s in cands:
             for n, b in qlayers.items():
-                b.weight.copy_(_quantize_scaled(originals[n], s, args, scale_dtype).to(b.weight.dtype))
+                q = (quant(originals[n], s) if quant is not None
+                     else _quantize_scaled(originals[n], s, args, scale_dtype))
+                b.weight.copy_(q.to(b.weight.dtype))
             loss = 0.0
             for x, kw, r, w in zip(xs, kws, ref, wts):
                 out = _inspect(module, mapping, x.to(device), kw).float()
@@ -267,7 +300,7 @@ def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtyp
 
 
 def _linear_losses(weight, xs, cands, args, scale_dtype, cap=None, shrink: float = 0.0,
-                   chunk: int = 4) -> list[float]:
+                   chunk: int = 4, quant=None) -> list[float]:
     """The inspected module is the balance linear itself: its output error on inputs X is
     ‖X Δᵀ‖² with Δ = Q(W·s)/s − W, i.e. tr(Δ G Δᵀ) for the Gram matrix G = XᵀX, so each
     candidate costs N·K² instead of T·N·K (and no output is held)."""
@@ -286,7 +319,8 @@ def _linear_losses(weight, xs, cands, args, scale_dtype, cap=None, shrink: float
     losses = []
     for c0 in range(0, len(cands), chunk):
         part = cands[c0 : c0 + chunk]
-        d = torch.cat([_quantize_scaled(w, s, args, scale_dtype) - w for _a, s in part])  # [c·N, K]
+        d = torch.cat([(quant(w, s) if quant is not None else _quantize_scaled(w, s, args, scale_dtype)) - w
+                       for _a, s in part])  # [c·N, K]
         per_row = ((d @ gram) * d).sum(dim=1).reshape(len(part), n).sum(dim=1)
         losses += [_finite(float(v) / (tokens * n)) for v in per_row]
     return losses

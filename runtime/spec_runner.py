@@ -48,7 +48,15 @@ from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import AttentionMetadata
 from .sampler import token_logprobs
 from .sampling_params import GREEDY_EPS, SamplingParams
-from .spec.acceptance import AcceptResult, accepted_per_size, greedy_accept, rejection_accept, target_probs
+from .spec.acceptance import (
+    AcceptResult,
+    accepted_per_size,
+    greedy_accept,
+    rejection_accept,
+    target_probs,
+    temperature_only,
+    temperature_probs,
+)
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import DynamicTreeBuilder, StaticTree, const_arange, const_eye
 from .step_inputs import HostBatch, host_tensor
@@ -418,7 +426,9 @@ class SpecDecoder:
         params = [s.params for s in seqs]
         g = self.catch_rows
         greedy = all(p.temperature < GREEDY_EPS and p.logprobs is None for p in params)
-        key = self.graphs.bucket(bsz, self.n) if self.graphs is not None and greedy else None
+        # sampled rows whose only parameter is a temperature have graphs too (temperature_probs)
+        sampled = not greedy and all(p.logprobs is None and temperature_only(p, self.runner.vocab_size) for p in params)
+        key = self.graphs.bucket(bsz, self.n, sampled) if self.graphs is not None and (greedy or sampled) else None
         # a step that first runs the draft over the rows of earlier plain steps (eager) pays a cost
         # that steady speculation does not: its wall time says little of a step's
         self.last_step_caught_up = self.eagle and any(s.num_computed_tokens - self._upto(s) > g for s in seqs)
@@ -428,7 +438,7 @@ class SpecDecoder:
                     self.states(seqs, stop=[s.num_computed_tokens - g for s in seqs])
                 for s in seqs:
                     s.spec_state = (s.num_preemptions, s.num_computed_tokens)
-            res, ranks = self.graphs.run_seqs(seqs, self.n)
+            res, ranks = self.graphs.run_seqs(seqs, self.n, [p.temperature for p in params] if sampled else None)
             n = self.n
             logits = None
         else:
@@ -457,12 +467,14 @@ class SpecDecoder:
             st.histogram[k] += 1
         return out
 
-    def _draft_and_verify(self, roots, states, ctx, tables, params, n, inner: bool = False):
+    def _draft_and_verify(self, roots, states, ctx, tables, params, n, inner: bool = False, temps=None):
         """Propose trees of n nodes, verify them in one target forward, accept, move the accepted
         KV into place and store the accepted rows' features. Returns (tree, hidden [B * N, H],
         logits [B, N, V], the AcceptResult, each node's rank int64 [B, N]: the trees of the first m
-        ranks are the smaller trees of the menu). inner: inside a
-        SpecStepGraphs capture (greedy; the verify forward runs in it, not in VerifyGraphs)."""
+        ranks are the smaller trees of the menu). inner: inside a SpecStepGraphs capture (the
+        verify forward runs in it, not in VerifyGraphs); temps float32 [B] (inner only): the rows
+        sample at these temperatures (< GREEDY_EPS: greedy), by rejection sampling from the
+        default generator (the one a CUDA graph may draw from), params unused."""
         dev, bs = self.device, self.block_size
         bsz = roots.shape[0]
         if self.eagle:
@@ -485,7 +497,9 @@ class SpecDecoder:
             hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
         aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
-        if all(p.temperature < GREEDY_EPS for p in params):
+        if temps is not None:
+            res = rejection_accept(tree, temperature_probs(logits, temps), None)
+        elif all(p.temperature < GREEDY_EPS for p in params):
             res = greedy_accept(tree, logits.argmax(dim=-1))
         else:
             res = rejection_accept(tree, target_probs(logits, params), None, generator=self.generator)
@@ -584,62 +598,79 @@ class SpecDecoder:
 
 
 class SpecStepGraphs:
-    """Greedy speculative steps under CUDA graphs: one graph per (batch bucket b, tree size n)
+    """Speculative steps under CUDA graphs: one graph per (batch bucket b, tree size n, sampled)
     with b * n <= max_tokens, captured once at start, each the whole of a SpecDecoder step: the
     draft states (EAGLE: its catch-up over each sequence's last G = depth + 1 rows), the proposal,
-    the verify forward, greedy acceptance, the KV move and the feature store. Outputs: the
+    the verify forward, acceptance, the KV move and the feature store. Outputs: the
     AcceptResult's tensors and the node ranks; the caller's one host sync reads them.
 
+    Greedy graphs accept greedily. Sampled graphs serve batches whose rows ask for a temperature
+    and nothing else (``temperature_only``; a greedy row among them has temperature 0): the
+    per-row temperatures are a static input, the acceptance rejection sampling over the tree
+    (``temperature_probs``, the closed-form point-mass rule, the final token by the exponential
+    race) from the default generator, which CUDA graphs capture safely (each replay advances it).
+
     Static inputs: ids int64 [b, G] (the tokens at positions c - G + 1 .. c, the root last;
-    Medusa: G = 1, the root), ctx int64 [b], tables int32 [b, width]. Padding rows (past B) run in
-    ``pad_block``, a block of the caches no sequence is given: their tables point only at it,
-    so whatever they write lands there. ``eager_stand_in``: as DecodeGraphs' (the plumbing on a
-    CPU)."""
+    Medusa: G = 1, the root), ctx int64 [b], tables int32 [b, width], temps float32 [b].
+    Padding rows (past B) run in ``pad_block``, a block of the caches no sequence is given: their
+    tables point only at it, so whatever they write lands there. ``eager_stand_in``: as
+    DecodeGraphs' (the plumbing on a CPU)."""
 
     def __init__(self, spec: SpecDecoder, max_batch: int, sizes, max_tokens: int, width: int, pad_block: int,
-                 eager_stand_in: bool = False) -> None:
+                 eager_stand_in: bool = False, sampled: bool = True) -> None:
         dev = spec.device
         self.spec, self.pad_block, self.width, self.g = spec, pad_block, width, spec.catch_rows
-        self.keys = sorted({(b, n) for n in sizes for b in graph_buckets(max_batch) if b * n <= max_tokens})
-        big = max((b for b, _ in self.keys), default=1)
+        kinds = (False, True) if sampled else (False,)
+        self.keys = sorted({(b, n, k) for n in sizes for b in graph_buckets(max_batch) for k in kinds
+                            if b * n <= max_tokens})
+        big = max((b for b, _, _ in self.keys), default=1)
         self.ids = torch.zeros(big, self.g, dtype=torch.int64, device=dev)
         self.ctx = torch.full((big,), self.g, dtype=torch.int64, device=dev)
         self.tables = torch.full((big, width), pad_block, dtype=torch.int32, device=dev)
+        self.temps = torch.zeros(big, dtype=torch.float32, device=dev)
         self.graphs: dict = {}
-        runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: -k[0] * k[1])}
+        runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: (-k[0] * k[1], k[2]))}
         self.outputs = capture_graphs(self.graphs, runs, dev, eager_stand_in)
 
-    def _run(self, b: int, n: int):
+    def _run(self, b: int, n: int, sampled: bool):
         spec = self.spec
         ids, ctx, tables = self.ids[:b], self.ctx[:b], self.tables[:b]
         states = spec._states_fixed(ids, ctx, tables)
-        _, _, _, res, ranks = spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n, inner=True)
+        _, _, _, res, ranks = spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n, inner=True,
+                                                     temps=self.temps[:b] if sampled else None)
         return res.accepted, res.num_accepted, res.tokens, ranks
 
-    def bucket(self, bsz: int, n: int) -> int | None:
-        return next((b for b, m in self.keys if m == n and b >= bsz), None)
+    def bucket(self, bsz: int, n: int, sampled: bool = False) -> int | None:
+        return next((b for b, m, k in self.keys if m == n and k == sampled and b >= bsz), None)
 
     @torch.inference_mode()
-    def run(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, n: int):
-        """(AcceptResult, ranks) of B sequences' greedy step with trees of n nodes: ids int64 [B, G],
-        ctx int64 [B] (c >= G), tables int32 [B, w <= width]; the outputs are the graph's own
-        (valid until its next replay). Needs a bucket: ``bucket(B, n)`` is not None."""
+    def run(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, n: int,
+            temps: torch.Tensor | None = None):
+        """(AcceptResult, ranks) of B sequences' step with trees of n nodes: ids int64 [B, G],
+        ctx int64 [B] (c >= G), tables int32 [B, w <= width]; temps float32 [B] (None: greedy,
+        the greedy graph); the outputs are the graph's own (valid until its next replay). Needs a
+        bucket: ``bucket(B, n, temps is not None)`` is not None."""
         bsz, w = ids.shape[0], tables.shape[1]
-        b = self.bucket(bsz, n)
+        sampled = temps is not None
+        b = self.bucket(bsz, n, sampled)
         self.ids[:bsz].copy_(ids)
         self.ctx[:bsz].copy_(ctx)
         self.tables[:bsz, :w].copy_(tables)
         self.tables[:bsz, w:].fill_(self.pad_block)
+        if sampled:
+            self.temps[:bsz].copy_(temps)
         if b > bsz:  # padding rows from an earlier, larger step
             self.ids[bsz:b].zero_()
             self.ctx[bsz:b].fill_(self.g)
             self.tables[bsz:b].fill_(self.pad_block)
-        self.graphs[(b, n)].replay()
-        acc, num, tok, ranks = self.outputs[(b, n)]
+            self.temps[bsz:b].zero_()
+        self.graphs[(b, n, sampled)].replay()
+        acc, num, tok, ranks = self.outputs[(b, n, sampled)]
         return AcceptResult(acc[:bsz], num[:bsz], tok[:bsz]), ranks[:bsz]
 
-    def run_seqs(self, seqs, n: int):
-        """``run`` for scheduled sequences (each with num_computed_tokens >= G)."""
+    def run_seqs(self, seqs, n: int, temps: list[float] | None = None):
+        """``run`` for scheduled sequences (each with num_computed_tokens >= G); temps: each one's
+        temperature (None: a greedy step)."""
         g, dev = self.g, self.spec.device
         rows = []
         for s in seqs:
@@ -649,4 +680,5 @@ class SpecStepGraphs:
         bsz = len(seqs)
         width = max(len(s.block_table) for s in seqs)
         tables = torch.from_numpy(self.spec.runner.block_tables.gather(seqs, width)).to(dev, non_blocking=True)
-        return self.run(host[:bsz * g].view(bsz, g), host[bsz * g:], tables, n)
+        t = None if temps is None else torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
+        return self.run(host[:bsz * g].view(bsz, g), host[bsz * g:], tables, n, t)

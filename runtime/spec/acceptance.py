@@ -152,8 +152,7 @@ def rejection_accept(tree: TreeBatch, target_probs: torch.Tensor, draft_probs: O
         if q is not None:
             q = torch.where(acc[:, None], draft_probs[rows, c].float(), q)
         child = torch.where(acc, first_child[rows, c], torch.where(active, nxt, -1))
-    final = torch.multinomial(p, 1, generator=generator)[:, 0]
-    return _result(tree, accepted, depth, final)
+    return _result(tree, accepted, depth, draw(p, generator))
 
 
 def _point_mass_accept(tree: TreeBatch, tokens: torch.Tensor, target_probs: torch.Tensor, coins: torch.Tensor,
@@ -196,8 +195,17 @@ def _point_mass_accept(tree: TreeBatch, tokens: torch.Tensor, target_probs: torc
     hot = torch.zeros(bsz, v + 1, dtype=target_probs.dtype, device=dev)
     hot.scatter_(1, torch.where(kids, tokens, v), 1.0)
     p = _residual(target_probs[rows, best].float(), hot[:, :v].float())
-    final = torch.multinomial(p, 1, generator=generator)[:, 0]
-    return _result(tree, accepted, depths[rows, best], final)
+    return _result(tree, accepted, depths[rows, best], draw(p, generator))
+
+
+def draw(p: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """int64 [B]: one token per row of probabilities p [B, V] (rows need not be normalised), by
+    the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability
+    p_i / sum(p) (E_i / p_i ~ Exp(p_i), and the least of independent exponentials is i with
+    probability its rate's share). Unlike torch.multinomial it is a fixed pair of kernels with
+    no host sync, so it can run inside a CUDA graph (from the default generator there)."""
+    e = torch.empty_like(p, dtype=torch.float32).exponential_(generator=generator)
+    return (p.float() / e.clamp_min_(1e-30)).argmax(dim=-1)
 
 
 def sampling_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -258,6 +266,24 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
         probs = torch.where(g, hot, probs)
     return probs
+
+
+def temperature_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``target_probs`` for rows whose only sampling parameter is a temperature (top_p 1, top_k
+    and min_p 0, no penalties), given as a tensor float32 [B] (< GREEDY_EPS: greedy) -- a fixed
+    sequence of tensor ops with no host values, as a CUDA graph of the sampled speculative step
+    needs it. logits [B, N, V]; returns float32 [B, N, V]."""
+    t = temperature.float()[:, None, None]
+    greedy = t < GREEDY_EPS
+    probs = (logits.float() / torch.where(greedy, 1.0, t)).softmax(dim=-1)
+    hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    return torch.where(greedy, hot, probs)
+
+
+def temperature_only(p: SamplingParams, vocab_size: int) -> bool:
+    """Whether ``temperature_probs`` gives the distribution params p asks for."""
+    return (p.top_p >= 1.0 and (p.top_k <= 0 or p.top_k >= vocab_size) and p.min_p <= 0.0
+            and not p.uses_penalties)
 
 
 def accepted_per_size(accepted: torch.Tensor, ranks: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:

@@ -102,6 +102,10 @@ class AdaptivePolicy:
     _global_n: int = 0
     _idle: int = 0
     last_choice: int = 1
+    # the summed estimates of the last choose()'s sequences, kept while neither the set nor any
+    # estimate changed (a plain stretch observes nothing: each of its steps costs a tuple compare)
+    _version: int = 0
+    _sums: tuple | None = None
 
     def __post_init__(self) -> None:
         self.sizes = sorted(set(self.sizes))
@@ -149,7 +153,7 @@ class AdaptivePolicy:
         plain = b / plain_ms
         best, best_rate = 1, plain * self.margin
         can_win = []
-        ests = None
+        sums = None
         for n in self.sizes:
             if budget is not None and b * n > budget:
                 continue
@@ -158,10 +162,9 @@ class AdaptivePolicy:
             if b * (1.0 + top) / spec_ms <= plain * self.margin:
                 continue  # slower than plain even if every draft token were accepted
             can_win.append(n)
-            if ests is None:  # each sequence's estimates, looked up once a step
-                ests = [self._seq.get(s) or self._global for s in seq_ids]
-            gain = b + sum(e[n] for e in ests)
-            rate = gain / spec_ms
+            if sums is None:
+                sums = self._summed(seq_ids)
+            rate = (b + sums[n]) / spec_ms
             if rate > best_rate:
                 best, best_rate = n, rate
         if best == 1:
@@ -177,8 +180,22 @@ class AdaptivePolicy:
         self.last_choice = best
         return best
 
+    def _summed(self, seq_ids: list[int]) -> dict[int, float]:
+        """Per tree size, the expected accepted draft tokens summed over seq_ids."""
+        key = tuple(seq_ids)
+        if self._sums is not None and self._sums[0] == self._version and self._sums[1] == key:
+            return self._sums[2]
+        sums = dict.fromkeys(self.sizes, 0.0)
+        for s in seq_ids:
+            e = self._seq.get(s) or self._global
+            for n in self.sizes:
+                sums[n] += e[n]
+        self._sums = (self._version, key, sums)
+        return sums
+
     def observe(self, seq_id: int, accepted: dict[int, int]) -> None:
         """One verify's accepted draft tokens for sequence seq_id, per tree size it scores."""
+        self._version += 1
         est = self._seq.get(seq_id)
         if est is None:
             est = self._seq[seq_id] = dict(self._global)
@@ -191,6 +208,7 @@ class AdaptivePolicy:
                 self._global[n] = g * self._global[n] + (1 - g) * k
 
     def forget(self, seq_id: int) -> None:
+        self._version += 1
         self._seq.pop(seq_id, None)
 
 

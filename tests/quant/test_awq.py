@@ -292,3 +292,36 @@ def test_scale_search_on_a_sample_is_the_search_on_those_sequences():
     assert res.ratios == ref.ratios
     for a, b in zip(sampled.parameters(), direct.parameters()):
         assert torch.equal(a, b)
+
+
+def test_joint_clip_scores_each_scale_with_the_clip_it_will_get():
+    """joint_clip: each scale candidate is scored after the clip search on its own scaled inputs
+    (the Gram of x / s, formed from x's), so the loss it reports for a candidate equals folding
+    that scale, clip-searching the scaled weight on x / s itself and measuring the output error;
+    and the joint choice's loss after clipping is never above the min-max-scored choice's."""
+    _, layer, inputs = _tiny(seed=1)
+    xs = []
+    with capture_inputs({"d": layer.mlp.down_proj}, lambda _n, x: xs.append(x)):
+        run_block(layer, inputs, keep=False)
+    lin = layer.mlp.down_proj
+    opts = AWQOptions(n_grid=8, joint_clip=True)
+    rows = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]).float()
+    cands = awq_mod.scale_candidates(rows.abs().mean(0), awq_mod._group_weight_mean([lin.weight], ARGS), opts)
+    quant = awq_mod._clipped_quantizer(xs, ARGS, opts, torch.float32, rows.device)
+    w = lin.weight.detach().float()
+
+    def direct(s):  # fold s, clip-search on the scaled inputs themselves, output error
+        ws = w * s
+        ratio = awq_mod.search_clip(ws, rows / s, ARGS, AWQOptions(clip_tokens=10**6), torch.float32)
+        q = observers.fake_quantize(ws, ARGS, clip_ratio=ratio, scale_dtype=torch.float32) / s
+        return float(((rows @ (q - w).T) ** 2).sum() / (rows.shape[0] * w.shape[0]))
+
+    with torch.no_grad():
+        joint = awq_mod._linear_losses(lin.weight, xs, cands, ARGS, torch.float32, quant=quant)
+        for (_a, s), loss in zip(cands, joint):
+            assert loss == pytest.approx(direct(s), rel=1e-4)
+        found = {j: search_scales(lin, UP_DOWN, {"mlp.down_proj": lin}, ["mlp.down_proj"], xs, inputs.kwargs, ARGS,
+                                  AWQOptions(n_grid=8, joint_clip=j, scale_tokens=None), torch.float32)
+                 for j in (False, True)}
+    assert direct(found[True].scales) <= direct(found[False].scales) * (1 + 1e-6)
+    assert found[True].loss == pytest.approx(min(joint), rel=1e-6)

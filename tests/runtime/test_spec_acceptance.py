@@ -22,7 +22,15 @@ from optllm.runtime import sampler as sampler_mod
 from optllm.runtime.sampling_params import SamplingParams
 from optllm.runtime.sequence import Sequence
 from optllm.runtime.spec import acceptance
-from optllm.runtime.spec.acceptance import greedy_accept, rejection_accept, sampling_logits, target_probs
+from optllm.runtime.spec.acceptance import (
+    draw,
+    greedy_accept,
+    rejection_accept,
+    sampling_logits,
+    target_probs,
+    temperature_only,
+    temperature_probs,
+)
 from optllm.runtime.spec.tree import TokenTree, TreeBatch
 
 HAND = TokenTree((-1, 0, 0, 1, 1, 2, 3))  # 0 -> (1, 2); 1 -> (3, 4); 2 -> 5; 3 -> 6
@@ -236,3 +244,38 @@ def test_target_probs_support_and_values():
     assert p[2, 0].tolist() == pytest.approx(torch.softmax(logits[0, 0] / 2, dim=-1).tolist())
     with pytest.raises(ValueError, match="penalties"):
         target_probs(logits, [SamplingParams(repetition_penalty=1.2)])
+
+
+def test_draw_follows_the_row_probabilities():
+    """The exponential race (the final token's draw, graph-safe): 60,000 draws from each of two
+    unnormalised rows, one with zeros, against their normalised probabilities (chi-square, must not
+    reject at 0.001); zero-probability tokens never drawn. A race that forgot to divide by the
+    noise (always the argmax) or divided p by E twice fails it."""
+    g = torch.Generator().manual_seed(11)
+    rows = torch.tensor([[3.0, 1.0, 0.5, 0.5, 2.0, 1.0], [0.0, 2.0, 0.0, 1.0, 0.0, 0.25]])
+    n = 60_000
+    got = draw(rows.repeat_interleave(n, dim=0), g).view(2, n)
+    for r in range(2):
+        counts = torch.bincount(got[r], minlength=V).double()
+        p = rows[r].double() / rows[r].sum()
+        assert counts[p == 0].sum() == 0
+        keep = p > 0
+        assert chisquare(counts[keep].numpy(), (p[keep] * n).numpy()).pvalue > 1e-3
+
+
+def test_temperature_probs_are_target_probs_for_temperature_only_rows():
+    """The graph's per-row temperature tensor gives target_probs' distribution, greedy rows (0)
+    the point mass on the lowest-id argmax; rows with top_p / top_k / min_p / penalties are not
+    temperature-only."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(4, 3, 50, generator=g) * 3).round(decimals=1)  # rounding makes argmax ties
+    temps = [0.0, 0.7, 1.0, 1.8]
+    params = [SamplingParams(temperature=t) for t in temps]
+    want = target_probs(logits, params)
+    got = temperature_probs(logits, torch.tensor(temps))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert all(temperature_only(p, 50) for p in params)
+    assert temperature_only(SamplingParams(temperature=1.0, top_k=50), 50)  # top_k = vocabulary: off
+    for p in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1),
+              SamplingParams(repetition_penalty=1.1)):
+        assert not temperature_only(p, 50)

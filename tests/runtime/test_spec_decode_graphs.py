@@ -95,9 +95,10 @@ def test_speculative_steps_replay_graphs_and_stay_exact(tiny_llama, tmp_path, me
     runs: list[tuple[int, int]] = []
     run = r.spec.graphs.run
 
-    def counted(ids, ctx, tables, n):
+    def counted(ids, ctx, tables, n, temps=None):
+        assert temps is None  # greedy rows take the greedy graphs
         runs.append((ids.shape[0], n))
-        return run(ids, ctx, tables, n)
+        return run(ids, ctx, tables, n, temps)
 
     r.spec.graphs.run = counted
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -151,3 +152,35 @@ def test_step_graphs_accept_what_the_eager_step_accepts(tiny_llama, tmp_path, me
     (want, eager), (got, graphed) = runs
     assert got == want
     assert graphed["histogram"] == eager["histogram"] and eager["accepted"] > eager["seq_steps"] // 4, (eager, graphed)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_sampled_steps_replay_their_graphs(tiny_llama, tmp_path, method):
+    """Rows that ask only for a temperature speculate through the sampled graphs: the
+    temperatures a static input, rejection sampling inside. In a batch mixing temperature 0 and
+    1, the greedy rows' tokens must equal plain greedy decoding (the point mass on the argmax
+    makes the rejection rule the greedy one), the sampled rows must differ from greedy somewhere
+    and the graphs must have run with those temperatures; a row with top_p runs eager."""
+    want, llm = _plain_then_speculative(tiny_llama, tmp_path, method)
+    r = llm.engine.runner
+    _with_stand_in_graphs(llm, 8)
+    runs: list[list[float]] = []
+    run = r.spec.graphs.run
+
+    def counted(ids, ctx, tables, n, temps=None):
+        runs.append(None if temps is None else temps.tolist())
+        return run(ids, ctx, tables, n, temps)
+
+    r.spec.graphs.run = counted
+    hot = SamplingParams(temperature=1.0, max_tokens=36, ignore_eos=True)
+    params = [GREEDY, hot, GREEDY, hot, GREEDY]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    for i in (0, 2, 4):
+        assert got[i] == want[i]
+    assert got[1] != want[1] or got[3] != want[3]
+    sampled = [t for t in runs if t is not None]
+    assert sampled and any(0.0 in t and 1.0 in t for t in sampled), runs
+    assert llm.engine.stats().speculation["seq_steps"] > 0
+    runs.clear()  # top_p is not a temperature-only row: the eager step (no graph run)
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True))
+    assert runs == []

@@ -266,3 +266,26 @@ def test_a_step_that_catches_up_is_not_a_measured_step_cost(tiny_llama, tmp_path
     llm.generate(["The interpreter reads"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert seen[0] is True and len(seen) >= 3 and not any(seen[1:])
     assert told.count(1) >= 5 and told.count(spec.sizes[-1]) == len(seen) - 1
+
+
+def test_choice_follows_every_observation_through_the_sum_cache():
+    """choose() keeps the summed estimates while the sequences and their estimates stay the same;
+    an observation (of any of them) or a forgotten sequence must be seen at the next choice."""
+    sizes = [2, 5, 9]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior=dict.fromkeys(sizes, 0.0), explore_every=10**6,
+                         decay=0.0)
+    ids = [1, 2, 3, 4]
+    assert pol.choose(ids) == 1 and pol.choose(ids) == 1  # nothing accepted: plain (the second: cached)
+    for s in ids:
+        pol.observe(s, {2: 1, 5: 4, 9: 8})
+    assert pol.choose(ids) == 9  # every draft token accepted: the largest tree
+    for s in ids:
+        pol.observe(s, {2: 0, 5: 0, 9: 0})
+    assert pol.choose(ids) == 1  # now nothing accepted: plain again
+    pol.observe(2, {2: 1, 5: 4, 9: 8})
+    assert pol.choose([2]) == 9  # one sequence's observation: its choice
+    pol.observe(2, {2: 0, 5: 0, 9: 0})
+    assert pol.choose([2]) == 1
+    pol.forget(2)  # back to the engine-wide estimates
+    pol.choose([2])
+    assert pol._sums[2] == pol._global
