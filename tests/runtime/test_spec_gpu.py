@@ -62,3 +62,34 @@ def test_cost_profile_is_measured_on_the_gpu(tiny_llama, drafts):
     assert all(v > 0 for row in table.ms.values() for v in row), table.ms
     again = llm.engine.runner.spec.measure(batches=[1, 4], repeats=2)
     assert again.batches == [1, 4] and set(again.ms) == set(table.ms)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_sampled_steps_run_their_cuda_graphs(tiny_llama, drafts, method):
+    """Temperature-only rows speculate through captured graphs (rejection sampling and the final
+    draw inside): in a batch mixing temperature 0 and 1 the greedy rows equal plain greedy
+    decoding, the sampled graphs replay, and two runs of the sampled rows differ (the default
+    generator advances at each replay, so a replay does not repeat its draws)."""
+    plain = LLM(str(tiny_llama), device="cuda", dtype="float32", **SMALL)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    del plain
+    llm = LLM(str(tiny_llama), device="cuda", dtype="float32", draft=str(drafts[method]), spec_top_k=3,
+              spec_depth=4, spec_num_draft=10, spec_policy="fixed", **SMALL)
+    graphs = llm.engine.runner.spec.graphs
+    assert any(k for _b, _n, k in graphs.keys)
+    runs = []
+    run = graphs.run
+
+    def counted(ids, ctx, tables, n, temps=None):
+        runs.append(temps is not None)
+        return run(ids, ctx, tables, n, temps)
+
+    graphs.run = counted
+    hot = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    params = [GREEDY, hot, GREEDY, hot]
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    for got in (first, second):
+        assert got[0] == want[0] and got[2] == want[2]
+    assert first[1] != second[1] or first[3] != second[3]
+    assert any(runs), runs
