@@ -105,9 +105,10 @@ class ModelRunner:
         """Capture the CUDA graphs (eager_stand_in: their CPU stand-ins, tests): decode steps per
         batch bucket up to max_batch -- with a draft loaded each also stores its rows' features for
         the draft (the sink), inside the graph -- and with a draft, per (batch bucket, tree size),
-        the greedy speculative step whole (SpecStepGraphs; step_graphs=False: none) and the verify
-        forward of sampling steps. Larger trees x batches (compute-bound, where launches matter
-        less) run eager, so the token cap bounds the graphs' memory."""
+        the speculative step whole, greedy and temperature-only sampled (SpecStepGraphs;
+        step_graphs=False: none), and the verify forward of other sampling steps. Larger trees x
+        batches (compute-bound, where launches matter less) run eager, so the token cap bounds
+        the graphs' memory."""
         spec = self.spec
         self.graphs = DecodeGraphs(self.model, max_batch, self.max_blocks_per_seq, self.vocab_size, self.device,
                                    self.decode_splits, eager_stand_in=eager_stand_in,

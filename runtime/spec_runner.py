@@ -29,9 +29,10 @@ Per sequence with c = num_computed_tokens and root x_c (its last, sampled token)
   its features stored at those slots.
 - the sequence gains k accepted draft tokens and one token of the target's: k + 1 tokens of
   KV computed (root + accepted nodes).
-Greedy steps run under CUDA graphs (``SpecStepGraphs``: catch-up of the last G rows, proposal,
-verify, acceptance, KV move -- one replay and one host sync a step); sampling steps run eager,
-their verify forward under ``VerifyGraphs``.
+Greedy steps, and sampling steps whose rows ask for a temperature and nothing else, run under CUDA
+graphs (``SpecStepGraphs``: catch-up of the last G rows, proposal, verify, acceptance, KV move --
+one replay and one host sync a step); other sampling steps run eager, their verify forward under
+``VerifyGraphs``.
 Blocks: the scheduler allocates ``lookahead`` slots past the root for an eligible decode;
 what rejected nodes wrote past the new length is never read and is overwritten next step.
 """
