@@ -35,9 +35,7 @@ graph), which grows with the batch and differs between plain and speculative ste
 engine reports each pure step's measured wall time (``observe_cost``: every eligible decode
 plain, or every one speculating with the same tree), and cost(n, B) is the profile's time times
 a running ratio measured / profiled, per tree size and power-of-two batch bucket (the profile
-counts as one observation; each ratio is clamped to [1/4, 20] against a stray stall); a tree size
-not yet measured in a bucket takes the mean ratio of those that were, so one slow size warns the
-policy off the others before each has cost an exploring step. A tree
+counts as one observation; each ratio is clamped to [1/4, 20] against a stray stall). A tree
 that looked cheap at start-up but is slow in service stops being chosen. Plain Python, no torch.
 """
 
@@ -100,7 +98,6 @@ class AdaptivePolicy:
     _seq: dict[int, dict[int, float]] = field(default_factory=dict)
     _ratio: dict[tuple[int, int], float] = field(default_factory=dict)
     _ratio_n: dict[tuple[int, int], int] = field(default_factory=dict)
-    _pooled: dict[int, float] = field(default_factory=dict)  # batch bucket -> mean ratio of its tree sizes
     _global: dict[int, float] = field(default_factory=dict)
     _global_n: int = 0
     _idle: int = 0
@@ -128,15 +125,8 @@ class AdaptivePolicy:
 
     def step_cost(self, n: int, batch: int) -> float:
         """Expected milliseconds of a step of `batch` decodes with trees of n nodes (1: plain):
-        the profile's time times the measured ratio of its (n, batch bucket); a tree size not yet
-        measured in that bucket takes the mean ratio of the sizes that were (a speculative step's
-        host side, which the profile does not see, is much the same whatever the tree), 1 before
-        any."""
-        bucket = self._bucket(batch)
-        r = self._ratio.get((n, bucket))
-        if r is None:
-            r = 1.0 if n == 1 else self._pooled.get(bucket, 1.0)
-        return self.cost.cost(n, batch) * r
+        the profile's time times the measured ratio of its (n, batch bucket), 1 until measured."""
+        return self.cost.cost(n, batch) * self._ratio.get((n, self._bucket(batch)), 1.0)
 
     def observe_cost(self, n: int, batch: int, ms: float) -> None:
         """A pure step's measured wall milliseconds: `batch` decodes, all plain (n = 1) or all
@@ -149,9 +139,6 @@ class AdaptivePolicy:
         w = min(self.cost_decay, 1.0 - 1.0 / (count + 1))  # the profile counts as one observation
         r = min(max(ms / self.cost.cost(n, batch), 0.25), 20.0)
         self._ratio[key] = w * self._ratio.get(key, 1.0) + (1.0 - w) * r
-        if n != 1:
-            seen = [v for (m, b), v in self._ratio.items() if m != 1 and b == key[1]]
-            self._pooled[key[1]] = sum(seen) / len(seen)
 
     def expected(self, seq_id: int) -> dict[int, float]:
         return self._seq.get(seq_id) or self._global
