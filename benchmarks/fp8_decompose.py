@@ -6,10 +6,12 @@ as quant/pipeline.py (16 x 512 built-in tokens), perplexity on the same 8 window
 
     python benchmarks/fp8_decompose.py float a-fp8-token w-fp8-rtn w-fp8-gptq fp8dyn-rtn
 
-(names from CONFIGS below, or a JSON object with "name"); results appended to
+(names from CONFIGS below, or a JSON object with "name"; "a_only", a regex over "layer.name",
+limits the activation quantization to the linears it matches); results appended to
 fp8_decompose_results.jsonl; docs/bench/fp8_w8a8_cpu.json holds the measured rows."""
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -183,8 +185,10 @@ def run(name, cfg):
                     p.copy_(p.to(torch.bfloat16).float())
     hooks = []
     if cfg.get("a"):
+        only = re.compile(cfg.get("a_only", ".*"))  # the linears ("i.name") whose inputs are quantized
         for key, (lin, s) in scales.items():
-            hooks.append(lin.register_forward_pre_hook(lambda m, args, s=s: (fake_act(cfg["a"], args[0], s),)))
+            if only.fullmatch(key):
+                hooks.append(lin.register_forward_pre_hook(lambda m, args, s=s: (fake_act(cfg["a"], args[0], s),)))
     res = {"name": name, "cfg": cfg, "quant_s": round(tq, 1)}
     for kind, ids in streams.items():
         r = perplexity(model, ids, seq_len=512, max_windows=8, batch_size=4)
@@ -202,6 +206,11 @@ CONFIGS = {
     "float": {},
     "w-fp8-rtn": {"w": "fp8-rtn"},
     "a-fp8-token": {"a": "fp8-token"},
+    # one kind of linear's inputs at a time (a_only: a regex over "layer.name")
+    "a-fp8-token-qkv": {"a": "fp8-token", "a_only": r"\d+\.self_attn\.[qkv]_proj"},
+    "a-fp8-token-o": {"a": "fp8-token", "a_only": r"\d+\.self_attn\.o_proj"},
+    "a-fp8-token-gateup": {"a": "fp8-token", "a_only": r"\d+\.mlp\.(gate|up)_proj"},
+    "a-fp8-token-down": {"a": "fp8-token", "a_only": r"\d+\.mlp\.down_proj"},
     "a-fp8-static": {"a": "fp8-static"},
     "fp8dyn-rtn": {"w": "fp8-rtn", "a": "fp8-token"},
     "fp8static-rtn": {"w": "fp8-rtn", "a": "fp8-static"},
