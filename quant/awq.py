@@ -31,6 +31,7 @@ output rows at once, through per-group Gram matrices of all the calibration toke
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -273,6 +274,7 @@ def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtyp
     """Run the inspected module once per candidate with its quantized balance layers swapped in;
     each token's squared error weighted by observers.token_weights of its input (cap)."""
     device = next(iter(qlayers.values())).weight.device
+    quant = quant or functools.partial(_quantize_scaled, args=args, scale_dtype=scale_dtype)
     k = xs[0].shape[-1]
     wts = [observers.token_weights(x.to(device).reshape(-1, k), cap) for x in xs]
     originals = {n: b.weight.detach().clone() for n, b in qlayers.items()}
@@ -284,9 +286,7 @@ def _module_losses(module, mapping, qlayers, xs, kwargs, cands, args, scale_dtyp
     try:
         for _alpha, s in cands:
             for n, b in qlayers.items():
-                q = (quant(originals[n], s) if quant is not None
-                     else _quantize_scaled(originals[n], s, args, scale_dtype))
-                b.weight.copy_(q.to(b.weight.dtype))
+                b.weight.copy_(quant(originals[n], s).to(b.weight.dtype))
             loss = 0.0
             for x, kw, r, w in zip(xs, kws, ref, wts):
                 out = _inspect(module, mapping, x.to(device), kw).float()
@@ -304,6 +304,7 @@ def _linear_losses(weight, xs, cands, args, scale_dtype, cap=None, shrink: float
     """The inspected module is the balance linear itself: its output error on inputs X is
     ‖X Δᵀ‖² with Δ = Q(W·s)/s − W, i.e. tr(Δ G Δᵀ) for the Gram matrix G = XᵀX, so each
     candidate costs N·K² instead of T·N·K (and no output is held)."""
+    quant = quant or functools.partial(_quantize_scaled, args=args, scale_dtype=scale_dtype)
     w = weight.detach().float()
     n, k = w.shape
     device = w.device
@@ -319,8 +320,7 @@ def _linear_losses(weight, xs, cands, args, scale_dtype, cap=None, shrink: float
     losses = []
     for c0 in range(0, len(cands), chunk):
         part = cands[c0 : c0 + chunk]
-        d = torch.cat([(quant(w, s) if quant is not None else _quantize_scaled(w, s, args, scale_dtype)) - w
-                       for _a, s in part])  # [c·N, K]
+        d = torch.cat([quant(w, s) - w for _a, s in part])  # [c·N, K]
         per_row = ((d @ gram) * d).sum(dim=1).reshape(len(part), n).sum(dim=1)
         losses += [_finite(float(v) / (tokens * n)) for v in per_row]
     return losses

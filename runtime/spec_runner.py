@@ -624,11 +624,10 @@ class SpecStepGraphs:
     DecodeGraphs' (the plumbing on a CPU)."""
 
     def __init__(self, spec: SpecDecoder, max_batch: int, sizes, max_tokens: int, width: int, pad_block: int,
-                 eager_stand_in: bool = False, sampled: bool = True) -> None:
+                 eager_stand_in: bool = False) -> None:
         dev = spec.device
         self.spec, self.pad_block, self.width, self.g = spec, pad_block, width, spec.catch_rows
-        kinds = (False, True) if sampled else (False,)
-        self.keys = sorted({(b, n, k) for n in sizes for b in graph_buckets(max_batch) for k in kinds
+        self.keys = sorted({(b, n, k) for n in sizes for b in graph_buckets(max_batch) for k in (False, True)
                             if b * n <= max_tokens})
         big = max((b for b, _, _ in self.keys), default=1)
         self.ids = torch.zeros(big, self.g, dtype=torch.int64, device=dev)

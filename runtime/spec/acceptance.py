@@ -262,10 +262,15 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     probs = x.softmax(dim=-1)
     greedy = [p.temperature < GREEDY_EPS for p in params]
     if any(greedy):
-        g = torch.tensor(greedy, device=logits.device)[:, None, None]
-        hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-        probs = torch.where(g, hot, probs)
+        probs = _greedy_rows(torch.tensor(greedy, device=logits.device)[:, None, None], logits, probs)
     return probs
+
+
+def _greedy_rows(greedy: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """probs [B, N, V] with the rows where greedy (bool, broadcastable) holds replaced by the point
+    mass on the argmax of logits (ties: lowest id), as the sampler takes it."""
+    hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    return torch.where(greedy, hot, probs)
 
 
 def temperature_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -276,8 +281,7 @@ def temperature_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     t = temperature.float()[:, None, None]
     greedy = t < GREEDY_EPS
     probs = (logits.float() / torch.where(greedy, 1.0, t)).softmax(dim=-1)
-    hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    return torch.where(greedy, hot, probs)
+    return _greedy_rows(greedy, logits, probs)
 
 
 def temperature_only(p: SamplingParams, vocab_size: int) -> bool:
