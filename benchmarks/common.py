@@ -14,8 +14,18 @@ import triton
 
 BW = 4.27e12  # measured device copy bandwidth of the H200, bytes/s
 
-# name -> (K, N) of y = x W^T, W [N, K]
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+# name -> (K, N) of y = x W^T, W [N, K]: Llama-3-8B's projections, then SmolLM2-135M's (q, k, v fused:
+# 9 + 2 x 3 heads of 64; gate and up fused; the tied LM head)
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+          "smol_qkv": (576, 960), "smol_o": (576, 576), "smol_gate_up": (576, 3072), "smol_down": (1536, 576),
+          "smol_lm_head": (576, 49152)}
+SMOL_SHAPES = {k: v for k, v in SHAPES.items() if k.startswith("smol_")}
+
+
+def group_size(shape: str) -> int:
+    """The int4 group size a shape is benchmarked with: 128 on Llama-3-8B's, 64 on SmolLM2's (what
+    its checkpoints use: 576 is not a multiple of 128)."""
+    return 64 if shape.startswith("smol_") else 128
 ROT = 4  # weight copies per timed call
 
 
@@ -71,7 +81,7 @@ SMOLLM2 = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_la
                rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, rope_theta=100000.0)
 
 
-def shape_folder(root: Path, name: str, cfg: dict, w4a16: bool = False) -> Path:
+def shape_folder(root: Path, name: str, cfg: dict, w4a16: bool = False, group: int = 128) -> Path:
     """A config-only folder with a word-level tokenizer over the whole vocabulary (token i is
     the word "w<i>"; decoding joins words with spaces), so detokenizing costs what it costs
     with a real vocabulary: every token adds text."""
@@ -85,7 +95,7 @@ def shape_folder(root: Path, name: str, cfg: dict, w4a16: bool = False) -> Path:
         from optllm.formats.args import QuantArgs
         from optllm.formats.compressed_tensors import quantization_config
 
-        cfg["quantization_config"] = quantization_config(QuantArgs(4, 128, True), ["Linear"], ["lm_head"])
+        cfg["quantization_config"] = quantization_config(QuantArgs(4, group, True), ["Linear"], ["lm_head"])
     (folder / "config.json").write_text(json.dumps(cfg))
     vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, cfg["vocab_size"])}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

@@ -7,6 +7,7 @@ Cases (greedy, EOS ignored, prompts of 32 random tokens; fresh prompts per repet
             values: greedy, EOS ignored), bf16, bs = 1 and 64
   8b-bf16:  a Llama-3-8B-shaped model, random weights, bf16, bs = 1 and 64
   8b-w4a16: the same shape as a W4A16 g128 checkpoint (random int4 codes), bs = 1 and 64
+  smol-w4a16: SmolLM2-135M's shape as a W4A16 g64 checkpoint (LM head bf16), bs = 1 and 64
   serve256: 256 requests, prompt and output lengths uniform in [100, 1024] (seed 0), 8B bf16
 Peers in the same run (--peers all): HF `generate` with a static cache (transformers compiles
 that decode step itself; the first call, compile included, is reported apart) and HF eager
@@ -248,9 +249,10 @@ def main():
     ap.add_argument("--tag", default="", help="output file stem (default decode)")
     a = ap.parse_args()
     cases = a.cases.split(",")
-    bad = set(cases) - {"smol", "8b-bf16", "8b-w4a16", "serve256"}
+    bad = set(cases) - {"smol", "smol-w4a16", "8b-bf16", "8b-w4a16", "serve256"}
     if bad:
-        raise SystemExit(f"unknown case(s) {', '.join(sorted(bad))}; allowed: smol, 8b-bf16, 8b-w4a16, serve256")
+        raise SystemExit(f"unknown case(s) {', '.join(sorted(bad))}; allowed: smol, smol-w4a16, 8b-bf16, 8b-w4a16, "
+                         "serve256")
     info = provenance()
     log(json.dumps(info))
     rows: list[dict] = []
@@ -262,6 +264,11 @@ def main():
                 decode_case("smollm2-135m", dict(model=str(folder), load_format="dummy", max_num_seqs=64,
                                                  max_model_len=2048),
                             lambda: hf_model(SMOLLM2), [(1, new), (64, new)], a.quick, rows, a.peers)
+            elif case == "smol-w4a16":  # W4A16 g64 (SmolLM2's 576 is not a multiple of 128), tied LM head bf16
+                folder = shape_folder(a.root, "smollm2-135m-w4a16-shape", SMOLLM2, w4a16=True, group=64)
+                decode_case("smollm2-135m-w4a16", dict(model=str(folder), load_format="dummy", max_num_seqs=64,
+                                                       max_model_len=2048),
+                            None, [(1, new), (64, new)], a.quick, rows, "none")
             elif case == "8b-bf16":
                 folder = shape_folder(a.root, "llama3-8b-bf16", LLAMA3_8B)
                 decode_case("llama3-8b-bf16", dict(model=str(folder), load_format="dummy", max_num_seqs=64,

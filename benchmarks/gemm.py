@@ -1,10 +1,11 @@
-"""GEMM benchmark on the GPU: our Triton kernels against the peers, at Llama-3-8B shapes.
+"""GEMM benchmark on the GPU: our Triton kernels against the peers, at Llama-3-8B shapes (and
+SmolLM2-135M's: --shapes smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head).
 
     python benchmarks/gemm.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64,256,4096] [--out DIR]
 
 For each shape (K×N, y = x·Wᵀ) and M: GPU time of a CUDA-graph replay (median, 4 weight
 copies rotated so int4 weights do not sit in the 60 MB L2) of
-  ours: W4A16 (sym, g128), W8A8-INT8 (per-token activation quantize + GEMM), FP8 (dynamic
+  ours: W4A16 (sym, g128; g64 on SmolLM2's shapes), W8A8-INT8 (per-token activation quantize + GEMM), FP8 (dynamic
         per-token + GEMM), NVFP4 weight-only; INT8 and FP8 also as the GEMM alone on the
         quantized x (the peers' terms: they are given quantized operands);
   peers: cuBLAS bf16 (x @ w.t()), tinygemm int4 (aten._weight_int4pack_mm, g128),
@@ -24,14 +25,13 @@ from pathlib import Path
 import torch
 import triton
 
-from optllm.benchmarks.common import ROT, SHAPES, graph_us, parse_shapes
+from optllm.benchmarks.common import ROT, SHAPES, graph_us, group_size, parse_shapes
 from optllm.kernels import fp8 as fp8k
 from optllm.kernels import nvfp4 as nvfp4k
 from optllm.kernels import w4a16 as w4k
 from optllm.kernels import w8a8_int8 as i8k
 
 BW, FLOPS = 4.27e12, 694e12
-G = 128
 
 
 def floor_us(m, n, k, wbytes_per_el, extra_w=0.0, act_bytes=2):
@@ -67,6 +67,7 @@ def main():
     rows = []
     for sname in parse_shapes(a.shapes):
         k, n = SHAPES[sname]
+        G = group_size(sname)
         wf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
         # int4 sym g128
         w4 = []
@@ -82,10 +83,13 @@ def main():
         for q, s in w4:
             u = (q.to(torch.int32) + 8).to(torch.uint8)
             packed = (u[:, ::2] << 4 | u[:, 1::2]).contiguous()
-            try:
-                wp = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
-            except Exception:
-                wp = None
+            wp = None
+            for inner in (8, 4, 2):  # tinygemm's inner K tiles: 8 needs K % 128 (not SmolLM2's 576)
+                try:
+                    wp = torch.ops.aten._convert_weight_to_int4pack(packed, inner)
+                    break
+                except Exception:
+                    pass
             # tinygemm dequantizes (u - 8) * scale + zero: a symmetric grid has zero 0
             sz = torch.stack([s.t().float(), torch.zeros_like(s.t().float())], dim=-1).to(torch.bfloat16).contiguous()
             tg.append((wp, sz))

@@ -5,6 +5,7 @@ and host-side launch arithmetic."""
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable, Sequence
 
 import torch
 import triton
@@ -47,3 +48,52 @@ def pow2(n: int) -> int:
     """The smallest power of two >= n (plain Python: triton.next_power_of_2 and triton.cdiv
     go through the JIT's call path, microseconds per launch)."""
     return 1 << (n - 1).bit_length()
+
+
+# Launching through Triton's compiled launcher (set False to time JITFunction.run's path)
+DIRECT_LAUNCH = True
+
+
+class CompiledLaunch:
+    """A @triton.jit kernel launched straight through its compiled launcher once Triton has
+    compiled it for a key. JITFunction.run does, on every call: bind and specialize each
+    argument, hash the cache key, read Triton's environment knobs, check the kernel's globals,
+    build launch metadata -- tens of µs of host time, several times a decode-sized kernel's GPU
+    time. Here the first call of a key goes through JITFunction.run (which compiles and returns
+    the compiled kernel); later calls of that key pass the arguments to its launcher directly.
+
+    The caller's key must fix everything Triton specializes on except the kernel's
+    do_not_specialize arguments: every constexpr, the value of every other int argument, each
+    pointer's dtype and whether it is 16-byte aligned (callers take the direct path only when
+    every pointer is), and the device. Launch hooks (knobs.runtime.launch_enter_hook, e.g. a
+    profiler's) are not called on the direct path. Under the CPU interpreter nothing is compiled
+    and every call goes through the interpreter."""
+
+    def __init__(self, fn, max_keys: int = 4096) -> None:
+        self.fn = fn
+        self.names = tuple(fn.arg_names)
+        self.max_keys = max_keys
+        self._compiled: dict = {}
+
+    def __call__(self, key: Hashable, grid: tuple, args: Sequence, constexprs: dict, options: dict) -> None:
+        hit = self._compiled.get(key) if DIRECT_LAUNCH else None
+        if hit is not None:
+            kernel, tail = hit
+            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None,
+                       None, *args, *tail)
+            return
+        kernel = self.fn[grid](*args, **constexprs, **options)
+        if DIRECT_LAUNCH and key is not None and hasattr(kernel, "packed_metadata"):
+            if len(self._compiled) >= self.max_keys:
+                self._compiled.clear()
+            # the parameters after the positional arguments, in the kernel's order (constexprs)
+            self._compiled[key] = (kernel, tuple(constexprs[name] for name in self.names[len(args):]))
+
+
+def aligned16(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's data pointer is 16-byte aligned (Triton specializes on it)."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return bits & 15 == 0

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optllm.kernels.common import interpreting, use_triton
+from optllm.kernels.common import CompiledLaunch, aligned16, use_triton
 from optllm.kernels.scaled_mm import (
     SCALE_EPS,
     GemmConfig,
@@ -137,15 +137,21 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, EPS: tl.cons
                      mask=k0 + offs < K)
 
 
+_QUANT_FP8 = CompiledLaunch(_quant_fp8_kernel)
+
+
 def launch_quantize_fp8(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, static: bool) -> torch.Tensor:
     """Run the fp8 quantize kernel on x [M, K] (unit stride along K) into xq fp8 [M, K]:
     static reads the one-element float32 ``scale``, dynamic writes ``scale`` [M, 1]."""
     m, k = x.shape
     if m:
         block, one_pass, warps = row_kernel_launch_params(k)
-        _quant_fp8_kernel[(m,)](x, xq, scale, k, x.stride(0), xq.stride(0), EPS=SCALE_EPS,
-                                STATIC=static, BLOCK=block, ONE_PASS=one_pass,
-                                INTERPRET=interpreting(), num_warps=warps)
+        cuda = x.is_cuda  # Triton runs CPU tensors only in its interpreter
+        args = (x, xq, scale, k, x.stride(0), xq.stride(0))
+        key = ((k, args[4], args[5], x.dtype, static, torch._C._cuda_getDevice())
+               if cuda and aligned16(x, xq, scale) else None)
+        _QUANT_FP8(key, (m, 1, 1), args, dict(EPS=SCALE_EPS, STATIC=static, BLOCK=block, ONE_PASS=one_pass,
+                                             INTERPRET=not cuda), dict(num_warps=warps))
     return xq
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import grouped_tile
+from .common import CompiledLaunch, aligned16, grouped_tile, pow2
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -128,6 +128,9 @@ def _scaled_mm_kernel(
 
 
 # --------------------------------------------------------------------------- quantizer helpers
+_SCALED_MM = CompiledLaunch(_scaled_mm_kernel)
+
+
 @triton.jit
 def div_rn(x, d, inv, INTERPRET: tl.constexpr):
     """x / d correctly rounded (IEEE round to nearest even), given inv = RN(1 / d).
@@ -152,7 +155,7 @@ def row_kernel_launch_params(k: int) -> tuple[int, bool, int]:
     time mostly from L2. Four warps: more programs per SM beat wider ones (H200,
     benchmarks/tune_quant.py, M = 4096: K = 4096 13.9 / 12.8 us int8 / fp8 at 4 warps vs 15.1 /
     13.7 at 8; K = 14336 58.9 / 50.2 vs 83.3 / 73.2 at the 16 used before; M = 64 equal)."""
-    block = triton.next_power_of_2(k)
+    block = pow2(k)
     if block <= 16384:
         return block, True, 4
     return 4096, False, 8
@@ -175,17 +178,22 @@ def scaled_mm_triton(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     if m == 0 or n == 0:
         return out
     cfg = config
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _scaled_mm_kernel[grid](
-        a, b, out, a_scale, b_scale, out if bias is None else bias,
-        m, n, k, a.stride(0), b.stride(0), out.stride(0),
-        A_SCALE_ROWS=a_scale.numel() != 1, B_SCALE_ROWS=b_scale.numel() != 1, HAS_BIAS=bias is not None,
+    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), 1, 1)
+    has_bias = bias is not None
+    if bias is None:
+        bias = out
+    constexprs = dict(
+        A_SCALE_ROWS=a_scale.numel() != 1, B_SCALE_ROWS=b_scale.numel() != 1, HAS_BIAS=has_bias,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SWAP_AB=cfg.swap_ab, EVEN_K=k % cfg.block_k == 0,
         ACC_DTYPE=tl.int32 if a.dtype == torch.int8 else tl.float32,
-        IMPRECISE_ACC=None if cfg.fast_accum or a.dtype == torch.int8 else cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        IMPRECISE_ACC=None if cfg.fast_accum or a.dtype == torch.int8 else cfg.block_k)
+    args = (a, b, out, a_scale, b_scale, bias, m, n, k, a.stride(0), b.stride(0), out.stride(0))
+    key = None
+    if a.is_cuda and aligned16(a, b, out, a_scale, b_scale, bias):
+        key = (n, k, args[9], args[10], args[11], a.dtype, b.dtype, out.dtype, bias.dtype, constexprs["A_SCALE_ROWS"],
+               constexprs["B_SCALE_ROWS"], has_bias, cfg, torch._C._cuda_getDevice())
+    _SCALED_MM(key, grid, args, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return out
 
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, interpreting
+from .common import CompiledLaunch, aligned16, grouped_tile, interpreting, pow2
 from .w4a16_configs import (  # noqa: F401
     M_BUCKETS,
     W4A16_CONFIGS,
@@ -518,10 +518,14 @@ def force_config(config: W4A16Config):
         _FORCED.pop()
 
 
+# OPTLLM_W4A16_ASM=0 turns the packed-PTX dequantization off (read once, at import)
+_ASM = os.environ.get("OPTLLM_W4A16_ASM", "1") != "0"
+
+
 def _use_asm(x_dtype: torch.dtype, scales: torch.Tensor) -> bool:
     """Packed-PTX dequant: CUDA, 16-bit activations with scales of the same dtype."""
-    return (not interpreting() and scales.is_cuda and x_dtype in (torch.bfloat16, torch.float16)
-            and scales.dtype == x_dtype and os.environ.get("OPTLLM_W4A16_ASM", "1") != "0")
+    return (_ASM and scales.is_cuda and x_dtype in (torch.bfloat16, torch.float16) and scales.dtype == x_dtype
+            and not interpreting())
 
 
 def _block_k(block_k: int, k: int, group_size: int) -> int:
@@ -532,9 +536,9 @@ def _block_k(block_k: int, k: int, group_size: int) -> int:
     return bk
 
 
-def _word_strides(packed: torch.Tensor, n: int, n_major: bool) -> tuple:
+def _word_strides(n: int, k: int, n_major: bool) -> tuple:
     """(stride along n, stride along word columns) of the packed words, in words."""
-    return (1, n) if n_major else (packed.shape[1], 1)
+    return (1, n) if n_major else (k // 8, 1)
 
 
 def _blocks_per_group(k: int, group_size: int, bk: int) -> int:
@@ -549,64 +553,106 @@ def dequantize_w4a16_triton(w: W4A16Weight, dtype: torch.dtype) -> torch.Tensor:
     grid = (triton.cdiv(w.N, 64), triton.cdiv(w.K, bk))
     _w4a16_dequant_kernel[grid](
         w.packed, w.scales, w.scales if w.zeros is None else w.zeros, out, w.N, w.K, w.K // 8,
-        *_word_strides(w.packed, w.N, w.n_major), _blocks_per_group(w.K, w.group_size, bk),
+        *_word_strides(w.N, w.K, w.n_major), _blocks_per_group(w.K, w.group_size, bk),
         HAS_ZEROS=w.zeros is not None, USE_ASM=_use_asm(dtype, w.scales), BLOCK_N=64, BLOCK_K=bk, num_warps=4)
     return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a call's shapes, dtypes and config decide, worked out once per key (_plan): the
+    kernel, its grid, the int arguments around the call's strides, the constexprs. kernel None:
+    dequantize + cuBLAS."""
+
+    kernel: Optional[CompiledLaunch]
+    grid: tuple
+    before: tuple  # the int arguments after the eight pointers, up to x's row stride
+    after: tuple  # those after y's row stride
+    constexprs: dict
+    options: dict
+    split: int
+
+
+_PLANS: dict = {}
+_GEMV = CompiledLaunch(_w4a16_gemv_kernel)
+_GEMV_N = CompiledLaunch(_w4a16_gemv_n_kernel)
+_TILED = CompiledLaunch(_w4a16_kernel)
+
+
+def _plan(m: int, n: int, k: int, group_size: int, n_major: bool, has_zeros: bool, has_bias: bool,
+          x_dtype: torch.dtype, asm: bool, lock_slots: int, config: Optional[W4A16Config]) -> _Plan:
+    cfg = config or lookup_w4a16_config(m, n, k, n_major)
+    if cfg.gemv and m > 65535:  # grid z limit
+        cfg = W4A16Config(128, 128, 128, dequant=True)
+    if cfg.dequant:
+        return _Plan(None, (), (), (), {}, {}, 1)
+    bk = _block_k(cfg.block_k, k, group_size)
+    if not (cfg.gemv or cfg.swap_ab) and bk < 64:  # triton 3.6 fails to compile that tiled dot
+        cfg = dataclasses.replace(cfg, swap_ab=True)
+    nblocks = -(-k // bk)
+    # the N-major GEMV takes up to block_m rows of x per program (the words read once for all)
+    gemv_rows = min(cfg.block_m, pow2(m)) if n_major else 1
+    num_m, num_n = (-(-m // gemv_rows) if cfg.gemv else -(-m // cfg.block_m)), -(-n // cfg.block_n)
+    split = min(cfg.split_k, nblocks)
+    if num_m * num_n > lock_slots or split * m * n >= 2**31:
+        split = 1
+    per_split = -(-nblocks // split)
+    split = -(-nblocks // per_split)  # no empty trailing split
+    head = (m, n, k, k // 8)
+    after = (_blocks_per_group(k, group_size, bk), per_split, split)
+    flags = dict(HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT=split > 1)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    gemv_asm = x_dtype == torch.bfloat16 and asm
+    if cfg.gemv and n_major:
+        del flags["BLOCK_K"]
+        return _Plan(_GEMV_N, (num_n, split, num_m), head, after,
+                     dict(flags, USE_ASM=gemv_asm, BLOCK_M=gemv_rows, BLOCK_KW=bk // 8, LOOP_STAGES=cfg.num_stages),
+                     options, split)
+    strides = _word_strides(n, k, n_major)
+    if cfg.gemv:
+        return _Plan(_GEMV, (num_n, split, m), head + strides, after,
+                     dict(flags, USE_ASM=gemv_asm, LOOP_STAGES=cfg.num_stages), options, split)
+    # the tiled path keeps plain float ops: triton 3.6 fails to compile the PTX dequant feeding a
+    # transposed dot operand (TritonGPUOptimizeDotOperands crashes)
+    return _Plan(_TILED, (num_m * num_n, split, 1), head + strides, after,
+                 dict(flags, SWAP_AB=cfg.swap_ab, USE_ASM=cfg.swap_ab and asm,
+                      DOT_F32=x_dtype == torch.float32 or interpreting(), BLOCK_M=cfg.block_m, GROUP_M=8),
+                 options, split)
 
 
 def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
             zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], locks: torch.Tensor,
             k: int, group_size: int, out: Optional[torch.Tensor] = None,
             config: Optional[W4A16Config] = None, n_major: bool = False) -> torch.Tensor:
+    """y = x @ W^T (+ bias) by the kernel the config table picks. Host cost: a dict lookup of the
+    call's plan, then the compiled kernel's launcher (CompiledLaunch), no environment reads."""
     m, n = x.shape[0], (packed.shape[1] if n_major else packed.shape[0])
     y = torch.empty((m, n), device=x.device, dtype=x.dtype) if out is None else out
     if m == 0:
         return y
-    cfg = config or (_FORCED[-1] if _FORCED else None) or lookup_w4a16_config(m, n, k, n_major)
-    if cfg.gemv and m > 65535:  # grid z limit
-        cfg = W4A16Config(128, 128, 128, dequant=True)
-    if cfg.dequant:
+    config = config or (_FORCED[-1] if _FORCED else None)
+    cuda = x.is_cuda
+    key = (m, n, k, group_size, n_major, zeros is not None, bias is not None, x.dtype, scales.dtype, cuda,
+           locks.numel(), config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 4096:  # eager prefill sees many M
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(m, n, k, group_size, n_major, zeros is not None, bias is not None, x.dtype,
+                                   _use_asm(x.dtype, scales), locks.numel(), config)
+    if plan.kernel is None:
         w = W4A16Weight(packed, scales, zeros, locks, n, k, group_size, n_major)
         dense = dequantize_w4a16_triton(w, x.dtype)
         return torch.addmm(bias, x, dense.t(), out=out) if bias is not None else \
             torch.mm(x, dense.t(), out=out)
-    bk = _block_k(cfg.block_k, k, group_size)
-    if not (cfg.gemv or cfg.swap_ab) and bk < 64:  # triton 3.6 fails to compile that tiled dot
-        cfg = dataclasses.replace(cfg, swap_ab=True)
-    nblocks = -(-k // bk)
-    # the N-major GEMV takes up to block_m rows of x per program (the words read once for all)
-    gemv_rows = min(cfg.block_m, triton.next_power_of_2(m)) if n_major else 1
-    num_m, num_n = (-(-m // gemv_rows) if cfg.gemv else -(-m // cfg.block_m)), -(-n // cfg.block_n)
-    split = min(cfg.split_k, nblocks)
-    if num_m * num_n > locks.numel() or split * m * n >= 2**31:
-        split = 1
-    per_split = -(-nblocks // split)
-    split = -(-nblocks // per_split)  # no empty trailing split
-    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    blocks_per_group = _blocks_per_group(k, group_size, bk)
-    head = (x, packed, scales, scales if zeros is None else zeros, y if bias is None else bias, y,
-            ws, locks, m, n, k, k // 8)
-    args = (*head, *_word_strides(packed, n, n_major), x.stride(0), y.stride(0), blocks_per_group,
-            per_split, split)
-    flags = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-                 BLOCK_K=bk, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.gemv and n_major:
-        del flags["BLOCK_K"]
-        _w4a16_gemv_n_kernel[(num_n, split, num_m)](
-            *head, x.stride(0), y.stride(0), blocks_per_group, per_split, split,
-            USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales), BLOCK_M=gemv_rows,
-            BLOCK_KW=bk // 8, LOOP_STAGES=cfg.num_stages, **flags)
-    elif cfg.gemv:
-        _w4a16_gemv_kernel[(num_n, split, m)](
-            *args, USE_ASM=x.dtype == torch.bfloat16 and _use_asm(x.dtype, scales),
-            LOOP_STAGES=cfg.num_stages, **flags)
-    else:
-        _w4a16_kernel[(num_m * num_n, split)](
-            # the tiled path keeps plain float ops: triton 3.6 fails to compile the PTX dequant
-            # feeding a transposed dot operand (TritonGPUOptimizeDotOperands crashes)
-            *args, SWAP_AB=cfg.swap_ab, USE_ASM=cfg.swap_ab and _use_asm(x.dtype, scales),
-            DOT_F32=x.dtype == torch.float32 or interpreting(),
-            BLOCK_M=cfg.block_m, GROUP_M=8, **flags)
+    ws = torch.empty((plan.split, m, n), device=x.device, dtype=torch.float32) if plan.split > 1 else y
+    z = scales if zeros is None else zeros
+    b = y if bias is None else bias
+    sx, sy = x.stride(0), y.stride(0)
+    direct = cuda and aligned16(x, packed, scales, z, b, y, ws, locks)
+    plan.kernel((key, sx, sy, torch._C._cuda_getDevice()) if direct else None, plan.grid,
+                (x, packed, scales, z, b, y, ws, locks, *plan.before, sx, sy, *plan.after),
+                plan.constexprs, plan.options)
     return y
 
 
@@ -647,8 +693,8 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] =
     """y = x @ dequant(w).T + bias: x [..., K] -> [..., N] in x.dtype.
 
     backend: "auto" (Triton on CUDA, or on CPU when TRITON_INTERPRET=1; else torch),
-    "triton" (the ``optllm::w4a16_gemm`` op; x bf16/fp16/fp32), "torch" (dequantize to
-    x.dtype, then matmul: slow, for CPUs).
+    "triton" (the kernels, through the ``optllm::w4a16_gemm`` op under torch.compile; x
+    bf16/fp16/fp32), "torch" (dequantize to x.dtype, then matmul: slow, for CPUs).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
@@ -659,14 +705,15 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight, bias: Optional[torch.Tensor] =
     triton_ok = x.is_cuda or interpreting()
     if backend == "auto":
         backend = "triton" if triton_ok else "torch"
-    x2 = x.reshape(-1, w.K)
+    x2 = x if x.dim() == 2 else x.reshape(-1, w.K)
     if backend == "torch":
         y = F.linear(x2, dequantize_w4a16(w, x.dtype), None if bias is None else bias.to(x.dtype))
     elif not triton_ok or x.dtype not in TRITON_DTYPES:
         raise ValueError("backend: 'triton' needs bf16/fp16/fp32 x on CUDA or TRITON_INTERPRET=1, "
                          f"got {x.dtype} on {x.device}")
     else:
-        y = torch.ops.optllm.w4a16_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), w.packed,
-                                        w.scales, w.zeros, None if bias is None else bias.to(x.dtype),
-                                        w.locks, w.K, w.group_size, w.n_major)
-    return y.reshape(*x.shape[:-1], w.N)
+        # through the op only while torch.compile traces: eager calls skip the dispatcher
+        gemm = torch.ops.optllm.w4a16_gemm if torch.compiler.is_compiling() else _launch
+        y = gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), w.packed, w.scales, w.zeros,
+                 None if bias is None else bias.to(x.dtype), w.locks, w.K, w.group_size, n_major=w.n_major)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.N)

@@ -247,3 +247,28 @@ def test_quantize_bit_exact_large_gpu(k, heavy_tailed_rows):
     xq, s = F.quantize_fp8(ties)
     rq = F.quantize_fp8_ref(ties)[0]
     assert (s == 3.0).all() and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("static", [False, True])
+def test_direct_launch_equals_the_jit_path_gpu(static, monkeypatch):
+    # kernels/common.CompiledLaunch, for the quantize kernel and the scaled GEMM: fresh inputs on a
+    # key's direct path give JITFunction.run's bits (an unaligned x goes through JITFunction.run)
+    from optllm.kernels import common
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 384, generator=g)
+    sc = w.abs().amax(1) / 448
+    weight = F.prepack_fp8((w / sc[:, None]).to(torch.float8_e4m3fn).cuda(), sc.cuda())
+    scale = torch.tensor([0.02], device="cuda") if static else None
+    for m in (1, 3, 64):
+        x = torch.randn(m + 1, 384, generator=g).to("cuda", torch.bfloat16)
+        for xi in (x[:m], x.flatten()[1:1 + m * 384].view(m, 384)):
+            outs = []
+            for direct in (False, True, True):
+                monkeypatch.setattr(common, "DIRECT_LAUNCH", direct)
+                outs.append(F.fp8_linear(xi, weight, scale))
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+            ref = F.fp8_linear_ref(xi, weight, scale)
+            assert (outs[2].float() - ref.float()).norm() <= 1e-2 * ref.float().norm()

@@ -283,3 +283,25 @@ def test_azp_bad_inputs():
         W.w8a8_int8_azp_linear(x, weight, torch.ones(7, device=DEV))
     with pytest.raises(ValueError, match=r"bias.shape=\(3,\)"):
         W.w8a8_int8_azp_linear(x, weight, W.int8_code_sums(weight), torch.ones(3, device=DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_direct_launch_equals_the_jit_path_gpu(monkeypatch):
+    # kernels/common.CompiledLaunch for the int8 quantize kernel and the scaled GEMM (see test_fp8.py)
+    from optllm.kernels import common
+
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(200, 384, generator=g)
+    sc = w.abs().amax(1) / 127
+    weight = W.prepack_w8a8(torch.round(w / sc[:, None]).to(torch.int8).cuda(), sc.cuda())
+    for m in (1, 3, 64):
+        x = torch.randn(m + 1, 384, generator=g).to("cuda", torch.bfloat16)
+        for xi in (x[:m], x.flatten()[1:1 + m * 384].view(m, 384)):
+            outs = []
+            for direct in (False, True, True):
+                monkeypatch.setattr(common, "DIRECT_LAUNCH", direct)
+                outs.append(W.w8a8_int8_linear(xi, weight))
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+            ref = W.w8a8_int8_linear_ref(xi, weight)
+            assert (outs[2].float() - ref.float()).norm() <= 1e-2 * ref.float().norm()
