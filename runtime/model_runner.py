@@ -219,13 +219,11 @@ class ModelRunner:
         if spec:
             for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
                 result[i] = toks
-            # a pure speculative step (each ends in a host sync), less the draft's catch-up over the rows of
-            # plain steps before it (a one-off, the longer the longer speculation was off: counted, an
-            # exploring step after a plain stretch would look like a slow speculative step; not reported
-            # at all, a step that speculates only now and then would never correct the profile)
-            if policy is not None and not plain:
-                ms = (time.perf_counter() - t0) * 1e3 - self.spec.last_catch_up_ms
-                policy.observe_cost(self.spec.n, len(spec), ms)
+            # a pure speculative step (each ends in a host sync) that did not first catch up on the rows
+            # of plain steps (a one-off, the longer the longer speculation was off: counted, an
+            # exploring step after a plain stretch would look like a slow speculative step)
+            if policy is not None and not plain and not self.spec.last_step_caught_up:
+                policy.observe_cost(self.spec.n, len(spec), (time.perf_counter() - t0) * 1e3)
         return result
 
     def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:

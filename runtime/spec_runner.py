@@ -40,7 +40,6 @@ what rejected nodes wrote past the new length is never read and is overwritten n
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -193,7 +192,6 @@ class SpecDecoder:
                                                 if options.policy == "adaptive" else set()))
         self.n = self.num_nodes  # this step's tree size (plan() sets it)
         self.last_step_caught_up = False  # step() ran the draft over earlier plain steps' rows first
-        self.last_catch_up_ms = 0.0  # ... and took this long doing it (synchronised)
         self.policy = None
         self.adaptive = options.policy == "adaptive"
 
@@ -274,6 +272,8 @@ class SpecDecoder:
         speculative step's graph where one exists), for batch sizes up to max_num_seqs whose B * n
         fits the step budget, on the engine's own caches before any request (blocks from 0,
         contexts of 32 tokens). One warm-up run each, then the best of ``repeats``."""
+        import time
+
         from .spec.policy import CostTable
 
         cfg, dev, bs = self.runner.config, self.device, self.block_size
@@ -431,18 +431,12 @@ class SpecDecoder:
         sampled = not greedy and all(p.logprobs is None and temperature_only(p, self.runner.vocab_size) for p in params)
         key = self.graphs.bucket(bsz, self.n, sampled) if self.graphs is not None and (greedy or sampled) else None
         # a step that first runs the draft over the rows of earlier plain steps (eager) pays a cost
-        # that steady speculation does not: that part is timed apart (last_catch_up_ms), so the
-        # step's own cost can still be reported to the policy
+        # that steady speculation does not: its wall time says little of a step's
         self.last_step_caught_up = self.eagle and any(s.num_computed_tokens - self._upto(s) > g for s in seqs)
-        self.last_catch_up_ms = 0.0
-        if self.last_step_caught_up:  # the rows before a steady step's window of G, eager
-            t0 = time.perf_counter()
-            self.states(seqs, stop=[max(s.num_computed_tokens - g, self._upto(s)) for s in seqs])
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            self.last_catch_up_ms = (time.perf_counter() - t0) * 1e3
         if key is not None and all(s.num_computed_tokens >= g for s in seqs):
-            if self.eagle:
+            if self.eagle:  # the rows before the graph's catch-up window, eager
+                if self.last_step_caught_up:
+                    self.states(seqs, stop=[s.num_computed_tokens - g for s in seqs])
                 for s in seqs:
                     s.spec_state = (s.num_preemptions, s.num_computed_tokens)
             res, ranks = self.graphs.run_seqs(seqs, self.n, [p.temperature for p in params] if sampled else None)

@@ -4,8 +4,6 @@ verify, and the engine's output unchanged under the policy."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from conftest import write_draft
@@ -243,14 +241,11 @@ def test_policy_turned_off_by_costs_only_explores(tiny_llama, tmp_path, monkeypa
     assert llm.engine.stats().speculation["steps"] > 0
 
 
-def test_a_step_that_catches_up_reports_its_cost_without_the_catch_up(tiny_llama, tmp_path, monkeypatch):
-    """EAGLE: the first speculative step after plain steps runs the draft over their rows first; the
-    policy is told that step's time less the catch-up (timed apart), the steps that follow it,
-    speculating back to back, their whole time. The catch-up covers the rows of the plain stretch
-    only, so the tokens stay those of plain greedy decoding."""
+def test_a_step_that_catches_up_is_not_a_measured_step_cost(tiny_llama, tmp_path, monkeypatch):
+    """EAGLE: the first speculative step after plain steps runs the draft over their rows first;
+    its wall time is not a speculative step's, so the policy is not told it. The steps that
+    follow it, speculating back to back, are."""
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = LLM(str(tiny_llama), device="cpu", dtype="float32").generate(["The interpreter reads"], params)
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
               spec_top_k=3, spec_depth=4, spec_num_draft=10, max_num_seqs=4)
     spec = llm.engine.runner.spec
@@ -259,31 +254,18 @@ def test_a_step_that_catches_up_reports_its_cost_without_the_catch_up(tiny_llama
     real_step = spec.step
 
     def step(seqs):
-        t0 = time.perf_counter()
         out = real_step(seqs)
-        seen.append((spec.last_step_caught_up, spec.last_catch_up_ms, (time.perf_counter() - t0) * 1e3))
+        seen.append(spec.last_step_caught_up)
         return out
 
-    real_states = spec.states
-
-    def slow_states(seqs, stop=None):  # the catch-up made 50 ms dearer, so its removal shows
-        if stop is not None:
-            time.sleep(0.05)
-        return real_states(seqs, stop)
-
     monkeypatch.setattr(spec, "step", step)
-    monkeypatch.setattr(spec, "states", slow_states)
-    monkeypatch.setattr(pol, "observe_cost", lambda n, b, ms: told.append((n, ms)))
+    monkeypatch.setattr(pol, "observe_cost", lambda n, b, ms: told.append(n))
     # speculation off for 6 steps, then on: one catch-up, then steady steps
     calls = iter([1] * 6 + [spec.sizes[-1]] * 100)
     monkeypatch.setattr(pol, "choose", lambda ids, budget=None: next(calls))
-    got = llm.generate(["The interpreter reads"], params)
-    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
-    assert seen[0][0] is True and seen[0][1] >= 50 and len(seen) >= 3
-    assert not any(caught or ms for caught, ms, _ in seen[1:])
-    spec_told = [ms for n, ms in told if n == spec.sizes[-1]]
-    assert sum(n == 1 for n, _ in told) >= 5 and len(spec_told) == len(seen)
-    assert 0 < spec_told[0] <= seen[0][2] - 45.0  # the step's time less the catch-up
+    llm.generate(["The interpreter reads"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert seen[0] is True and len(seen) >= 3 and not any(seen[1:])
+    assert told.count(1) >= 5 and told.count(spec.sizes[-1]) == len(seen) - 1
 
 
 def test_choice_follows_every_observation_through_the_sum_cache():
