@@ -632,6 +632,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
         return y
     config = config or (_FORCED[-1] if _FORCED else None)
     cuda = x.is_cuda
+    if cuda and x.data_ptr() & 15:  # the bf16x2 paths read x as int32 words: 4-byte alignment at least
+        x = x.clone()
     key = (m, n, k, group_size, n_major, zeros is not None, bias is not None, x.dtype, scales.dtype, cuda,
            locks.numel(), config)
     plan = _PLANS.get(key)

@@ -328,7 +328,7 @@ def test_direct_launch_equals_the_jit_path_gpu(config, n_major, monkeypatch):
     # kernels/common.CompiledLaunch: a key's first call compiles through JITFunction.run, later ones
     # call the compiled launcher with the same arguments -- so fresh inputs on the direct path must
     # give JITFunction.run's bits, with and without bias / zero points, for any row stride of x and
-    # for an x that is not 16-byte aligned (that one must go through JITFunction.run)
+    # for an x that is not 16-byte aligned (copied first: the bf16x2 paths read x as int32 words)
     from optllm.kernels import common
 
     for seed, (m, asym, bias) in enumerate([(1, False, False), (3, True, True), (5, True, False)]):
