@@ -3,7 +3,7 @@
 #   PART=spec  (carry .carry2 and .carry-draft): the GPU tests (kernels, speculative runtime), then
 #              issue 15's adaptive policy at batches BS (default 1,8,64), temperatures 0 and 1,
 #              with the EAGLE draft in .carry-draft/draft*.tgz.part*
-#   PART=host  issue 13: host cost per eager call (host_cost.py), the GEMM table at SmolLM2's shapes,
+#   PART=host  (TESTS: GPU test paths to run first) issue 13: host cost per eager call (host_cost.py), the GEMM table at SmolLM2's shapes,
 #              and a SmolLM2-shaped W4A16 decode step (decode.py --cases smol-w4a16)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -25,6 +25,10 @@ else
   export PYTHONPATH=$(dirname "$PWD") OPTLLM_COMMIT=${OPTLLM_COMMIT:-?}
   ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+  if [ -n "${TESTS:-}" ]; then  # GPU tests first, e.g. TESTS="tests/kernels/test_w4a16.py ..."
+    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS > "$OUT/logs/gpu_tests.log" 2>&1
+    tail -2 "$OUT/logs/gpu_tests.log"; grep -m 20 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
+  fi
   timeout 200 python3 benchmarks/host_cost.py --ms "${HOST_MS:-1}" --out "$OUT" > "$OUT/logs/host_cost.log" 2>&1 || echo "host_cost exited $?"
   timeout 200 python3 benchmarks/gemm.py --shapes smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head \
     --ms "${GEMM_MS:-1,16,64,256}" --out /root/gemm_smol > "$OUT/logs/gemm_smol.log" 2>&1 || echo "gemm exited $?"
