@@ -3,7 +3,8 @@
 #   PART=spec  (carry .carry2 and .carry-draft): the GPU tests (kernels, speculative runtime), then
 #              issue 15's adaptive policy at batches BS (default 1,8,64), temperatures 0 and 1,
 #              with the EAGLE draft in .carry-draft/draft*.tgz.part*
-#   PART=host  (TESTS: GPU test paths to run first) issue 13: host cost per eager call (host_cost.py), the GEMM table at SmolLM2's shapes,
+#   PART=host  (TESTS: GPU test paths to run first; TUNE_S: tune W4A16 for SmolLM2's shapes for that
+#              many seconds and decode with the winners, instead of what follows) issue 13: host cost per eager call (host_cost.py), the GEMM table at SmolLM2's shapes,
 #              and a SmolLM2-shaped W4A16 decode step (decode.py --cases smol-w4a16)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -28,6 +29,16 @@ else
   if [ -n "${TESTS:-}" ]; then  # GPU tests first, e.g. TESTS="tests/kernels/test_w4a16.py ..."
     timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS > "$OUT/logs/gpu_tests.log" 2>&1
     tail -2 "$OUT/logs/gpu_tests.log"; grep -m 20 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
+  fi
+  if [ -n "${TUNE_S:-}" ]; then  # W4A16 configs for SmolLM2's shapes, then the decode case with them
+    timeout $((TUNE_S + 60)) python3 benchmarks/tune_w4a16.py --shapes smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head \
+      --ms "${TUNE_MS:-1,16}" --budget-s "$TUNE_S" --out "$OUT" > "$OUT/logs/tune.log" 2>&1 || echo "tune exited $?"
+    grep -v "^    (" "$OUT/logs/tune.log" | tail -25
+    timeout 150 env OPTLLM_W4A16_TABLE="$OUT/w4a16_table.json" python3 benchmarks/decode.py --cases smol-w4a16 \
+      --peers none --quick --tag decode_smol_tuned --out "$OUT" > "$OUT/logs/decode_tuned.log" 2>&1 || echo "decode exited $?"
+    grep "^|" "$OUT/decode_smol_tuned.md"
+    (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
+    exit 0
   fi
   timeout 200 python3 benchmarks/host_cost.py --ms "${HOST_MS:-1}" --out "$OUT" > "$OUT/logs/host_cost.log" 2>&1 || echo "host_cost exited $?"
   timeout 200 python3 benchmarks/gemm.py --shapes smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head \

@@ -1,12 +1,12 @@
-"""Tune the W4A16 kernel's launch configs on the GPU, at Llama-3-8B shapes.
+"""Tune the W4A16 kernel's launch configs on the GPU, at Llama-3-8B shapes (or SmolLM2's).
 
     python benchmarks/tune_w4a16.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64,256,4096]
                                     [--budget-s 300] [--gemv-stages 1,3] [--only FLAG]
                                     [--layout k|n] [--out DIR]
 
 For each (shape, M) every candidate config of kernels/w4a16_configs.W4A16Config is timed
-as benchmarks/gemm.py times it (CUDA-graph replay, 4 weight copies rotated, sym g128,
-bf16), the best is checked against the float32 reference, and the winners are printed as
+as benchmarks/gemm.py times it (CUDA-graph replay, 4 weight copies rotated, sym g128 -- g64 on
+SmolLM2's shapes -- bf16), the best is checked against the float32 reference, and the winners are printed as
 entries for W4A16_CONFIGS. --only FLAG (a W4A16Config flag such as gemv) times just the
 candidates with that flag set, beside the table's current entry. Candidates that fail to
 compile (shared memory) are skipped.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from optllm.benchmarks.common import ROT, SHAPES, parse_shapes, rotated_us
+from optllm.benchmarks.common import ROT, SHAPES, group_size, parse_shapes, rotated_us
 from optllm.kernels import w4a16 as w4k
 from optllm.kernels.w4a16_configs import (
     W4A16Config,
@@ -37,8 +37,6 @@ from optllm.kernels.w4a16_configs import (
     m_bucket,
     table_to_json,
 )
-
-G = 128
 
 
 def candidates_n_gemv(m, n, k, gemv_stages=(1, 2, 3)):
@@ -66,8 +64,8 @@ def candidates(m, table=None, gemv_stages=(1, 3)):
     also tried at pipeline depths 2, 4 and 5."""
     C = W4A16Config
     out = [C(128, 128, 128, dequant=True)]
-    if m == 1:
-        for bn, bk, split, wp, st in itertools.product([32, 64, 128], [128, 256], [2, 4, 8],
+    if m == 1:  # (16-wide tiles and no split for SmolLM2's shapes: N 576, K 576)
+        for bn, bk, split, wp, st in itertools.product([16, 32, 64, 128], [128, 256], [1, 2, 4, 8],
                                                        [2, 4, 8], gemv_stages):
             out.append(C(16, bn, bk, split, wp, st, gemv=True))
         if table is not None and table.gemv:
@@ -115,6 +113,7 @@ def main():
     shapes, ms = parse_shapes(a.shapes), [int(v) for v in a.ms.split(",")]
     for si, sname in enumerate(shapes):
         k, n = SHAPES[sname]
+        G = group_size(sname)
         ws = []
         for _ in range(ROT):
             q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=dev)
