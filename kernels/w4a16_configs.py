@@ -66,7 +66,8 @@ _C = W4A16Config
 # 128-row swap_ab tile on gate_up at M = 256.
 # SmolLM2-135M's shapes (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536, the LM
 # head 49152 x 576; sym g64), tuned on the H200 on 2026-12-04 (tune_w4a16.py --shapes smol_...;
-# µs, the heuristic's before): the GEMV with 16-32-wide tiles and no split where K is 576.
+# µs, the heuristic's before): the GEMV with 16-32-wide tiles and no split where K is 576; at M = 64
+# dequantize + cuBLAS (the LM head's M = 64 winner tied the heuristic: 26.4 vs 26.5).
 W4A16_CONFIGS = MappingProxyType({
     (1, 960, 576): _C(16, 16, 256, 1, 4, 3, gemv=True),          # 2.8 (heuristic 5.0)
     (1, 576, 576): _C(16, 16, 256, 1, 4, 3, gemv=True),          # 2.9 (5.0)
@@ -78,6 +79,8 @@ W4A16_CONFIGS = MappingProxyType({
     (16, 3072, 576): _C(16, 64, 256, 8, 8, 1, swap_ab=True),     # 5.0 (8.6)
     (16, 576, 1536): _C(16, 64, 256, 8, 8, 1, swap_ab=True),     # 5.0 (7.6)
     (16, 49152, 576): _C(16, 64, 128, 2, 4, 1, swap_ab=True),    # 17.7 (22.7)
+    **{(64, n, k): _C(128, 128, 128, dequant=True)                # 4.5-6.4 (9.8-11.8)
+       for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))},
     (1, 6144, 4096): _C(16, 64, 256, 8, 4, 1, gemv=True),        # 8.4
     (1, 4096, 4096): _C(16, 32, 128, 8, 2, 1, gemv=True),        # 6.2
     (1, 28672, 4096): _C(16, 128, 256, 4, 2, 2, gemv=True),      # 24.6 (25.2 unpipelined)
