@@ -157,3 +157,21 @@ def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: f
            "target": {"model": str(target), "sha256": target_identity(target), "architectures": []}}
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
+
+
+@pytest.fixture
+def both_launch_paths(monkeypatch):
+    """run(call, x): call(x) once through Triton's JITFunction.run and twice with kernels/common's
+    direct launch on (a key's first call compiles through JITFunction.run, the second goes to the
+    compiled launcher); asserts the three outputs bit-equal and returns the last."""
+    from optllm.kernels import common
+
+    def run(call, x):
+        outs = []
+        for direct in (False, True, True):
+            monkeypatch.setattr(common, "DIRECT_LAUNCH", direct)
+            outs.append(call(x))
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        return outs[2]
+
+    return run

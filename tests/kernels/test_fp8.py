@@ -252,11 +252,9 @@ def test_quantize_bit_exact_large_gpu(k, heavy_tailed_rows):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("static", [False, True])
-def test_direct_launch_equals_the_jit_path_gpu(static, monkeypatch):
+def test_direct_launch_equals_the_jit_path_gpu(static, both_launch_paths):
     # kernels/common.CompiledLaunch, for the quantize kernel and the scaled GEMM: fresh inputs on a
     # key's direct path give JITFunction.run's bits (an unaligned x goes through JITFunction.run)
-    from optllm.kernels import common
-
     g = torch.Generator().manual_seed(7)
     w = torch.randn(200, 384, generator=g)
     sc = w.abs().amax(1) / 448
@@ -265,10 +263,6 @@ def test_direct_launch_equals_the_jit_path_gpu(static, monkeypatch):
     for m in (1, 3, 64):
         x = torch.randn(m + 1, 384, generator=g).to("cuda", torch.bfloat16)
         for xi in (x[:m], x.flatten()[1:1 + m * 384].view(m, 384)):
-            outs = []
-            for direct in (False, True, True):
-                monkeypatch.setattr(common, "DIRECT_LAUNCH", direct)
-                outs.append(F.fp8_linear(xi, weight, scale))
-            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+            y = both_launch_paths(lambda v: F.fp8_linear(v, weight, scale), xi)
             ref = F.fp8_linear_ref(xi, weight, scale)
-            assert (outs[2].float() - ref.float()).norm() <= 1e-2 * ref.float().norm()
+            assert (y.float() - ref.float()).norm() <= 1e-2 * ref.float().norm()

@@ -324,13 +324,11 @@ def test_pipelined_gemv_is_bit_identical(asym):
     W4A16Config(2, 64, 128, 1, gemv=True), W4A16Config(16, 64, 64, 2, swap_ab=True),
     W4A16Config(32, 64, 64, 1), None])
 @pytest.mark.parametrize("n_major", [False, True])
-def test_direct_launch_equals_the_jit_path_gpu(config, n_major, monkeypatch):
+def test_direct_launch_equals_the_jit_path_gpu(config, n_major, both_launch_paths):
     # kernels/common.CompiledLaunch: a key's first call compiles through JITFunction.run, later ones
     # call the compiled launcher with the same arguments -- so fresh inputs on the direct path must
     # give JITFunction.run's bits, with and without bias / zero points, for any row stride of x and
     # for an x that is not 16-byte aligned (copied first: the bf16x2 paths read x as int32 words)
-    from optllm.kernels import common
-
     for seed, (m, asym, bias) in enumerate([(1, False, False), (3, True, True), (5, True, False)]):
         q, s, z, x = _quantized(200, 384, 64, asym, torch.bfloat16, seed=40 + seed)
         w = prepack_w4a16(q, s, z, 64, n_major=n_major)
@@ -340,10 +338,6 @@ def test_direct_launch_equals_the_jit_path_gpu(config, n_major, monkeypatch):
         shifted = x[:m].to(DEVICE, torch.bfloat16).flatten()
         shifted = torch.cat([shifted[:1], shifted])[1:].view(m, 384)  # 2 bytes past an aligned start
         for xi in (x[:m].to(DEVICE, torch.bfloat16), wide, shifted):
-            outs = {}
-            for direct in (False, True, True):
-                monkeypatch.setattr(common, "DIRECT_LAUNCH", direct)
-                outs.setdefault(direct, []).append(w4a16_gemm(xi, w, b, config=config))
-            assert torch.equal(outs[False][0], outs[True][0]) and torch.equal(outs[True][0], outs[True][1])
-            _assert_close(outs[True][1], w4a16_linear_ref(xi, q, s, z, 64, b), torch.bfloat16)
+            y = both_launch_paths(lambda v: w4a16_gemm(v, w, b, config=config), xi)
+            _assert_close(y, w4a16_linear_ref(xi, q, s, z, 64, b), torch.bfloat16)
             assert int(w.locks.abs().sum()) == 0
