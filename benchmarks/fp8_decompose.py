@@ -119,7 +119,11 @@ def step(ctx, cfg):
 def fake_act(a, x, scale):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if a.startswith("fp8"):
+    if a.startswith("fp8-group"):  # dynamic E4M3 per token and group of G inputs (the last group may be short)
+        gsz = int(a[len("fp8-group"):])
+        parts = [quantize_fp8_ref(c) for c in x2.float().split(gsz, dim=1)]
+        y = torch.cat([q.float() * sc for q, sc in parts], 1)
+    elif a.startswith("fp8"):
         xq, xs = quantize_fp8_ref(x2, scale)
         y = xq.float() * xs.reshape(-1, 1) if scale is None else xq.float() * xs
     elif a == "int8-token":
