@@ -1,6 +1,7 @@
 """What the kernel families share: the program-to-tile order of the GEMMs, whether Triton
 runs on the CPU interpreter (TRITON_INTERPRET=1), the backend choice every wrapper makes,
-and host-side launch arithmetic."""
+host-side launch arithmetic, and the direct launch through a compiled kernel's launcher
+(CompiledLaunch: what an eager decode-sized call costs the host)."""
 
 from __future__ import annotations
 
