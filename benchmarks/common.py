@@ -19,14 +19,13 @@ BW = 4.27e12  # measured device copy bandwidth of the H200, bytes/s
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "smol_qkv": (576, 960), "smol_o": (576, 576), "smol_gate_up": (576, 3072), "smol_down": (1536, 576),
           "smol_lm_head": (576, 49152)}
-SMOL_SHAPES = {k: v for k, v in SHAPES.items() if k.startswith("smol_")}
+ROT = 4  # weight copies per timed call
 
 
 def group_size(shape: str) -> int:
     """The int4 group size a shape is benchmarked with: 128 on Llama-3-8B's, 64 on SmolLM2's (what
     its checkpoints use: 576 is not a multiple of 128)."""
     return 64 if shape.startswith("smol_") else 128
-ROT = 4  # weight copies per timed call
 
 
 def parse_shapes(csv: str) -> list[str]:

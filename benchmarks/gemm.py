@@ -69,7 +69,7 @@ def main():
         k, n = SHAPES[sname]
         G = group_size(sname)
         wf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
-        # int4 sym g128
+        # int4 sym, group G
         w4 = []
         for w in wf:
             s = (w.float().reshape(n, k // G, G).abs().amax(-1) / 7.5).clamp_min(1e-8)

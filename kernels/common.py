@@ -63,29 +63,35 @@ class CompiledLaunch:
     time. Here the first call of a key goes through JITFunction.run (which compiles and returns
     the compiled kernel); later calls of that key pass the arguments to its launcher directly.
 
-    The caller's key must fix everything Triton specializes on except the kernel's
-    do_not_specialize arguments: every constexpr, the value of every other int argument, each
-    pointer's dtype and whether it is 16-byte aligned (callers take the direct path only when
-    every pointer is), and the device. Launch hooks (knobs.runtime.launch_enter_hook, e.g. a
+    The kernel's first ``pointers`` arguments are its tensors. The caller's key must fix the rest
+    of what Triton specializes on, except the kernel's do_not_specialize arguments: every
+    constexpr, the value of every other int argument, each pointer's dtype. The direct path is
+    taken only for CUDA tensors that are all 16-byte aligned (Triton specializes on alignment),
+    and the current device joins the key. Launch hooks (knobs.runtime.launch_enter_hook, e.g. a
     profiler's) are not called on the direct path. Under the CPU interpreter nothing is compiled
     and every call goes through the interpreter."""
 
-    def __init__(self, fn, max_keys: int = 4096) -> None:
+    def __init__(self, fn, pointers: int, max_keys: int = 4096) -> None:
         self.fn = fn
         self.names = tuple(fn.arg_names)
+        self.pointers = pointers
         self.max_keys = max_keys
         self._compiled: dict = {}
 
     def __call__(self, key: Hashable, grid: tuple, args: Sequence, constexprs: dict, options: dict) -> None:
-        hit = self._compiled.get(key) if DIRECT_LAUNCH else None
-        if hit is not None:
-            kernel, tail = hit
-            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None,
-                       None, *args, *tail)
-            return
+        if DIRECT_LAUNCH and args[0].is_cuda and aligned16(*args[:self.pointers]):
+            key = (key, torch._C._cuda_getDevice())
+            hit = self._compiled.get(key)
+            if hit is not None:
+                kernel, tail = hit
+                stream = torch._C._cuda_getCurrentRawStream(key[1])
+                kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None,
+                           None, *args, *tail)
+                return
+        else:
+            key = None
         kernel = self.fn[grid](*args, **constexprs, **options)
-        if DIRECT_LAUNCH and key is not None and hasattr(kernel, "packed_metadata"):
+        if key is not None and hasattr(kernel, "packed_metadata"):
             if len(self._compiled) >= self.max_keys:
                 self._compiled.clear()
             # the parameters after the positional arguments, in the kernel's order (constexprs)

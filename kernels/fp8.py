@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optllm.kernels.common import CompiledLaunch, aligned16, use_triton
+from optllm.kernels.common import CompiledLaunch, use_triton
 from optllm.kernels.scaled_mm import (
     SCALE_EPS,
     GemmConfig,
@@ -137,7 +137,7 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, EPS: tl.cons
                      mask=k0 + offs < K)
 
 
-_QUANT_FP8 = CompiledLaunch(_quant_fp8_kernel)
+_QUANT_FP8 = CompiledLaunch(_quant_fp8_kernel, pointers=3)
 
 
 def launch_quantize_fp8(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, static: bool) -> torch.Tensor:
@@ -146,12 +146,11 @@ def launch_quantize_fp8(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, 
     m, k = x.shape
     if m:
         block, one_pass, warps = row_kernel_launch_params(k)
-        cuda = x.is_cuda  # Triton runs CPU tensors only in its interpreter
         args = (x, xq, scale, k, x.stride(0), xq.stride(0))
-        key = ((k, args[4], args[5], x.dtype, static, torch._C._cuda_getDevice())
-               if cuda and aligned16(x, xq, scale) else None)
-        _QUANT_FP8(key, (m, 1, 1), args, dict(EPS=SCALE_EPS, STATIC=static, BLOCK=block, ONE_PASS=one_pass,
-                                             INTERPRET=not cuda), dict(num_warps=warps))
+        # (Triton runs CPU tensors only in its interpreter)
+        _QUANT_FP8((k, args[4], args[5], x.dtype, static), (m, 1, 1), args,
+                   dict(EPS=SCALE_EPS, STATIC=static, BLOCK=block, ONE_PASS=one_pass, INTERPRET=not x.is_cuda),
+                   dict(num_warps=warps))
     return xq
 
 

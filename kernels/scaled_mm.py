@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CompiledLaunch, aligned16, grouped_tile, pow2
+from .common import CompiledLaunch, grouped_tile, pow2
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -128,7 +128,7 @@ def _scaled_mm_kernel(
 
 
 # --------------------------------------------------------------------------- quantizer helpers
-_SCALED_MM = CompiledLaunch(_scaled_mm_kernel)
+_SCALED_MM = CompiledLaunch(_scaled_mm_kernel, pointers=6)
 
 
 @triton.jit
@@ -189,10 +189,8 @@ def scaled_mm_triton(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         ACC_DTYPE=tl.int32 if a.dtype == torch.int8 else tl.float32,
         IMPRECISE_ACC=None if cfg.fast_accum or a.dtype == torch.int8 else cfg.block_k)
     args = (a, b, out, a_scale, b_scale, bias, m, n, k, a.stride(0), b.stride(0), out.stride(0))
-    key = None
-    if a.is_cuda and aligned16(a, b, out, a_scale, b_scale, bias):
-        key = (n, k, args[9], args[10], args[11], a.dtype, b.dtype, out.dtype, bias.dtype, constexprs["A_SCALE_ROWS"],
-               constexprs["B_SCALE_ROWS"], has_bias, cfg, torch._C._cuda_getDevice())
+    key = (n, k, args[9], args[10], args[11], a.dtype, b.dtype, out.dtype, bias.dtype, constexprs["A_SCALE_ROWS"],
+           constexprs["B_SCALE_ROWS"], has_bias, cfg)
     _SCALED_MM(key, grid, args, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return out
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import CompiledLaunch, aligned16, grouped_tile, interpreting, pow2
+from .common import CompiledLaunch, grouped_tile, interpreting, pow2
 from .w4a16_configs import (  # noqa: F401
     M_BUCKETS,
     W4A16_CONFIGS,
@@ -567,16 +567,19 @@ class _Plan:
     kernel: Optional[CompiledLaunch]
     grid: tuple
     before: tuple  # the int arguments after the eight pointers, up to x's row stride
-    after: tuple  # those after y's row stride
+    after: tuple  # those after y's row stride: blocks per group, blocks per split, splits
     constexprs: dict
     options: dict
-    split: int
+
+    @property
+    def split(self) -> int:
+        return self.after[2] if self.after else 1
 
 
 _PLANS: dict = {}
-_GEMV = CompiledLaunch(_w4a16_gemv_kernel)
-_GEMV_N = CompiledLaunch(_w4a16_gemv_n_kernel)
-_TILED = CompiledLaunch(_w4a16_kernel)
+_GEMV = CompiledLaunch(_w4a16_gemv_kernel, pointers=8)
+_GEMV_N = CompiledLaunch(_w4a16_gemv_n_kernel, pointers=8)
+_TILED = CompiledLaunch(_w4a16_kernel, pointers=8)
 
 
 def _plan(m: int, n: int, k: int, group_size: int, n_major: bool, has_zeros: bool, has_bias: bool,
@@ -585,7 +588,7 @@ def _plan(m: int, n: int, k: int, group_size: int, n_major: bool, has_zeros: boo
     if cfg.gemv and m > 65535:  # grid z limit
         cfg = W4A16Config(128, 128, 128, dequant=True)
     if cfg.dequant:
-        return _Plan(None, (), (), (), {}, {}, 1)
+        return _Plan(None, (), (), (), {}, {})
     bk = _block_k(cfg.block_k, k, group_size)
     if not (cfg.gemv or cfg.swap_ab) and bk < 64:  # triton 3.6 fails to compile that tiled dot
         cfg = dataclasses.replace(cfg, swap_ab=True)
@@ -607,17 +610,17 @@ def _plan(m: int, n: int, k: int, group_size: int, n_major: bool, has_zeros: boo
         del flags["BLOCK_K"]
         return _Plan(_GEMV_N, (num_n, split, num_m), head, after,
                      dict(flags, USE_ASM=gemv_asm, BLOCK_M=gemv_rows, BLOCK_KW=bk // 8, LOOP_STAGES=cfg.num_stages),
-                     options, split)
+                     options)
     strides = _word_strides(n, k, n_major)
     if cfg.gemv:
         return _Plan(_GEMV, (num_n, split, m), head + strides, after,
-                     dict(flags, USE_ASM=gemv_asm, LOOP_STAGES=cfg.num_stages), options, split)
+                     dict(flags, USE_ASM=gemv_asm, LOOP_STAGES=cfg.num_stages), options)
     # the tiled path keeps plain float ops: triton 3.6 fails to compile the PTX dequant feeding a
     # transposed dot operand (TritonGPUOptimizeDotOperands crashes)
     return _Plan(_TILED, (num_m * num_n, split, 1), head + strides, after,
                  dict(flags, SWAP_AB=cfg.swap_ab, USE_ASM=cfg.swap_ab and asm,
                       DOT_F32=x_dtype == torch.float32 or interpreting(), BLOCK_M=cfg.block_m, GROUP_M=8),
-                 options, split)
+                 options)
 
 
 def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -631,10 +634,9 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if m == 0:
         return y
     config = config or (_FORCED[-1] if _FORCED else None)
-    cuda = x.is_cuda
-    if cuda and x.data_ptr() & 15:  # the bf16x2 paths read x as int32 words: 4-byte alignment at least
+    if x.is_cuda and x.data_ptr() & 15:  # the bf16x2 paths read x as int32 words: 4-byte alignment at least
         x = x.clone()
-    key = (m, n, k, group_size, n_major, zeros is not None, bias is not None, x.dtype, scales.dtype, cuda,
+    key = (m, n, k, group_size, n_major, zeros is not None, bias is not None, x.dtype, scales.dtype, x.is_cuda,
            locks.numel(), config)
     plan = _PLANS.get(key)
     if plan is None:
@@ -651,9 +653,7 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     z = scales if zeros is None else zeros
     b = y if bias is None else bias
     sx, sy = x.stride(0), y.stride(0)
-    direct = cuda and aligned16(x, packed, scales, z, b, y, ws, locks)
-    plan.kernel((key, sx, sy, torch._C._cuda_getDevice()) if direct else None, plan.grid,
-                (x, packed, scales, z, b, y, ws, locks, *plan.before, sx, sy, *plan.after),
+    plan.kernel((key, sx, sy), plan.grid, (x, packed, scales, z, b, y, ws, locks, *plan.before, sx, sy, *plan.after),
                 plan.constexprs, plan.options)
     return y
 

@@ -31,7 +31,7 @@ import triton.language as tl
 # IN_DTYPES, OUT_DTYPES, M_BUCKETS, m_bucket and scaled_mm_triton are unused here,
 # re-exported because they were defined in this module before the shared kernel moved to
 # scaled_mm.py.
-from optllm.kernels.common import BACKENDS, CompiledLaunch, aligned16, interpreting, use_triton  # noqa: F401
+from optllm.kernels.common import BACKENDS, CompiledLaunch, use_triton  # noqa: F401
 from optllm.kernels.scaled_mm import (  # noqa: F401
     IN_DTYPES,
     M_BUCKETS,
@@ -111,7 +111,7 @@ def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
             tl.store(q_row + k0 + offs, v.to(tl.int8), mask=k0 + offs < K)
 
 
-_QUANT_INT8 = CompiledLaunch(_quant_int8_kernel)
+_QUANT_INT8 = CompiledLaunch(_quant_int8_kernel, pointers=3)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -121,11 +121,10 @@ def launch_quantize_int8(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor)
     m, k = x.shape
     if m:
         block, one_pass, warps = row_kernel_launch_params(k)
-        cuda = x.is_cuda  # Triton runs CPU tensors only in its interpreter
         args = (x, xq, scale, k, x.stride(0), xq.stride(0))
-        key = (k, args[4], args[5], x.dtype, torch._C._cuda_getDevice()) if cuda and aligned16(x, xq, scale) else None
-        _QUANT_INT8(key, (m, 1, 1), args, dict(EPS=SCALE_EPS, BLOCK=block, ONE_PASS=one_pass, INTERPRET=not cuda),
-                    dict(num_warps=warps))
+        # (Triton runs CPU tensors only in its interpreter)
+        _QUANT_INT8((k, args[4], args[5], x.dtype), (m, 1, 1), args,
+                    dict(EPS=SCALE_EPS, BLOCK=block, ONE_PASS=one_pass, INTERPRET=not x.is_cuda), dict(num_warps=warps))
 
 
 def _quantize_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
