@@ -349,9 +349,10 @@ def eval_cmd(
     if speed:
         typer.echo(speed_table(rows))
     if draft:
-        from ..eval.report import speculation_table
+        from ..eval.report import speculation_table, speculation_time_table
 
         typer.echo(speculation_table(rows))
+        typer.echo(speculation_time_table(rows))
     diffs, diffs_md = None, ""
     if compare is not None:
         from ..eval.compare import compare as compare_rows

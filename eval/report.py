@@ -116,6 +116,26 @@ def speculation_table(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speculation_time_table(rows: list) -> str:
+    """Where each speculation row's time went, per engine (milliseconds over the timed batches):
+    steps, time in the model runner, the rest on the host; the speculative engine's speculative
+    parts of steps and how many of them first caught the draft up (rows); "" without the data."""
+    items = [(r, s) for r in rows for s in getattr(r, "speculation", None) or [] if s.get("time")]
+    if not items:
+        return ""
+    head = ["model", "temp", "batch", "plain: steps", "runner ms", "host ms", "spec: steps", "runner ms", "host ms",
+            "spec parts (ms)", "plain parts (ms)", "caught up (rows)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r, s in items:
+        p, q = s["time"]["plain"], s["time"]["spec"]
+        lines.append("| " + " | ".join([
+            r.model, f"{s['temperature']:g}", str(s["batch_size"]), str(p["steps"]), f"{p['runner_ms']:.1f}",
+            f"{p['host_ms']:.1f}", str(q["steps"]), f"{q['runner_ms']:.1f}", f"{q['host_ms']:.1f}",
+            f"{q['spec_steps']} ({q['spec_part_ms']:.1f})", f"{q['plain_parts']} ({q['plain_part_ms']:.1f})",
+            f"{q['caught_up_steps']} ({q['catch_up_rows']})"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def speculation_intro(rows: list) -> str:
     s = next((s for r in rows for s in getattr(r, "speculation", None) or []), None)
     if s is None:
@@ -200,6 +220,13 @@ def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval", co
         _plot_acceptance(rows, tmp / "acceptance.png")
         md += ("\n## Speculative decoding\n\n" + speculation_intro(rows) + spec
                + "\n![accepted draft tokens per speculative step](acceptance.png)\n")
+        times = speculation_time_table(rows)
+        if times:
+            md += ("\nWhere the time went (milliseconds summed over the timed batches; runner: the model runner's "
+                   "steps, host sync included; host: the rest of the call). Speculative engine: its steps' "
+                   "speculative parts (draft catch-up, proposal, verify) and plain parts (prefill chunks, plain "
+                   "decodes), and the speculative steps that first ran the draft over rows of earlier plain steps "
+                   "(those rows).\n\n" + times)
     if comparison is not None:
         md += "\n## Compared with an earlier run\n\n" + (comparison_md or "No measurement in common.\n")
         (tmp / "compare.json").write_text(json.dumps(comparison, indent=2) + "\n")

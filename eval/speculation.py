@@ -81,17 +81,28 @@ def _batch(llm: LLM, prompts, params) -> tuple[float, int, list[list[int]]]:
     return seconds, sum(len(i) for i in ids), ids
 
 
+# counters summed over a case's batches: the speculative engine's, and where each engine's time went
+_SUMMED = ("seq_steps", "drafted", "accepted", "steps", "spec_ms", "plain_ms", "plain_parts", "caught_up_steps",
+           "catch_up_rows")
+
+
 def _spec_counts(llm: LLM) -> dict:
     st = llm.engine.stats().speculation
-    return {"seq_steps": st["seq_steps"], "drafted": st["drafted"], "accepted": st["accepted"],
-            "histogram": list(st["histogram"]), "steps_by_size": dict(st["steps_by_size"])}
+    return {k: st[k] for k in _SUMMED} | {"histogram": list(st["histogram"]),
+                                          "steps_by_size": dict(st["steps_by_size"])}
 
 
 def _delta(after: dict, before: dict) -> dict:
     h = [a - (before["histogram"][i] if i < len(before["histogram"]) else 0) for i, a in enumerate(after["histogram"])]
     sizes = {n: c - before["steps_by_size"].get(n, 0) for n, c in after["steps_by_size"].items()}
-    return {k: after[k] - before[k] for k in ("seq_steps", "drafted", "accepted")} | {
+    return {k: after[k] - before[k] for k in _SUMMED} | {
         "histogram": h, "steps_by_size": {n: c for n, c in sorted(sizes.items()) if c}}
+
+
+def _exec(llm: LLM) -> tuple[int, float]:
+    """The engine's steps run so far and their wall milliseconds in the model runner."""
+    r = llm.engine.runner
+    return r.exec_steps, r.exec_ms
 
 
 def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
@@ -162,9 +173,26 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
             accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth, steps_by_size=c["steps_by_size"],
             identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None, cost_ms=r.get("cost_ms"),
+            time=_time_split(r, c),
             **(_identity(r["margins"]) if t == 0 else {}),
         ))
     return rows
+
+
+def _time_split(r: dict, c: dict) -> dict:
+    """Where each engine's measured seconds went (milliseconds summed over the timed batches):
+    steps, their time in the model runner (host sync included) and the rest (scheduling, output
+    bookkeeping: the host's); for the speculative engine also its speculative parts of steps
+    (catch-ups of the draft included), its plain parts, and the catch-ups' counts."""
+    out = {}
+    for label in ("plain", "spec"):
+        total = 1e3 * r[f"{label}_seconds"]
+        out[label] = {"steps": r.get(f"{label}_steps", 0), "total_ms": total,
+                      "runner_ms": r.get(f"{label}_exec_ms", 0.0), "host_ms": total - r.get(f"{label}_exec_ms", 0.0)}
+    out["spec"] |= {"spec_steps": c["steps"], "spec_part_ms": c["spec_ms"], "plain_parts": c["plain_parts"],
+                    "plain_part_ms": c["plain_ms"], "caught_up_steps": c["caught_up_steps"],
+                    "catch_up_rows": c["catch_up_rows"]}
+    return out
 
 
 def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, results: dict, bar) -> None:
@@ -184,9 +212,13 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
         ids: dict[str, list] = {"plain": [], "spec": []}
         for b in batches[1:]:  # alternating, so that a drift hits both alike
             for label, llm in engines.items():
+                steps0, ms0 = _exec(llm)
                 sec, n, out = _batch(llm, b, params)
+                steps1, ms1 = _exec(llm)
                 r[f"{label}_seconds"] = r.get(f"{label}_seconds", 0.0) + sec
                 r[f"{label}_tokens"] = r.get(f"{label}_tokens", 0) + n
+                r[f"{label}_steps"] = r.get(f"{label}_steps", 0) + steps1 - steps0
+                r[f"{label}_exec_ms"] = r.get(f"{label}_exec_ms", 0.0) + ms1 - ms0
                 ids[label] += out
         delta = _delta(_spec_counts(engines["spec"]), before)
         if first:
@@ -199,7 +231,7 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
                                                    r["plain_ids"], r["spec_ids"])
         else:  # a later pass: its counts join the first's
             c = r["counts"]
-            for k in ("seq_steps", "drafted", "accepted"):
+            for k in _SUMMED:
                 c[k] += delta[k]
             h = c["histogram"]
             for i, v in enumerate(delta["histogram"]):

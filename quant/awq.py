@@ -78,6 +78,12 @@ class AWQOptions:
     # searched as the clip step does, on the candidate's scaled inputs), not the min-max grid:
     # the scale and the clip that follows it chosen together
     joint_clip: bool = False
+    # symmetric grids: the clip search also tries ranges wider than the min-max one, up to the
+    # ratio (qmax - qmin) / 2 / qmax (4-bit 7.5 / 7, 3-bit 3.5 / 3) at which a group's largest
+    # positive weight lands on qmax exactly instead of being clipped to qmax / ((qmax - qmin) / 2)
+    # of itself (the min-max symmetric grid's scale absmax / 7.5 cuts +absmax to 0.933 absmax,
+    # and AWQ's scales make the salient weight its group's largest)
+    clip_expand: bool = False
 
     def __post_init__(self) -> None:
         if self.n_grid < 1 or self.clip_grid < 1:

@@ -90,6 +90,18 @@ class ClipStats:
         return (1.0 - self.shrink) * err + self.shrink * diag
 
 
+def expanded_ratios(args: QuantArgs, clip_grid: int) -> list[float]:
+    """Range ratios above 1 for a symmetric grid, in steps of 1 / clip_grid up to and including
+    (qmax - qmin) / 2 / qmax, where the min-max scale absmax / ((qmax - qmin) / 2) grows to
+    absmax / qmax and a group's +absmax is represented exactly (on qmax); [] for asymmetric grids,
+    whose min-max range already maps both ends onto the grid."""
+    if not args.symmetric:
+        return []
+    top = (args.qmax - args.qmin) / 2 / args.qmax
+    out = [1.0 + j / clip_grid for j in range(1, clip_grid) if 1.0 + j / clip_grid < top - 1e-9]
+    return out + [top]
+
+
 def search_clip(
     w: torch.Tensor,
     x: torch.Tensor | ClipStats,
@@ -102,7 +114,8 @@ def search_clip(
     w [N, K]; x: input rows [T, K] or their ClipStats. Each group's contribution to the output,
     x_g · w_gᵀ, is compared before and after quantization (scales rounded to scale_dtype, as the
     checkpoint stores them) with the range scaled by 1 - i/clip_grid, for i up to
-    max_shrink * clip_grid (i = 0: no clipping, so the result is never worse than none).
+    max_shrink * clip_grid (i = 0: no clipping, so the result is never worse than none), and with
+    opts.clip_expand on a symmetric grid also by the ratios above 1 of ``expanded_ratios``.
     """
     n, k = w.shape
     if not isinstance(x, ClipStats):
@@ -111,6 +124,7 @@ def search_clip(
         x = stats
     g = args.groups(k)
     ratios = [1.0 - i / opts.clip_grid for i in range(int(opts.max_shrink * opts.clip_grid) + 1)]
+    ratios += expanded_ratios(args, opts.clip_grid) if opts.clip_expand else []
     best_ratio = torch.ones(n, g, device=w.device)
     rows = opts.clip_rows  # every ratio of this many rows is scored at once
     for r0 in range(0, n, rows):

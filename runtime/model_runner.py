@@ -87,6 +87,7 @@ class ModelRunner:
                                                max_blocks=self.max_blocks_per_seq, block_size=self.block_size,
                                                block_n=self.kv_spec.head_dim, device=self.device)
         self.spec = None
+        self.exec_steps, self.exec_ms = 0, 0.0  # steps run and their wall milliseconds (host sync included)
         if draft is not None:
             from .spec_runner import SpecDecoder, SpecOptions
 
@@ -201,9 +202,18 @@ class ModelRunner:
         """Run one scheduled step; returns each sequence's sampled token id (None where the
         step does not complete the sequence; for a speculative decode, the list of tokens it
         emitted). Fills seq.output_logprobs / prompt_logprobs for the sequences that asked."""
-        if self.spec is None:
-            return self._execute(batch.seqs, batch.num_new_tokens, batch.decode_only)
+        t_start = time.perf_counter()
+        try:
+            if self.spec is None:
+                return self._execute(batch.seqs, batch.num_new_tokens, batch.decode_only)
+            return self._execute_spec(batch)
+        finally:
+            self.exec_steps += 1
+            self.exec_ms += (time.perf_counter() - t_start) * 1e3
+
+    def _execute_spec(self, batch) -> list:
         result: list = [None] * len(batch.seqs)
+        st = self.spec.stats
         plain = [i for i, s in enumerate(batch.speculate) if not s]
         spec = [i for i, s in enumerate(batch.speculate) if s]
         policy = self.spec.policy
@@ -214,16 +224,22 @@ class ModelRunner:
             decode = all(k == 1 for k in counts) and all(batch.sampling[i] for i in plain)
             for i, tok in zip(plain, self._execute(seqs, counts, decode)):
                 result[i] = tok
+            t1 = time.perf_counter()
+            st.plain_ms += (t1 - t0) * 1e3
+            st.plain_parts += 1
             if policy is not None and decode and not spec:  # a pure plain decode step: its cost
-                policy.observe_cost(1, len(plain), (time.perf_counter() - t0) * 1e3)
+                policy.observe_cost(1, len(plain), (t1 - t0) * 1e3)
         if spec:
+            t1 = time.perf_counter()
             for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
                 result[i] = toks
+            t2 = time.perf_counter()
+            st.spec_ms += (t2 - t1) * 1e3
             # a pure speculative step (each ends in a host sync) that did not first catch up on the rows
             # of plain steps (a one-off, the longer the longer speculation was off: counted, an
             # exploring step after a plain stretch would look like a slow speculative step)
             if policy is not None and not plain and not self.spec.last_step_caught_up:
-                policy.observe_cost(self.spec.n, len(spec), (time.perf_counter() - t0) * 1e3)
+                policy.observe_cost(self.spec.n, len(spec), (t2 - t0) * 1e3)
         return result
 
     def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:

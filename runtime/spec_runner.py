@@ -98,6 +98,13 @@ class SpecStats:
     accepted: int = 0
     histogram: list[int] = field(default_factory=list)
     steps_by_size: dict[int, int] = field(default_factory=dict)  # speculative steps per tree size
+    # where the time went (wall milliseconds, each part ending in its host sync): the speculative
+    # parts of steps, and the plain parts (prefill chunks, plain decodes) of the same engine
+    spec_ms: float = 0.0
+    plain_ms: float = 0.0
+    plain_parts: int = 0
+    caught_up_steps: int = 0  # speculative steps that first ran the draft over earlier plain steps' rows
+    catch_up_rows: int = 0  # the rows those catch-ups ran over (outside a graphed step's own window)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -107,7 +114,9 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted, "accepted": self.accepted,
                 "mean_accepted_length": self.mean_accepted_length, "histogram": list(self.histogram),
-                "steps_by_size": dict(self.steps_by_size)}
+                "steps_by_size": dict(self.steps_by_size), "spec_ms": self.spec_ms, "plain_ms": self.plain_ms,
+                "plain_parts": self.plain_parts, "caught_up_steps": self.caught_up_steps,
+                "catch_up_rows": self.catch_up_rows}
 
 
 _GREEDY = SamplingParams(temperature=0)
@@ -348,6 +357,14 @@ class SpecDecoder:
                 and seq.num_output_tokens >= p.min_tokens
                 and seq.num_tokens + max(self.num_nodes, self.scratch) - 1 <= self.runner.max_model_len)
 
+    def rows_behind(self, seqs) -> int:
+        """EAGLE: the rows a speculative step of seqs must run the draft over before its graph's own
+        window of the last G (earlier plain steps' rows): summed over seqs (0: none behind)."""
+        if not self.eagle:
+            return 0
+        g = self.catch_rows
+        return sum(max(s.num_computed_tokens - self._upto(s) - g, 0) for s in seqs)
+
     def _upto(self, seq) -> int:
         """EAGLE: the positions the draft has run over (its KV), 0 after a preemption."""
         st = getattr(seq, "spec_state", None)
@@ -432,7 +449,11 @@ class SpecDecoder:
         key = self.graphs.bucket(bsz, self.n, sampled) if self.graphs is not None and (greedy or sampled) else None
         # a step that first runs the draft over the rows of earlier plain steps (eager) pays a cost
         # that steady speculation does not: its wall time says little of a step's
-        self.last_step_caught_up = self.eagle and any(s.num_computed_tokens - self._upto(s) > g for s in seqs)
+        behind = self.rows_behind(seqs)
+        self.last_step_caught_up = behind > 0
+        if behind:
+            self.stats.caught_up_steps += 1
+            self.stats.catch_up_rows += behind
         if key is not None and all(s.num_computed_tokens >= g for s in seqs):
             if self.eagle:  # the rows before the graph's catch-up window, eager
                 if self.last_step_caught_up:

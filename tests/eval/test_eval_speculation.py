@@ -49,6 +49,27 @@ def test_rows_count_every_step_and_greedy_is_identical(measured):
     assert res[0]["scheme"] == "float"
 
 
+def test_time_split_accounts_for_every_step(measured):
+    """Each row says where the engines' time went: the runner's steps within the call's seconds,
+    the speculative engine's speculative and plain parts within its runner time, one speculative
+    part per speculative step (fixed trees: every decode of a speculating sequence speculates)."""
+    res, _ = measured
+    for r in res[0]["speculation"]:
+        t = r["time"]
+        for label in ("plain", "spec"):
+            e = t[label]
+            assert e["steps"] > 0 and 0 < e["runner_ms"] <= e["total_ms"]
+            assert e["host_ms"] == pytest.approx(e["total_ms"] - e["runner_ms"])
+            assert e["total_ms"] == pytest.approx(1e3 * r["requests"] * r["output_len"] / r[f"{label}_tok_s"])
+        q = t["spec"]
+        assert q["spec_steps"] == sum(r["steps_by_size"].values()) > 0
+        assert q["spec_part_ms"] + q["plain_part_ms"] <= q["runner_ms"] + 1e-6
+        # every request prefills in a plain part; medusa never catches up
+        assert q["plain_parts"] >= 1 and q["caught_up_steps"] == q["catch_up_rows"] == 0
+        # a plain engine decodes output_len - 1 steps after the prefill (batch arriving at once)
+        assert t["plain"]["steps"] >= r["output_len"]
+
+
 def test_a_parting_sequence_is_measured_at_its_first_difference(tiny_llama):
     """Where the speculative tokens part from the plain ones, the margin reported is the
     target's top-2 log-prob gap at that position (the plain tokens up to there, scored)."""
@@ -85,6 +106,7 @@ def test_report_has_the_speculation_section_and_plot(measured, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     saved = json.loads((out / "report.json").read_text())
     assert saved["rows"][0]["speculation"][0]["histogram"] == res[0]["speculation"][0]["histogram"]
+    assert "Where the time went" in md and "| tiny | 0 | 1 | " in md
 
 
 def test_eval_draft_bad_input_is_one_line(tiny_llama, tmp_path, measured):

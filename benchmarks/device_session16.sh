@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The sixteenth session's device work, after staging (.carry1's part in /root/m):
+#   PART=spec  (carry .carry2 and .carry-draft): issue 15's adaptive policy at batches BS (1,8,64),
+#              temperatures TEMPS (0,1), with where each engine's time went (eval's new time split);
+#              then issue 13's kernel-level profile of SmolLM2-shaped decode steps (profile_step.py)
+#   PART=awq   (right after, same machine): issue 12's AWQ with clip_expand at the default
+#              calibration (128 x 512), W4 and W3 symmetric; then the GPU tests
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+mkdir -p "$OUT/logs"
+source benchmarks/device_stage.sh
+if [ "${PART:-spec}" = spec ]; then
+  mkdir -p /root/d && cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d || exit 1
+  timeout "${SPEC_S:-330}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
+    --temperatures "${TEMPS:-0,1}" --batch-sizes "${BS:-1,8,64}" --spec-policy auto --out /root/spec-auto \
+    > "$OUT/logs/spec_auto.log" 2>&1 || echo "spec eval exited $?"
+  cp /root/spec-auto/report.md "$OUT/spec_auto.md" 2>/dev/null; cp /root/spec-auto/report.json "$OUT/spec_auto.json" 2>/dev/null
+  timeout "${PROF_S:-150}" python3 benchmarks/profile_step.py --cases smol,smol-w4a16 --batches 1,64 --out "$OUT" \
+    > "$OUT/logs/profile_step.log" 2>&1 || echo "profile exited $?"
+  (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
+  grep "^###\|^| [a-zA-Z]" "$OUT/profile_step.md" | grep -v "^| \`" | head -60
+  grep -h "^|" "$OUT"/spec_auto.md 2>/dev/null | head -40
+else
+  timeout "${AWQ_S:-230}" python3 benchmarks/quality.py --device cuda --num-samples 128 --seq-len 512 --bits "${BITS:-4,3}" \
+    --symmetry sym --algos "${ALGOS:-}" --variant "awq-exp:awq:awq={clip_expand: true}" --out /root/q \
+    > "$OUT/logs/quality.log" 2>&1 || echo "quality exited $?"
+  cp /root/q/*.md /root/q/*.json "$OUT/" 2>/dev/null
+  grep "^|" "$OUT"/*.md | head -20
+  timeout "${TEST_TIMEOUT:-290}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/kernels tests/runtime/test_spec_gpu.py} \
+    > "$OUT/logs/gpu_tests.log" 2>&1
+  tail -3 "$OUT/logs/gpu_tests.log"; grep -m 20 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
+  (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
+fi
