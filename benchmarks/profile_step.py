@@ -99,13 +99,15 @@ def main() -> None:
         sys.exit(f"--cases: unknown {', '.join(sorted(bad))}; allowed: smol, smol-w4a16")
     batches = [int(b) for b in a.batches.split(",")]
     from optllm import LLM, SamplingParams
+    from optllm.runtime.config import EngineConfig
 
     engines, timed = {}, {}
     for case in cases:  # every timing before any profiling
         w4 = case == "smol-w4a16"
         folder = shape_folder(a.root, f"smollm2-135m{'-w4a16' if w4 else ''}-shape", SMOLLM2, w4a16=w4, group=64)
-        llm = LLM(model=str(folder), load_format="dummy", max_num_seqs=max(batches), max_model_len=1024,
-                  gpu_memory_utilization=0.3)
+        # both engines live at once: each a KV cache of what the batch needs (not a share of the GPU)
+        llm = LLM(model=str(folder), load_format="dummy", max_num_seqs=max(batches), max_model_len=128,
+                  num_kv_blocks=EngineConfig.kv_blocks_for(max(batches), 128))
         engines[case] = llm
         for bs in batches:
             prompts = [[100 + (7 * i + j) % 20000 for j in range(32)] for i in range(bs)]

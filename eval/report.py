@@ -124,7 +124,7 @@ def speculation_time_table(rows: list) -> str:
     if not items:
         return ""
     head = ["model", "temp", "batch", "plain: steps", "runner ms", "host ms", "spec: steps", "runner ms", "host ms",
-            "spec parts (ms)", "plain parts (ms)", "caught up (rows)"]
+            "spec parts (ms)", "plain parts (ms)", "caught up (rows, ms)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, s in items:
         p, q = s["time"]["plain"], s["time"]["spec"]
@@ -132,7 +132,7 @@ def speculation_time_table(rows: list) -> str:
             r.model, f"{s['temperature']:g}", str(s["batch_size"]), str(p["steps"]), f"{p['runner_ms']:.1f}",
             f"{p['host_ms']:.1f}", str(q["steps"]), f"{q['runner_ms']:.1f}", f"{q['host_ms']:.1f}",
             f"{q['spec_steps']} ({q['spec_part_ms']:.1f})", f"{q['plain_parts']} ({q['plain_part_ms']:.1f})",
-            f"{q['caught_up_steps']} ({q['catch_up_rows']})"]) + " |")
+            f"{q['caught_up_steps']} ({q['catch_up_rows']}, {q.get('catch_up_ms', 0.0):.1f})"]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -226,7 +226,7 @@ def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval", co
                    "steps, host sync included; host: the rest of the call). Speculative engine: its steps' "
                    "speculative parts (draft catch-up, proposal, verify) and plain parts (prefill chunks, plain "
                    "decodes), and the speculative steps that first ran the draft over rows of earlier plain steps "
-                   "(those rows).\n\n" + times)
+                   "(those rows, and the catch-ups' time within the speculative parts).\n\n" + times)
     if comparison is not None:
         md += "\n## Compared with an earlier run\n\n" + (comparison_md or "No measurement in common.\n")
         (tmp / "compare.json").write_text(json.dumps(comparison, indent=2) + "\n")

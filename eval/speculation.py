@@ -83,7 +83,7 @@ def _batch(llm: LLM, prompts, params) -> tuple[float, int, list[list[int]]]:
 
 # counters summed over a case's batches: the speculative engine's, and where each engine's time went
 _SUMMED = ("seq_steps", "drafted", "accepted", "steps", "spec_ms", "plain_ms", "plain_parts", "caught_up_steps",
-           "catch_up_rows")
+           "catch_up_rows", "catch_up_ms")
 
 
 def _spec_counts(llm: LLM) -> dict:
@@ -191,7 +191,7 @@ def _time_split(r: dict, c: dict) -> dict:
                       "runner_ms": r.get(f"{label}_exec_ms", 0.0), "host_ms": total - r.get(f"{label}_exec_ms", 0.0)}
     out["spec"] |= {"spec_steps": c["steps"], "spec_part_ms": c["spec_ms"], "plain_parts": c["plain_parts"],
                     "plain_part_ms": c["plain_ms"], "caught_up_steps": c["caught_up_steps"],
-                    "catch_up_rows": c["catch_up_rows"]}
+                    "catch_up_rows": c["catch_up_rows"], "catch_up_ms": c["catch_up_ms"]}
     return out
 
 

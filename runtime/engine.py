@@ -118,6 +118,16 @@ class LLMEngine:
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
+        spec = self.runner.spec
+        if spec is None:
+            return self._step()
+        t0 = time.perf_counter()
+        out = self._step()
+        # the whole step's time (host included) for the adaptive policy, when it was a pure one
+        spec.observe_step((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return self._collect()

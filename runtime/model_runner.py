@@ -227,19 +227,19 @@ class ModelRunner:
             t1 = time.perf_counter()
             st.plain_ms += (t1 - t0) * 1e3
             st.plain_parts += 1
-            if policy is not None and decode and not spec:  # a pure plain decode step: its cost
-                policy.observe_cost(1, len(plain), (t1 - t0) * 1e3)
+            if policy is not None and decode and not spec:  # a pure plain decode step: the engine times it
+                self.spec.pending_cost = (1, len(plain))
         if spec:
             t1 = time.perf_counter()
             for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
                 result[i] = toks
             t2 = time.perf_counter()
             st.spec_ms += (t2 - t1) * 1e3
-            # a pure speculative step (each ends in a host sync) that did not first catch up on the rows
-            # of plain steps (a one-off, the longer the longer speculation was off: counted, an
-            # exploring step after a plain stretch would look like a slow speculative step)
+            # a pure speculative step that did not first catch up on the rows of plain steps (a
+            # one-off, the longer the longer speculation was off: timed apart, the policy's
+            # catch_up; an exploring step after a plain stretch would look like a slow step)
             if policy is not None and not plain and not self.spec.last_step_caught_up:
-                policy.observe_cost(self.spec.n, len(spec), (t2 - t0) * 1e3)
+                self.spec.pending_cost = (self.spec.n, len(spec))
         return result
 
     def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:

@@ -40,6 +40,7 @@ what rejected nodes wrote past the new length is never read and is overwritten n
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +106,7 @@ class SpecStats:
     plain_parts: int = 0
     caught_up_steps: int = 0  # speculative steps that first ran the draft over earlier plain steps' rows
     catch_up_rows: int = 0  # the rows those catch-ups ran over (outside a graphed step's own window)
+    catch_up_ms: float = 0.0  # their time (synchronised)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -116,7 +118,7 @@ class SpecStats:
                 "mean_accepted_length": self.mean_accepted_length, "histogram": list(self.histogram),
                 "steps_by_size": dict(self.steps_by_size), "spec_ms": self.spec_ms, "plain_ms": self.plain_ms,
                 "plain_parts": self.plain_parts, "caught_up_steps": self.caught_up_steps,
-                "catch_up_rows": self.catch_up_rows}
+                "catch_up_rows": self.catch_up_rows, "catch_up_ms": self.catch_up_ms}
 
 
 _GREEDY = SamplingParams(temperature=0)
@@ -203,6 +205,10 @@ class SpecDecoder:
         self.last_step_caught_up = False  # step() ran the draft over earlier plain steps' rows first
         self.policy = None
         self.adaptive = options.policy == "adaptive"
+        self.pending_cost: tuple[int, int] | None = None  # this step's (tree size, batch) when pure
+        self.recheck_every = 8  # plan(): steps a choice of no speculation stands unscanned
+        self._plan_sig: tuple | None = None
+        self._plan_skips = 0
 
     def bind(self, num_blocks: int) -> None:
         """The feature cache over num_blocks blocks (the KV cache's, its padding block included);
@@ -223,7 +229,8 @@ class SpecDecoder:
 
             depths = {n: self.max_accept(n) for n in self.sizes}
             self.policy = AdaptivePolicy(self.sizes, self.measure(), max_accept=depths,
-                                         prior=acceptance_prior(getattr(self.draft, "heldout_top1", None), depths))
+                                         prior=acceptance_prior(getattr(self.draft, "heldout_top1", None), depths),
+                                         catch_up=self.measure_catch_up())
 
     @torch.inference_mode()
     def _warm_catch_up(self) -> None:
@@ -259,18 +266,42 @@ class SpecDecoder:
 
     def plan(self, running) -> int:
         """Called by the scheduler before it schedules a step: picks this step's tree size from
-        the running sequences that would speculate; returns the lookahead (0: no speculation)."""
+        the running sequences that would speculate; returns the lookahead (0: no speculation).
+        While the policy keeps speculation off and the running set looks the same (its size and
+        its ends), the choice stands for up to ``recheck_every`` steps without a scan of every
+        sequence (a scan cost about 1 µs a sequence on the H200's host, every step)."""
+        self.pending_cost = None
         if self.policy is None:
             self.n = self.num_nodes
             return self.lookahead
-        ids = [s.seq_id for s in running if s.num_uncomputed_tokens == 1 and self.eligible(s)]
         pol = self.policy
+        sig = (len(running), id(running[0]), id(running[-1]))
+        if self.n == 1 and sig == self._plan_sig and self._plan_skips < self.recheck_every:
+            self._plan_skips += 1
+            pol.idle()
+            return 0
+        self._plan_sig, self._plan_skips = sig, 0
+        ids, behind, g = [], 0, self.catch_rows
+        for s in running:
+            if s.num_uncomputed_tokens == 1 and self.eligible(s):
+                ids.append(s.seq_id)
+                if self.eagle:
+                    behind += max(s.num_computed_tokens - self._upto(s) - g, 0)
         if len(pol._seq) > 2 * len(running) + 64:  # forget the sequences that left
             live = {s.seq_id for s in running}
             for sid in [k for k in pol._seq if k not in live]:
                 pol.forget(sid)
-        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens)
+        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind)
         return self.lookahead if self.n > 1 else 0
+
+    def observe_step(self, ms: float) -> None:
+        """The engine's whole step (scheduling, runner, output bookkeeping) took ms: the policy
+        learns it when the step was a pure one (``pending_cost``: (tree size, batch), set by the
+        runner)."""
+        if self.policy is not None and self.pending_cost is not None:
+            n, b = self.pending_cost
+            self.policy.observe_cost(n, b, ms)
+        self.pending_cost = None
 
     # ---- the start-up cost profile
     @torch.inference_mode()
@@ -281,8 +312,6 @@ class SpecDecoder:
         speculative step's graph where one exists), for batch sizes up to max_num_seqs whose B * n
         fits the step budget, on the engine's own caches before any request (blocks from 0,
         contexts of 32 tokens). One warm-up run each, then the best of ``repeats``."""
-        import time
-
         from .spec.policy import CostTable
 
         cfg, dev, bs = self.runner.config, self.device, self.block_size
@@ -347,6 +376,38 @@ class SpecDecoder:
             ms[n] = row
         self.cost_table = CostTable(batches, ms)
         return self.cost_table
+
+    @torch.inference_mode()
+    def measure_catch_up(self, repeats: int = 2) -> tuple[float, float] | None:
+        """EAGLE: (c0 ms, c1 ms a row) of the draft's eager catch-up, c0 + c1 * rows, fitted to two
+        timed runs of its forward over 32 rows a sequence (one sequence; then as many as the
+        cache holds, up to max_num_seqs); best of ``repeats`` after a warm-up. None for Medusa."""
+        if not self.eagle:
+            return None
+        dev, bs, rows = self.device, self.block_size, 32
+        per_row = -(-rows // bs)
+        most = max(1, min(self.runner.config.max_num_seqs, self.runner.num_blocks // per_row))
+        points = []
+        for b in sorted({1, most}):
+            tables = torch.arange(b * per_row, device=dev, dtype=torch.int32).view(b, per_row)
+            ids = torch.zeros(b, rows, dtype=torch.int64, device=dev)
+            ctx = torch.full((b,), rows, dtype=torch.int64, device=dev)
+            best = float("inf")
+            for i in range(repeats + 1):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                self._states_fixed(ids, ctx, tables)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if i:
+                    best = min(best, (time.perf_counter() - t0) * 1e3)
+            points.append((b * rows, max(best, 1e-3)))
+        if len(points) == 1:
+            return points[0][1], 0.0
+        (r1, t1), (r2, t2) = points
+        c1 = max((t2 - t1) / (r2 - r1), 0.0)
+        return max(t1 - c1 * r1, 1e-3), c1
 
     # ---- which sequences speculate
     def eligible(self, seq) -> bool:
@@ -457,7 +518,9 @@ class SpecDecoder:
         if key is not None and all(s.num_computed_tokens >= g for s in seqs):
             if self.eagle:  # the rows before the graph's catch-up window, eager
                 if self.last_step_caught_up:
+                    t0 = time.perf_counter()
                     self.states(seqs, stop=[s.num_computed_tokens - g for s in seqs])
+                    self._caught_up(behind, t0)
                 for s in seqs:
                     s.spec_state = (s.num_preemptions, s.num_computed_tokens)
             res, ranks = self.graphs.run_seqs(seqs, self.n, [p.temperature for p in params] if sampled else None)
@@ -466,7 +529,10 @@ class SpecDecoder:
         else:
             ctx, tables = self._context(seqs)
             roots = torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=dev)
+            t0 = time.perf_counter()
             states = self._catch_up(seqs, ctx, tables)
+            if behind:
+                self._caught_up(behind, t0)
             tree, _, logits, res, ranks = self._draft_and_verify(roots, states, ctx, tables, params, self.n)
             n = tree.num_nodes
         num_acc = res.num_accepted.tolist()  # the step's host sync
@@ -488,6 +554,16 @@ class SpecDecoder:
                 st.histogram.extend([0] * (k + 1 - len(st.histogram)))
             st.histogram[k] += 1
         return out
+
+    def _caught_up(self, rows: int, t0: float) -> None:
+        """A catch-up over `rows` rows began at perf_counter t0: its time (synchronised: the step
+        syncs at its end anyway) to the stats and the policy."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.catch_up_ms += ms
+        if self.policy is not None:
+            self.policy.observe_catch_up(rows, ms)
 
     def _draft_and_verify(self, roots, states, ctx, tables, params, n, inner: bool = False, temps=None):
         """Propose trees of n nodes, verify them in one target forward, accept, move the accepted

@@ -36,7 +36,17 @@ engine reports each pure step's measured wall time (``observe_cost``: every elig
 plain, or every one speculating with the same tree), and cost(n, B) is the profile's time times
 a running ratio measured / profiled, per tree size and power-of-two batch bucket (the profile
 counts as one observation; each ratio is clamped to [1/4, 20] against a stray stall). A tree
-that looked cheap at start-up but is slow in service stops being chosen. Plain Python, no torch.
+that looked cheap at start-up but is slow in service stops being chosen. The engine times the
+whole step (scheduling, the runner, the output bookkeeping), so the host's share, which grows
+with the batch and the tokens a step emits, is in the ratio too.
+
+Switching speculation on has a cost of its own: EAGLE's draft must first run over every row the
+plain steps computed without it (``catch_up``: c0 + c1 * rows milliseconds, profiled at start-up
+and corrected by a measured ratio like the steps'). A step whose sequences are behind by R rows
+carries catch_up(R) spread over the speculative steps a switch is expected to last (the running
+mean length of the stretches of speculative steps so far, 4 before any): the H200 measured
+catch-ups of 1500-4800 rows at 4-14 ms each at batch 64, several plain steps' worth, that the
+policy did not see. Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -102,6 +112,13 @@ class AdaptivePolicy:
     _global_n: int = 0
     _idle: int = 0
     last_choice: int = 1
+    # the draft's catch-up over rows of plain steps: (c0 ms, c1 ms a row) from the start-up profile
+    # (None: free, Medusa's), times a measured ratio; the mean length of speculative stretches
+    catch_up: tuple[float, float] | None = None
+    run_len: float = 4.0
+    _cu_ratio: float = 1.0
+    _cu_n: int = 0
+    _run: int = 0
     # the summed estimates of the last choose()'s sequences, kept while neither the set nor any
     # estimate changed (a plain stretch observes nothing: each of its steps costs a tuple compare)
     _version: int = 0
@@ -140,15 +157,34 @@ class AdaptivePolicy:
         r = min(max(ms / self.cost.cost(n, batch), 0.25), 20.0)
         self._ratio[key] = w * self._ratio.get(key, 1.0) + (1.0 - w) * r
 
+    def catch_up_cost(self, rows: int) -> float:
+        """Expected milliseconds of the draft's catch-up over `rows` rows (0 without a profile)."""
+        if self.catch_up is None or rows <= 0:
+            return 0.0
+        c0, c1 = self.catch_up
+        return (c0 + c1 * rows) * self._cu_ratio
+
+    def observe_catch_up(self, rows: int, ms: float) -> None:
+        """A catch-up's measured wall milliseconds over `rows` rows."""
+        if self.catch_up is None or rows <= 0 or not ms > 0:
+            return
+        self._cu_n += 1
+        w = min(self.cost_decay, 1.0 - 1.0 / (self._cu_n + 1))
+        c0, c1 = self.catch_up
+        r = min(max(ms / (c0 + c1 * rows), 0.25), 20.0)
+        self._cu_ratio = w * self._cu_ratio + (1.0 - w) * r
+
     def expected(self, seq_id: int) -> dict[int, float]:
         return self._seq.get(seq_id) or self._global
 
-    def choose(self, seq_ids: list[int], budget: int | None = None) -> int:
+    def choose(self, seq_ids: list[int], budget: int | None = None, behind: int = 0) -> int:
         """The tree size for a step whose eligible decodes are seq_ids (1: no speculation);
-        budget: the step's token budget (sizes whose B * n exceeds it are not considered)."""
+        budget: the step's token budget (sizes whose B * n exceeds it are not considered);
+        behind: the rows the draft must catch up on first (their cost spread over a stretch)."""
         b = len(seq_ids)
         if b == 0:
-            return 1
+            return self._chose(1)
+        extra = self.catch_up_cost(behind) / max(self.run_len, 1.0)
         plain_ms = self.step_cost(1, b)
         plain = b / plain_ms
         best, best_rate = 1, plain * self.margin
@@ -158,7 +194,7 @@ class AdaptivePolicy:
             if budget is not None and b * n > budget:
                 continue
             top = (self.max_accept or {}).get(n, n - 1)
-            spec_ms = self.step_cost(n, b)
+            spec_ms = self.step_cost(n, b) + extra
             if b * (1.0 + top) / spec_ms <= plain * self.margin:
                 continue  # slower than plain even if every draft token were accepted
             can_win.append(n)
@@ -171,14 +207,29 @@ class AdaptivePolicy:
             self._idle += 1
             if can_win:
                 n = can_win[-1]
-                extra = max(self.step_cost(n, b) / plain_ms - 1.0, 0.0)
-                if self._idle >= max(self.explore_every, math.ceil(extra / self.explore_budget)):
+                over = max((self.step_cost(n, b) + extra) / plain_ms - 1.0, 0.0)
+                if self._idle >= max(self.explore_every, math.ceil(over / self.explore_budget)):
                     self._idle = 0
                     best = n
         else:
             self._idle = 0
+        return self._chose(best)
+
+    def _chose(self, best: int) -> int:
+        """Record a choice: the stretch of speculative steps it ends feeds run_len."""
+        if best > 1:
+            self._run += 1
+        elif self._run:
+            self.run_len = self.decay * self.run_len + (1 - self.decay) * self._run
+            self._run = 0
         self.last_choice = best
         return best
+
+    def idle(self) -> None:
+        """A step the caller decided plainly without asking (nothing changed since a choice of 1):
+        counts toward exploring as a choice of 1 would."""
+        self._idle += 1
+        self._chose(1)
 
     def _summed(self, seq_ids: list[int]) -> dict[int, float]:
         """Per tree size, the expected accepted draft tokens summed over seq_ids."""

@@ -94,6 +94,54 @@ def test_policy_explores_the_largest_tree_that_could_win_while_off():
     assert 3 in picks and picks <= {1, 3}
 
 
+def test_switching_on_pays_the_draft_catch_up_spread_over_a_stretch():
+    """A step whose sequences are behind by R rows carries the draft's catch-up, c0 + c1 * R ms
+    times its measured ratio, spread over the mean stretch of speculative steps (4 at first)."""
+    sizes = [3, 6, 11]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 1.0, 6: 1.6, 11: 2.0}, catch_up=(0.2, 0.01),
+                         explore_every=10**6)
+    assert pol.catch_up_cost(1000) == pytest.approx(10.2) and pol.catch_up_cost(0) == 0.0
+    assert pol.choose([0]) == 11  # caught up: 3 tokens for 1.4 ms
+    assert pol.choose([0], behind=1000) == 1  # 3 tokens for 1.4 + 10.2 / 4 ms: below 1 a ms
+    for _ in range(50):  # catch-ups measured 4x cheaper than profiled
+        pol.observe_catch_up(1000, 10.2 / 4)
+    assert pol.catch_up_cost(1000) == pytest.approx(10.2 / 4, rel=0.03)
+    assert pol.choose([0], behind=1000) == 11  # 3 tokens for 1.4 + 0.64 ms
+    # stretches of one speculative step each: the catch-up is spread over one step
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 1.0, 6: 1.6, 11: 2.0}, catch_up=(0.2, 0.01),
+                         explore_every=10**6)
+    assert pol.choose([0], behind=300) == 11  # 3 tokens for 1.4 + 3.2 / 4 ms
+    for _ in range(30):
+        assert pol.choose([0]) == 11 and pol.choose([0], behind=10**6) == 1
+    assert pol.run_len == pytest.approx(1.0, abs=0.01)
+    assert pol.choose([0], behind=300) == 1  # 3 tokens for 1.4 + 3.2 ms
+    # Medusa (no catch-up profile): nothing to pay
+    assert AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 1.0, 6: 1.6, 11: 2.0}).choose([0], behind=10**6) == 11
+
+
+def test_plan_scans_the_running_sequences_only_now_and_then_while_off(tiny_llama, tmp_path, monkeypatch):
+    """While the policy keeps speculation off and the running set stays the same, plan() does not
+    scan every sequence each step: it asks the policy every recheck_every + 1 steps, counting the
+    others as plain choices toward exploration."""
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
+              spec_top_k=3, spec_depth=4, spec_num_draft=10, max_num_seqs=4)
+    spec = llm.engine.runner.spec
+    pol = spec.policy
+    asked = []
+    monkeypatch.setattr(pol, "choose", lambda ids, budget=None, behind=0: asked.append(len(ids)) or 1)
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    idle0 = pol._idle
+    llm.generate(["The interpreter reads", "x = 1"], params)
+    steps = llm.engine.runner.exec_steps - 1  # the first step admits the prompts: nothing runs yet to plan
+    assert steps >= 27 and len(asked) == -(-steps // (spec.recheck_every + 1))
+    assert pol._idle - idle0 == steps - len(asked)  # the skipped steps count as plain choices
+    spec.recheck_every = 0
+    asked.clear()
+    llm.generate(["The interpreter reads", "x = 1"], params)
+    assert len(asked) == llm.engine.runner.exec_steps - (steps + 1) - 1
+
+
 def test_policy_never_tries_a_tree_that_cannot_win():
     """bs 64 with trees whose depth bounds what they can give: a tree of 3 nodes (depth 2: at most 3
     tokens a sequence for 3.4 ms against 64 tokens per ms plain) can never win, so it is neither
@@ -260,12 +308,20 @@ def test_a_step_that_catches_up_is_not_a_measured_step_cost(tiny_llama, tmp_path
 
     monkeypatch.setattr(spec, "step", step)
     monkeypatch.setattr(pol, "observe_cost", lambda n, b, ms: told.append(n))
+    caught = []
+    monkeypatch.setattr(pol, "observe_catch_up", lambda rows, ms: caught.append((rows, ms)))
     # speculation off for 6 steps, then on: one catch-up, then steady steps
-    calls = iter([1] * 6 + [spec.sizes[-1]] * 100)
-    monkeypatch.setattr(pol, "choose", lambda ids, budget=None: next(calls))
+    spec.recheck_every = 0  # every step asks the policy
+    calls, behind = iter([1] * 6 + [spec.sizes[-1]] * 100), []
+    monkeypatch.setattr(pol, "choose", lambda ids, budget=None, rows=0: behind.append(rows) or next(calls))
     llm.generate(["The interpreter reads"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert seen[0] is True and len(seen) >= 3 and not any(seen[1:])
     assert told.count(1) >= 5 and told.count(spec.sizes[-1]) == len(seen) - 1
+    # the choice that switched speculation on was told the rows behind, and the catch-up was timed
+    # over exactly those: the 6 plain decode steps' rows and the prompt's, less the graph's window
+    # (on a CPU no graphs: the eager step runs the draft over every row it has not seen)
+    assert behind[:6] == sorted(behind[:6]) and behind[6] > 0 and len(caught) == 1
+    assert caught[0][0] == behind[6] and caught[0][1] > 0 and not any(behind[7:])
 
 
 def test_choice_follows_every_observation_through_the_sum_cache():
