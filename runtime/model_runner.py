@@ -212,8 +212,17 @@ class ModelRunner:
             self.exec_ms += (time.perf_counter() - t_start) * 1e3
 
     def _execute_spec(self, batch) -> list:
-        result: list = [None] * len(batch.seqs)
         st = self.spec.stats
+        if not any(batch.speculate):  # no sequence speculates: the plain step as a draft-less engine runs it
+            t0 = time.perf_counter()
+            decode = batch.decode_only
+            out = self._execute(batch.seqs, batch.num_new_tokens, decode)
+            st.plain_ms += (time.perf_counter() - t0) * 1e3
+            st.plain_parts += 1
+            if decode and self.spec.policy is not None:  # a pure plain decode step: the engine times it
+                self.spec.pending_cost = (1, len(batch.seqs))
+            return out
+        result: list = [None] * len(batch.seqs)
         plain = [i for i, s in enumerate(batch.speculate) if not s]
         spec = [i for i, s in enumerate(batch.speculate) if s]
         policy = self.spec.policy

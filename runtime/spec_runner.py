@@ -61,7 +61,7 @@ from .spec.acceptance import (
 )
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import DynamicTreeBuilder, StaticTree, const_arange, const_eye
-from .step_inputs import HostBatch, host_tensor
+from .step_inputs import HostBatch, host_tensor, packed_to
 
 # Medusa's tree when none is given: ranks of the heads' top-k along each path, widest near the
 # root (where acceptance is likeliest), cut to the heads the draft has.
@@ -467,16 +467,14 @@ class SpecDecoder:
             s.spec_state = (s.num_preemptions, c)
         if len(cu) == 1:
             return None
-        n, m = len(ids), len(ends)
-        h = host_tensor("q", ids, pos, which).to(dev)
-        ids_t, pos_t, which_t = h[:n], h[n:2 * n], h[2 * n:]
-        h32 = host_tensor("i", ends, cu).to(dev)
+        ids_t, pos_t, which_t = packed_to(dev, "q", ids, pos, which)  # each view 16-byte aligned
+        lens_t, cu_t = packed_to(dev, "i", ends, cu)
         slots = tables.long()[which_t, pos_t // bs] * bs + pos_t % bs
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables[sorted(set(which))], seq_lens=h32[:m],
-                                 decode=False, cu_seqlens_q=h32[m:],
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables[sorted(set(which))], seq_lens=lens_t,
+                                 decode=False, cu_seqlens_q=cu_t,
                                  max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])))
         pred = self.draft(self.store[slots], ids_t, pos_t, meta)
-        return pred[h32[m + 1:].long() - 1]
+        return pred[cu_t[1:].long() - 1]
 
     def _states_fixed(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Tensor-only states (a graphed step's): EAGLE, the draft over the last G rows of each

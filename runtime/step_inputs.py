@@ -91,15 +91,37 @@ def host_tensor(code: str, *parts: list[int]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int64 if code == "q" else torch.int32)
 
 
+def packed_to(device: torch.device, code: str, *parts) -> list[torch.Tensor]:
+    """The parts (lists of ints, or int numpy arrays) on the device, through one host tensor and
+    one copy: each part a view that starts on a 16-byte boundary. Triton specialises a kernel on
+    whether each pointer argument is 16-byte aligned, so a view at an odd int64 offset (a part
+    after one of odd length) compiles the kernel again, a stall of ~50 ms in the middle of a
+    served step (H200: a batch-1 catch-up of 183 rows took 101.6 ms against 5.3 ms for 230)."""
+    buf = array.array(code)
+    per = 16 // buf.itemsize
+    spans = []
+    for p in parts:
+        spans.append((len(buf), len(p)))
+        if isinstance(p, np.ndarray):
+            buf.frombytes(np.ascontiguousarray(p, dtype=np.int64 if code == "q" else np.int32).tobytes())
+        else:
+            buf.extend(p)
+        buf.extend(_ZEROS[:(-len(buf)) % per])
+    if not buf:
+        buf.append(0)
+    dev = torch.frombuffer(buf, dtype=torch.int64 if code == "q" else torch.int32).to(device, non_blocking=True)
+    return [dev[s:s + n] for s, n in spans]
+
+
+_ZEROS = (0, 0, 0, 0)
+
+
 def to_device(hb: HostBatch, device: torch.device, decode: bool, num_splits: int | None) -> StepInputs:
-    t, b = len(hb.ids), len(hb.seq_lens)
+    b = len(hb.seq_lens)
     width = hb.table.shape[1]
-    i64 = host_tensor("q", hb.ids, hb.positions, hb.slots, hb.logits_rows)
-    i32 = torch.from_numpy(np.concatenate([np.asarray(hb.seq_lens + hb.cu_seqlens, dtype=np.int32),
-                                           hb.table.reshape(-1)]))
-    i64, i32 = i64.to(device, non_blocking=True), i32.to(device, non_blocking=True)
-    ids, positions, slots, rows = i64[:t], i64[t:2 * t], i64[2 * t:3 * t], i64[3 * t:]
-    seq_lens, cu, tables = i32[:b], i32[b:2 * b + 1], i32[2 * b + 1:].view(b, width)
+    ids, positions, slots, rows = packed_to(device, "q", hb.ids, hb.positions, hb.slots, hb.logits_rows)
+    seq_lens, cu, tables = packed_to(device, "i", hb.seq_lens, hb.cu_seqlens, hb.table.reshape(-1))
+    tables = tables.view(b, width)
     max_q = max(hb.cu_seqlens[j + 1] - hb.cu_seqlens[j] for j in range(b))
     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, decode=decode,
                              cu_seqlens_q=None if decode else cu, max_seqlen_q=max_q, num_splits=num_splits)
