@@ -10,12 +10,16 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 mkdir -p "$OUT/logs"
 source benchmarks/device_stage.sh
 if [ "${PART:-spec}" = spec ]; then
+  if [ -n "${TESTS:-}" ]; then  # GPU tests first
+    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS > "$OUT/logs/gpu_tests.log" 2>&1
+    tail -2 "$OUT/logs/gpu_tests.log"; grep -m 20 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
+  fi
   mkdir -p /root/d && cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d || exit 1
   timeout "${SPEC_S:-330}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
     --temperatures "${TEMPS:-0,1}" --batch-sizes "${BS:-1,8,64}" --spec-policy auto --out /root/spec-auto \
     > "$OUT/logs/spec_auto.log" 2>&1 || echo "spec eval exited $?"
   cp /root/spec-auto/report.md "$OUT/spec_auto.md" 2>/dev/null; cp /root/spec-auto/report.json "$OUT/spec_auto.json" 2>/dev/null
-  timeout "${PROF_S:-150}" python3 benchmarks/profile_step.py --cases smol,smol-w4a16 --batches 1,64 --out "$OUT" \
+  [ -n "${NO_PROFILE:-}" ] || timeout "${PROF_S:-150}" python3 benchmarks/profile_step.py --cases smol,smol-w4a16 --batches 1,64 --out "$OUT" \
     > "$OUT/logs/profile_step.log" 2>&1 || echo "profile exited $?"
   (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
   grep "^###\|^| [a-zA-Z]" "$OUT/profile_step.md" | grep -v "^| \`" | head -60

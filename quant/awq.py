@@ -82,8 +82,11 @@ class AWQOptions:
     # ratio (qmax - qmin) / 2 / qmax (4-bit 7.5 / 7, 3-bit 3.5 / 3) at which a group's largest
     # positive weight lands on qmax exactly instead of being clipped to qmax / ((qmax - qmin) / 2)
     # of itself (the min-max symmetric grid's scale absmax / 7.5 cuts +absmax to 0.933 absmax,
-    # and AWQ's scales make the salient weight its group's largest)
-    clip_expand: bool = False
+    # and AWQ's scales make the salient weight its group's largest). Measured (docs/BENCHMARKS.md,
+    # sixteenth session): W4 g64 sym on text kinds the calibration never saw, share of RTN's gap
+    # closed at 128 x 512 from 56 / 42 / 50% to 60 / 53 / 62% (docs / code / chat), at CI's
+    # 16 x 256 from 52 / 38 / 43% to 61 / 52 / 61%; W3 sym 70 / 73 / 66% to 80 / 82 / 76%
+    clip_expand: bool = True
 
     def __post_init__(self) -> None:
         if self.n_grid < 1 or self.clip_grid < 1:

@@ -19,7 +19,7 @@ def test_clip_search_never_worse_than_no_clip():
     w[:, 5] *= 8  # an outlier weight column makes clipping worthwhile
     x = torch.randn(256, 128)
     ratio = search_clip(w, x, ARGS, AWQOptions())
-    assert ratio.shape == (32, 4) and float(ratio.min()) >= 0.5 and float(ratio.max()) <= 1.0
+    assert ratio.shape == (32, 4) and float(ratio.min()) >= 0.5 and float(ratio.max()) <= 7.5 / 7 + 1e-6
     assert float(ratio.min()) < 1.0
 
     def err(r):
@@ -27,6 +27,36 @@ def test_clip_search_never_worse_than_no_clip():
         return float((x @ (q - w).T).pow(2).mean())
 
     assert err(ratio) <= err(None) + 1e-9
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_expanded_ranges_help_a_symmetric_grid_and_leave_an_asymmetric_one(bits):
+    """Symmetric grids: the min-max scale absmax / ((qmax - qmin) / 2) cuts a group's +absmax to
+    qmax / 7.5 of itself at 4 bits (3 / 3.5 at 3); ratios up to (qmax - qmin) / 2 / qmax put it on
+    qmax exactly. With them every group's error is at most the narrower search's, and strictly
+    lower where the group's salient weight (a large input channel's) is its positive maximum.
+    Asymmetric grids get no ratio above 1 and the same result."""
+    from optllm.quant.awq_clip import expanded_ratios
+
+    args = QuantArgs(num_bits=bits, group_size=32, symmetric=True)
+    top = (args.qmax - args.qmin) / 2 / args.qmax
+    assert expanded_ratios(args, 20)[-1] == pytest.approx(top) and all(1 < r <= top for r in expanded_ratios(args, 20))
+    torch.manual_seed(5)
+    w = torch.randn(64, 128) * 0.1
+    w[:, 7] = w[:, 7].abs() + 0.5  # channel 7: positive and the largest of its group
+    x = torch.randn(512, 128)
+    x[:, 7] *= 10  # and the input it multiplies is the loudest
+    wide = search_clip(w, x, args, AWQOptions(clip_expand=True))
+    narrow = search_clip(w, x, args, AWQOptions(clip_expand=False))
+    assert float(narrow.max()) <= 1.0 and float(wide.max()) == pytest.approx(top)
+    e_wide = _group_errors(w, x, args, wide, None)
+    e_narrow = _group_errors(w, x, args, narrow, None)
+    assert bool((e_wide <= e_narrow * (1 + 1e-5) + 1e-12).all())
+    assert float(e_wide[:, 0].sum()) < 0.7 * float(e_narrow[:, 0].sum())  # group 0 holds channel 7
+    asym = QuantArgs(num_bits=bits, group_size=32, symmetric=False)
+    assert expanded_ratios(asym, 20) == []
+    assert torch.equal(search_clip(w, x, asym, AWQOptions(clip_expand=True)),
+                       search_clip(w, x, asym, AWQOptions(clip_expand=False)))
 
 
 def _group_errors(w, x, args, ratio, scale_dtype):
