@@ -15,10 +15,15 @@ if [ "${PART:-spec}" = spec ]; then
     tail -2 "$OUT/logs/gpu_tests.log"; grep -m 20 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
   fi
   mkdir -p /root/d && cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d || exit 1
-  timeout "${SPEC_S:-330}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
+  [ -n "${NO_SPEC:-}" ] || timeout "${SPEC_S:-330}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
     --temperatures "${TEMPS:-0,1}" --batch-sizes "${BS:-1,8,64}" --spec-policy auto --out /root/spec-auto \
     > "$OUT/logs/spec_auto.log" 2>&1 || echo "spec eval exited $?"
   cp /root/spec-auto/report.md "$OUT/spec_auto.md" 2>/dev/null; cp /root/spec-auto/report.json "$OUT/spec_auto.json" 2>/dev/null
+  if [ -n "${DRAFT_PROFILE:-}" ]; then  # a draft engine's decode graph against draft-less ones
+    timeout "${PROF_S:-200}" python3 benchmarks/profile_step.py --model smollm2-135m --draft /root/d/eagle \
+      --batches "${PROFILE_BS:-1,8,64}" --out "$OUT/draft_profile" > "$OUT/logs/profile_draft.log" 2>&1 || echo "draft profile exited $?"
+    grep "graph" "$OUT/logs/profile_draft.log" | grep -v Warn | head -20
+  fi
   [ -n "${NO_PROFILE:-}" ] || timeout "${PROF_S:-150}" python3 benchmarks/profile_step.py --cases smol,smol-w4a16 --batches 1,64 --out "$OUT" \
     > "$OUT/logs/profile_step.log" 2>&1 || echo "profile exited $?"
   (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)

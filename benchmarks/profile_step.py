@@ -2,6 +2,7 @@
 step is kernel time"; the W4A16 SmolLM2 step was slower than bf16 with its GEMMs timed alone at 37%).
 
     python benchmarks/profile_step.py [--cases smol,smol-w4a16] [--batches 1,64] [--out DIR]
+    python benchmarks/profile_step.py --model smollm2-135m --draft DIR [--batches 1,8,64]
 
 For each case (decode.py's: random weights of the model's shape; W4A16 g64 with a bf16 LM head)
 an engine decodes a batch once (its graphs captured, the kernels compiled), then its decode
@@ -11,6 +12,12 @@ and grouped by what they do (W4A16 GEMM, cuBLAS GEMM, attention, norms, rotary, 
 table gives each group's kernels and µs a step and its share of the graph's time. Kernel µs
 summed below the graph's time is the time between kernels inside the graph (launch gaps, tails).
 Timings come before any profiling: a process that ran the profiler pays more per graph launch.
+
+With --model and --draft (issue 15: a draft engine's plain steps measured 1-6% slower than a
+draft-less engine's): three engines of the model, built in this order -- without the draft, with
+it (the adaptive policy, every speculative graph captured), and without it again, so that an
+effect of building second is told from one of the draft -- their decode graphs timed in
+interleaved rounds (the median of --rounds), then profiled the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import gc
 import json
 import re
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -92,29 +100,47 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--root", type=Path, default=Path("/tmp/optllm-shapes"))
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--model", default=None, help="a model of ours to load (with --draft)")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    cases = a.cases.split(",")
-    bad = set(cases) - {"smol", "smol-w4a16"}
-    if bad:
-        sys.exit(f"--cases: unknown {', '.join(sorted(bad))}; allowed: smol, smol-w4a16")
     batches = [int(b) for b in a.batches.split(",")]
     from optllm import LLM, SamplingParams
     from optllm.runtime.config import EngineConfig
 
-    engines, timed = {}, {}
-    for case in cases:  # every timing before any profiling
-        w4 = case == "smol-w4a16"
-        folder = shape_folder(a.root, f"smollm2-135m{'-w4a16' if w4 else ''}-shape", SMOLLM2, w4a16=w4, group=64)
-        # both engines live at once: each a KV cache of what the batch needs (not a share of the GPU)
-        llm = LLM(model=str(folder), load_format="dummy", max_num_seqs=max(batches), max_model_len=128,
-                  num_kv_blocks=EngineConfig.kv_blocks_for(max(batches), 128))
-        engines[case] = llm
+    # every engine lives at once: each a KV cache of what the batch needs (not a share of the GPU)
+    size = dict(max_num_seqs=max(batches), max_model_len=256,
+                num_kv_blocks=EngineConfig.kv_blocks_for(max(batches), 320))
+    if a.model:
+        if not a.draft:
+            sys.exit("--model needs --draft (the engines compared are without and with it)")
+        plain = dict(model=a.model, **size)
+        specs = {"plain": plain, "draft": dict(plain, draft=a.draft, spec_policy="adaptive"), "plain again": plain}
+    else:
+        specs = {}
+        for case in a.cases.split(","):
+            if case not in ("smol", "smol-w4a16"):
+                sys.exit(f"--cases: unknown {case}; allowed: smol, smol-w4a16")
+            w4 = case == "smol-w4a16"
+            folder = shape_folder(a.root, f"smollm2-135m{'-w4a16' if w4 else ''}-shape", SMOLLM2, w4a16=w4, group=64)
+            specs[case] = dict(model=str(folder), load_format="dummy", **size)
+    cases = list(specs)
+    engines, times = {}, defaultdict(list)
+    for case in cases:
+        llm = engines[case] = LLM(**specs[case])
         for bs in batches:
             prompts = [[100 + (7 * i + j) % 20000 for j in range(32)] for i in range(bs)]
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False))
-            g, bucket = graph_of(llm, bs)
-            timed[(case, bs)] = (time_graph(g), bucket)
-            print(f"{case} bs {bs}: graph {timed[(case, bs)][0]:.1f} us", flush=True)
+    timed = {}
+    for _ in range(a.rounds):  # every timing before any profiling, the engines interleaved
+        for case in cases:
+            for bs in batches:
+                times[(case, bs)].append(time_graph(graph_of(engines[case], bs)[0]))
+    for case in cases:
+        for bs in batches:
+            timed[(case, bs)] = (statistics.median(times[(case, bs)]), graph_of(engines[case], bs)[1])
+            print(f"{case} bs {bs}: graph {timed[(case, bs)][0]:.1f} us (rounds: "
+                  f"{', '.join(f'{t:.1f}' for t in times[(case, bs)])})", flush=True)
     rows, lines = [], []
     for case in cases:
         llm = engines[case]
@@ -128,7 +154,8 @@ def main() -> None:
                 grp["count"] += v["count"]
                 grp["us"] += v["us"]
             total = sum(v["us"] for v in kernels.values())
-            rows.append(dict(case=case, batch=bs, bucket=bucket, graph_us=graph_us, kernel_us=total,
+            rows.append(dict(case=case, batch=bs, bucket=bucket, graph_us=graph_us, rounds_us=times[(case, bs)],
+                             kernel_us=total,
                              kernels_per_step=sum(v["count"] for v in kernels.values()),
                              groups=dict(groups), kernels=kernels))
             lines.append(f"\n### {case}, batch {bs} (graph bucket {bucket}): graph {graph_us:.1f} µs a step, "
