@@ -24,6 +24,12 @@ if [ "${PART:-spec}" = spec ]; then
       --batches "${PROFILE_BS:-1,8,64}" --out "$OUT/draft_profile" > "$OUT/logs/profile_draft.log" 2>&1 || echo "draft profile exited $?"
     grep "graph" "$OUT/logs/profile_draft.log" | grep -v Warn | head -20
   fi
+  if [ -n "${TUNE_S:-}" ]; then  # W4A16 configs for SmolLM2's shapes, weights read from HBM; decode + profile with them
+    timeout $((TUNE_S + 60)) python3 benchmarks/tune_w4a16.py --shapes smol_qkv,smol_o,smol_gate_up,smol_down \
+      --ms "${TUNE_MS:-1}" --budget-s "$TUNE_S" --out "$OUT" > "$OUT/logs/tune.log" 2>&1 || echo "tune exited $?"
+    grep -v "^    (" "$OUT/logs/tune.log" | tail -12
+    export OPTLLM_W4A16_TABLE="$OUT/w4a16_table.json"
+  fi
   [ -n "${NO_PROFILE:-}" ] || timeout "${PROF_S:-150}" python3 benchmarks/profile_step.py --cases smol,smol-w4a16 --batches 1,64 --out "$OUT" \
     > "$OUT/logs/profile_step.log" 2>&1 || echo "profile exited $?"
   (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)

@@ -5,8 +5,9 @@
                                     [--layout k|n] [--out DIR]
 
 For each (shape, M) every candidate config of kernels/w4a16_configs.W4A16Config is timed
-as benchmarks/gemm.py times it (CUDA-graph replay, 4 weight copies rotated, sym g128 -- g64 on
-SmolLM2's shapes -- bf16), the best is checked against the float32 reference, and the winners are printed as
+in a CUDA-graph replay over weight copies rotated past 200 MB (--l2 flush, the default: read from
+HBM as in a model; --l2 warm: 4 copies, as benchmarks/gemm.py times, where small shapes stay in the
+L2), sym g128 -- g64 on SmolLM2's shapes -- bf16; the best is checked against the float32 reference, and the winners are printed as
 entries for W4A16_CONFIGS. --only FLAG (a W4A16Config flag such as gemv) times just the
 candidates with that flag set, beside the table's current entry. Candidates that fail to
 compile (shared memory) are skipped.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from optllm.benchmarks.common import ROT, SHAPES, group_size, parse_shapes, rotated_us
+from optllm.benchmarks.common import ROT, SHAPES, flush_copies, group_size, parse_shapes, rotated_us
 from optllm.kernels import w4a16 as w4k
 from optllm.kernels.w4a16_configs import (
     W4A16Config,
@@ -103,6 +104,9 @@ def main():
     ap.add_argument("--only", default=None, help="time only candidates with this config flag set")
     ap.add_argument("--layout", choices=("k", "n"), default="k", help="K-major words (the checkpoint's) "
                     "or N-major (prepack_w4a16(n_major=True))")
+    ap.add_argument("--l2", choices=("flush", "warm"), default="flush",
+                    help="flush: rotate weight copies past 200 MB (read from HBM, as in a model); warm: "
+                         f"{ROT} copies (small shapes' weights then stay in the L2)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     a = ap.parse_args()
     t_end = time.time() + a.budget_s
@@ -115,7 +119,8 @@ def main():
         k, n = SHAPES[sname]
         G = group_size(sname)
         ws = []
-        for _ in range(ROT):
+        copies = flush_copies(n * k // 2) if a.l2 == "flush" else ROT
+        for _ in range(copies):
             q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=dev)
             s = (torch.rand(n, k // G, device=dev) * 0.002 + 0.001).to(torch.bfloat16)
             ws.append(w4k.prepack_w4a16(q, s, None, G, n_major=n_major))
@@ -140,7 +145,7 @@ def main():
                 if time.time() > t_cell:
                     break
                 try:
-                    us = rotated_us(lambda i, cfg=cfg: w4k.w4a16_gemm(x, ws[i], config=cfg))
+                    us = rotated_us(lambda i, cfg=cfg: w4k.w4a16_gemm(x, ws[i], config=cfg), copies=copies)
                 except Exception as e:  # out of shared memory / registers for this tile
                     results.append({"shape": sname, "M": m, "config": repr(cfg), "error": str(e).splitlines()[0][:120]})
                     continue
