@@ -3,11 +3,26 @@
 #   PART=spec  (carry .carry2 and .carry-draft): issue 15's adaptive policy at batches BS (1,8,64),
 #              temperatures TEMPS (0,1), with where each engine's time went (eval's new time split);
 #              then issue 13's kernel-level profile of SmolLM2-shaped decode steps (profile_step.py)
+#   PART=tune  (no staging): W4A16 configs for SmolLM2's shapes at M = TUNE_MS (1) with the weights
+#              read from HBM (tune_w4a16.py --l2 flush, TUNE_S seconds), then profile_step.py's
+#              SmolLM2-shaped decode graphs at batch 1 with the winners
 #   PART=awq   (right after, same machine): issue 12's AWQ with clip_expand at the default
 #              calibration (128 x 512), W4 and W3 symmetric; then the GPU tests
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 mkdir -p "$OUT/logs"
+if [ "${PART:-spec}" = tune ]; then  # no model staged: SmolLM2-shaped random weights only
+  export PYTHONPATH=$(dirname "$PWD") OPTLLM_COMMIT=${OPTLLM_COMMIT:-?}
+  ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
+  timeout $((TUNE_S + 60)) python3 benchmarks/tune_w4a16.py --shapes smol_qkv,smol_o,smol_gate_up,smol_down \
+    --ms "${TUNE_MS:-1}" --budget-s "$TUNE_S" --out "$OUT" > "$OUT/logs/tune.log" 2>&1 || echo "tune exited $?"
+  grep -v "^    (" "$OUT/logs/tune.log" | tail -12
+  OPTLLM_W4A16_TABLE="$OUT/w4a16_table.json" timeout "${PROF_S:-150}" python3 benchmarks/profile_step.py \
+    --cases smol,smol-w4a16 --batches 1 --out "$OUT" > "$OUT/logs/profile_step.log" 2>&1 || echo "profile exited $?"
+  (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
+  grep "^###\|^| [a-zA-Z]" "$OUT/profile_step.md" | grep -v "^| \`" | head -30
+  exit 0
+fi
 source benchmarks/device_stage.sh
 if [ "${PART:-spec}" = spec ]; then
   if [ -n "${TESTS:-}" ]; then  # GPU tests first
