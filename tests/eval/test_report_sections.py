@@ -103,7 +103,8 @@ def test_eval_report_has_every_section_and_plot_for_two_checkpoints(tiny_llama, 
     # each model a row of every table: once in perplexity and tasks, per batch size in speed,
     # per temperature and batch size in speculation, per text kind in the comparison
     per_model = {"#": 1, "## lm-eval tasks": 1, "## Speed": len(BATCH_SIZES),
-                 "## Speculative decoding": len(TEMPERATURES) * len(BATCH_SIZES),
+                 # its table, then the time table (where each engine's time went)
+                 "## Speculative decoding": 2 * len(TEMPERATURES) * len(BATCH_SIZES),
                  "## Compared with an earlier run": len(KINDS)}
     for section, n in per_model.items():
         got = _table_models(sections[section])

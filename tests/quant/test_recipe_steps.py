@@ -277,8 +277,9 @@ def test_the_checkpoint_keeps_its_recipe(tiny_llama, tmp_path):
         ),
         (  # an unknown option
             "steps:\n  - awq: {ngrid: 10}\n",
-            "steps[0].awq: unknown field 'ngrid'; allowed: clip, clip_grid, clip_rows, clip_shrink, clip_tokens, "
-            "duo_scaling, gqa_smooth, joint_clip, max_shrink, n_grid, scale_shrink, scale_tokens, token_cap",
+            "steps[0].awq: unknown field 'ngrid'; allowed: clip, clip_expand, clip_grid, clip_rows, clip_shrink, "
+            "clip_tokens, duo_scaling, gqa_smooth, joint_clip, max_shrink, n_grid, scale_shrink, scale_tokens, "
+            "token_cap",
         ),
         (  # a value of the wrong type
             "steps:\n  - gptq: {dampening: high}\n",
