@@ -7,10 +7,10 @@
 For each (shape, M) every candidate config of kernels/w4a16_configs.W4A16Config is timed
 in a CUDA-graph replay over weight copies rotated past 200 MB (--l2 flush, the default: read from
 HBM as in a model; --l2 warm: 4 copies, as benchmarks/gemm.py times, where small shapes stay in the
-L2), sym g128 -- g64 on SmolLM2's shapes -- bf16; the best is checked against the float32 reference, and the winners are printed as
-entries for W4A16_CONFIGS. --only FLAG (a W4A16Config flag such as gemv) times just the
-candidates with that flag set, beside the table's current entry. Candidates that fail to
-compile (shared memory) are skipped.
+L2), sym g128 -- g64 on SmolLM2's shapes -- bf16; the best is checked against the float32
+reference, and the winners are printed as entries for W4A16_CONFIGS. --only FLAG (a W4A16Config
+flag such as gemv) times just the candidates with that flag set, beside the table's current
+entry. Candidates that fail to compile (shared memory) are skipped.
 --layout n tunes N-major words (prepack_w4a16(n_major=True)): the N-major GEMV's shapes at
 M <= 8 beside the tiles. The winners are also written as $OUT/w4a16_table.json, which
 OPTLLM_W4A16_TABLE loads (so gemm.py can measure them in the same device call).
