@@ -68,11 +68,15 @@ _C = W4A16Config
 # head 49152 x 576; sym g64), tuned on the H200 on 2026-12-04 (tune_w4a16.py --shapes smol_...;
 # µs, the heuristic's before): the GEMV with 16-32-wide tiles and no split where K is 576; at M = 64
 # dequantize + cuBLAS (the LM head's M = 64 winner tied the heuristic: 26.4 vs 26.5).
+# M = 1 re-tuned the same day with the weights read from HBM (tune_w4a16.py --l2 flush: copies
+# rotated past 200 MB; four copies of these few-hundred-kB weights had sat in the L2, and the
+# winners of that, 2.8-3.7 µs there, took 5.05-5.59 µs from HBM): split 8, one stage. Inside
+# SmolLM2's W4A16 decode graph the GEMV went from 4.88 to 4.03 µs a call (profile_step.py).
 W4A16_CONFIGS = MappingProxyType({
-    (1, 960, 576): _C(16, 16, 256, 1, 4, 3, gemv=True),          # 2.8 (heuristic 5.0)
-    (1, 576, 576): _C(16, 16, 256, 1, 4, 3, gemv=True),          # 2.9 (5.0)
-    (1, 3072, 576): _C(16, 16, 256, 1, 2, 3, gemv=True),         # 3.0 (5.1)
-    (1, 576, 1536): _C(16, 32, 256, 8, 2, 3, gemv=True),         # 3.7 (8.8)
+    (1, 960, 576): _C(16, 32, 128, 8, 4, 1, gemv=True),          # 4.2 from HBM (5.39 the L2 winner)
+    (1, 576, 576): _C(16, 16, 256, 8, 4, 1, gemv=True),          # 4.0 (5.39)
+    (1, 3072, 576): _C(16, 64, 256, 8, 8, 1, gemv=True),         # 4.4 (5.59)
+    (1, 576, 1536): _C(16, 32, 256, 8, 8, 1, gemv=True),         # 4.7 (5.05)
     (1, 49152, 576): _C(16, 32, 256, 4, 2, 1, gemv=True),        # 9.0 (16.4)
     (16, 960, 576): _C(16, 64, 256, 8, 8, 1, swap_ab=True),      # 4.4 (7.9)
     (16, 576, 576): _C(16, 64, 256, 8, 8, 1, swap_ab=True),      # 4.4 (8.0)

@@ -227,6 +227,17 @@ def test_configs_are_valid_data():
         assert isinstance(default_w4a16_config(m, 11008, 4096), W4A16Config)
 
 
+@pytest.mark.parametrize("nk", [(960, 576), (576, 576), (3072, 576), (576, 1536)])
+def test_smollm2_gemv_table_entries_equal_the_reference(nk):
+    """The tuned M = 1 GEMV configs of SmolLM2's shapes (split 8, one stage) on their own shapes,
+    group 64, symmetric (the o shape also asymmetric: the interpreter is slow at these sizes)."""
+    n, k = nk
+    cfg = W4A16_CONFIGS[(1, n, k)]
+    assert cfg.gemv
+    for asym in (False, True) if nk == (576, 576) else (False,):
+        _run(1, n, k, 64, asym, torch.bfloat16, seed=n + k + asym, config=cfg)
+
+
 def test_n_major_table_and_lookup():
     from optllm.kernels.w4a16_configs import N_MAJOR_SHAPES, W4A16_CONFIGS_N, gemv_bucket, lookup_w4a16_config
 
