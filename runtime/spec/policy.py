@@ -45,8 +45,8 @@ plain steps computed without it (``catch_up``: c0 + c1 * rows milliseconds, prof
 and corrected by a measured ratio like the steps'). A step whose sequences are behind by R rows
 carries catch_up(R) spread over the speculative steps a switch is expected to last (the running
 mean length of the stretches of speculative steps so far, 4 before any): the H200 measured
-catch-ups of 1500-4800 rows at 4-14 ms each at batch 64, several plain steps' worth, that the
-policy did not see. Plain Python, no torch.
+catch-ups of 6000-7500 rows at 7-12 ms each at batch 64 (docs/BENCHMARKS.md, sixteenth session),
+5-8 plain steps' worth, that the policy did not see. Plain Python, no torch.
 """
 
 from __future__ import annotations
