@@ -3,8 +3,10 @@ SmolLM2-135M's: --shapes smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head).
 
     python benchmarks/gemm.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64,256,4096] [--out DIR]
 
-For each shape (K×N, y = x·Wᵀ) and M: GPU time of a CUDA-graph replay (median, 4 weight
-copies rotated so int4 weights do not sit in the 60 MB L2) of
+For each shape (K×N, y = x·Wᵀ) and M: GPU time of a CUDA-graph replay (median, weight copies
+rotated past 200 MB of int4 weights so that they are read from HBM, not the 60 MB L2, as in a
+model: --l2 flush, the default; --l2 warm: 4 copies, the earlier sessions' tables, where
+SmolLM2's weights and the 8B qkv / o int4 weights stayed in the L2) of
   ours: W4A16 (sym, g128; g64 on SmolLM2's shapes), W8A8-INT8 (per-token activation quantize + GEMM), FP8 (dynamic
         per-token + GEMM), NVFP4 weight-only; INT8 and FP8 also as the GEMM alone on the
         quantized x (the peers' terms: they are given quantized operands);
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 import triton
 
-from optllm.benchmarks.common import ROT, SHAPES, graph_us, group_size, parse_shapes
+from optllm.benchmarks.common import ROT, SHAPES, flush_copies, graph_us, group_size, parse_shapes
 from optllm.kernels import fp8 as fp8k
 from optllm.kernels import nvfp4 as nvfp4k
 from optllm.kernels import w4a16 as w4k
@@ -39,11 +41,11 @@ def floor_us(m, n, k, wbytes_per_el, extra_w=0.0, act_bytes=2):
     return max(bytes_ / BW, 2 * m * n * k / FLOPS) * 1e6
 
 
-def bench(fn, graph=True):
-    """Median microseconds of one call of fn (fn runs ROT calls over rotated weights)."""
+def bench(fn, copies, graph=True):
+    """Median microseconds of one call of fn (fn runs `copies` calls over rotated weights)."""
     if graph:
-        return graph_us(fn, rep=60) / ROT
-    return 1000 * triton.testing.do_bench(fn, warmup=20, rep=60, return_mode="median") / ROT
+        return graph_us(fn, rep=60) / copies
+    return 1000 * triton.testing.do_bench(fn, warmup=20, rep=60, return_mode="median") / copies
 
 
 def rel(a, b):
@@ -61,6 +63,8 @@ def main():
                          "(prepack_w4a16(n_major=True)); the other layout is timed too, as ours_w4a16_other "
                          "in gemm.json")
     ap.add_argument("--ops", default="", help="comma list of op names to time (default: all)")
+    ap.add_argument("--l2", choices=("flush", "warm"), default="flush",
+                    help=f"flush: weight copies rotated past 200 MB (read from HBM); warm: {ROT} copies")
     a = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -68,7 +72,8 @@ def main():
     for sname in parse_shapes(a.shapes):
         k, n = SHAPES[sname]
         G = group_size(sname)
-        wf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
+        rot = flush_copies(n * k // 2) if a.l2 == "flush" else ROT  # int4 bytes: every format moves as many or more
+        wf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(rot)]
         # int4 sym, group G
         w4 = []
         for w in wf:
@@ -105,7 +110,7 @@ def main():
 
         for m in [int(x) for x in a.ms.split(",")]:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            r = {"shape": sname, "K": k, "N": n, "M": m}
+            r = {"shape": sname, "K": k, "N": n, "M": m, "copies": rot}
             ops = {
                 "cublas_bf16": lambda i: x @ wf[i].t(),
                 "ours_w4a16": lambda i: w4k.w4a16_linear(x, w4p[i]),
@@ -145,13 +150,13 @@ def main():
                 if a.ops and name not in a.ops.split(","):
                     continue
                 def fn(op=op):
-                    return [op(i) for i in range(ROT)]
+                    return [op(i) for i in range(rot)]
 
                 try:
                     fn()
-                    r[name] = bench(fn)
+                    r[name] = bench(fn, rot)
                     if name.startswith("ours") and not name.endswith(("_gemm", "_quant")) and not a.no_eager:
-                        r[name + "_eager"] = bench(fn, graph=False)
+                        r[name + "_eager"] = bench(fn, rot, graph=False)
                 except Exception as e:  # a peer that does not take this shape (e.g. _int_mm at M <= 16)
                     r[name] = None
                     r[name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
@@ -177,7 +182,8 @@ def fmt(v):
 
 def render(rows):
     env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
-    out = [f"GPU time per call, µs, CUDA-graph replay, {ROT} weight copies rotated ({env})", "",
+    copies = ", ".join(f"{k} {v}" for k, v in {r["shape"]: r.get("copies", ROT) for r in rows}.items())
+    out = [f"GPU time per call, µs, CUDA-graph replay, weight copies rotated ({copies}; {env})", "",
            "| shape | M | cuBLAS bf16 | tinygemm | ours W4A16 (eager) | ×bf16 | ×tinygemm | % int4 floor "
            "| _scaled_mm | ours FP8 (eager) | ×_scaled_mm (GEMM only) | _int_mm | ours INT8 (eager) "
            "| ×_int_mm (GEMM only) | ours NVFP4 | max rel. err |",
