@@ -212,44 +212,41 @@ class ModelRunner:
             self.exec_ms += (time.perf_counter() - t_start) * 1e3
 
     def _execute_spec(self, batch) -> list:
-        st = self.spec.stats
         if not any(batch.speculate):  # no sequence speculates: the plain step as a draft-less engine runs it
-            t0 = time.perf_counter()
             decode = batch.decode_only
-            out = self._execute(batch.seqs, batch.num_new_tokens, decode)
-            st.plain_ms += (time.perf_counter() - t0) * 1e3
-            st.plain_parts += 1
+            out = self._plain_part(batch.seqs, batch.num_new_tokens, decode)
             if decode and self.spec.policy is not None:  # a pure plain decode step: the engine times it
                 self.spec.pending_cost = (1, len(batch.seqs))
             return out
         result: list = [None] * len(batch.seqs)
         plain = [i for i, s in enumerate(batch.speculate) if not s]
         spec = [i for i, s in enumerate(batch.speculate) if s]
-        policy = self.spec.policy
-        t0 = time.perf_counter()
         if plain:
             seqs = [batch.seqs[i] for i in plain]
             counts = [batch.num_new_tokens[i] for i in plain]
             decode = all(k == 1 for k in counts) and all(batch.sampling[i] for i in plain)
-            for i, tok in zip(plain, self._execute(seqs, counts, decode)):
+            for i, tok in zip(plain, self._plain_part(seqs, counts, decode)):
                 result[i] = tok
-            t1 = time.perf_counter()
-            st.plain_ms += (t1 - t0) * 1e3
-            st.plain_parts += 1
-            if policy is not None and decode and not spec:  # a pure plain decode step: the engine times it
-                self.spec.pending_cost = (1, len(plain))
-        if spec:
-            t1 = time.perf_counter()
-            for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
-                result[i] = toks
-            t2 = time.perf_counter()
-            st.spec_ms += (t2 - t1) * 1e3
-            # a pure speculative step that did not first catch up on the rows of plain steps (a
-            # one-off, the longer the longer speculation was off: timed apart, the policy's
-            # catch_up; an exploring step after a plain stretch would look like a slow step)
-            if policy is not None and not plain and not self.spec.last_step_caught_up:
-                self.spec.pending_cost = (self.spec.n, len(spec))
+        t0 = time.perf_counter()
+        for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
+            result[i] = toks
+        self.spec.stats.spec_ms += (time.perf_counter() - t0) * 1e3
+        # a pure speculative step that did not first catch up on the rows of plain steps (a
+        # one-off, the longer the longer speculation was off: timed apart, the policy's
+        # catch_up; an exploring step after a plain stretch would look like a slow step)
+        if self.spec.policy is not None and not plain and not self.spec.last_step_caught_up:
+            self.spec.pending_cost = (self.spec.n, len(spec))
         return result
+
+    def _plain_part(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:
+        """A draft engine's plain sequences of a step, run as a draft-less engine runs them, their
+        time and count added to the speculation stats."""
+        t0 = time.perf_counter()
+        out = self._execute(seqs, num_new_tokens, decode)
+        st = self.spec.stats
+        st.plain_ms += (time.perf_counter() - t0) * 1e3
+        st.plain_parts += 1
+        return out
 
     def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:
         hb = host_batch(seqs, num_new_tokens, self.block_size, self.block_tables)

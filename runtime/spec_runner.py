@@ -281,12 +281,8 @@ class SpecDecoder:
             pol.idle()
             return 0
         self._plan_sig, self._plan_skips = sig, 0
-        ids, behind, g = [], 0, self.catch_rows
-        for s in running:
-            if s.num_uncomputed_tokens == 1 and self.eligible(s):
-                ids.append(s.seq_id)
-                if self.eagle:
-                    behind += max(s.num_computed_tokens - self._upto(s) - g, 0)
+        seqs = [s for s in running if s.num_uncomputed_tokens == 1 and self.eligible(s)]
+        ids, behind = [s.seq_id for s in seqs], self.rows_behind(seqs)
         if len(pol._seq) > 2 * len(running) + 64:  # forget the sequences that left
             live = {s.seq_id for s in running}
             for sid in [k for k in pol._seq if k not in live]:

@@ -153,9 +153,7 @@ class AdaptivePolicy:
         key = (n, self._bucket(batch))
         count = self._ratio_n.get(key, 0) + 1
         self._ratio_n[key] = count
-        w = min(self.cost_decay, 1.0 - 1.0 / (count + 1))  # the profile counts as one observation
-        r = min(max(ms / self.cost.cost(n, batch), 0.25), 20.0)
-        self._ratio[key] = w * self._ratio.get(key, 1.0) + (1.0 - w) * r
+        self._ratio[key] = self._updated_ratio(self._ratio.get(key, 1.0), count, ms / self.cost.cost(n, batch))
 
     def catch_up_cost(self, rows: int) -> float:
         """Expected milliseconds of the draft's catch-up over `rows` rows (0 without a profile)."""
@@ -169,10 +167,15 @@ class AdaptivePolicy:
         if self.catch_up is None or rows <= 0 or not ms > 0:
             return
         self._cu_n += 1
-        w = min(self.cost_decay, 1.0 - 1.0 / (self._cu_n + 1))
         c0, c1 = self.catch_up
-        r = min(max(ms / (c0 + c1 * rows), 0.25), 20.0)
-        self._cu_ratio = w * self._cu_ratio + (1.0 - w) * r
+        self._cu_ratio = self._updated_ratio(self._cu_ratio, self._cu_n, ms / (c0 + c1 * rows))
+
+    def _updated_ratio(self, ratio: float, count: int, measured: float) -> float:
+        """A running measured / profiled ratio after its count-th observation `measured`: the
+        profile counts as one observation, the past weighs cost_decay at most, each observation
+        clamped to [1/4, 20] against a stray stall."""
+        w = min(self.cost_decay, 1.0 - 1.0 / (count + 1))
+        return w * ratio + (1.0 - w) * min(max(measured, 0.25), 20.0)
 
     def expected(self, seq_id: int) -> dict[int, float]:
         return self._seq.get(seq_id) or self._global
