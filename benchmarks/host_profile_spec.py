@@ -1,0 +1,117 @@
+"""Where a draft engine's plain decode steps spend host time (issue 15: with speculation off, the
+draft engine's steps measured 1-6% slower in runner time than a draft-less engine's, while their
+decode graphs take the same GPU time, profile_step.py --model --draft).
+
+    python benchmarks/host_profile_spec.py --model smollm2-135m --draft DIR [--batches 1,8,64]
+
+Two engines of the model, without and with the draft (adaptive policy, its choice pinned to "no
+tree" so every step is a plain one, as the policy runs it), decode the same batch in alternating
+rounds; per engine and batch: wall ms a step, the runner's ms a step, then one more round under
+cProfile and, where CUDA is there, one under torch's sync debug mode (every host sync the step
+makes beyond its one token read-back is printed with its stack). The table lists the functions
+whose own time differs most between the two engines, µs a step.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from optllm.benchmarks.common import provenance
+
+
+def run(llm, prompts, params):
+    r = llm.engine.runner
+    s0, m0 = r.exec_steps, r.exec_ms
+    t = time.perf_counter()
+    llm.generate(prompts, params)
+    t = time.perf_counter() - t
+    steps = r.exec_steps - s0
+    return 1e3 * t / steps, (r.exec_ms - m0) / steps, steps
+
+
+def own_times(prof: cProfile.Profile, steps: int) -> dict[str, tuple[float, int]]:
+    st = pstats.Stats(prof)
+    out = {}
+    for (file, line, fn), (_cc, nc, tt, _ct, _callers) in st.stats.items():
+        out[f"{Path(file).name}:{line}({fn})"] = (1e6 * tt / steps, nc / steps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    a = ap.parse_args()
+    from optllm import LLM, SamplingParams
+
+    batches = [int(b) for b in a.batches.split(",")]
+    kw = dict(model=a.model, device=a.device, max_num_seqs=max(batches))
+    engines = {"plain": LLM(**kw), "draft": LLM(**kw, draft=a.draft, spec_policy="adaptive")}
+    spec = engines["draft"].engine.runner.spec
+    if spec.policy is None:
+        sys.exit("the draft engine has no adaptive policy")
+    spec.policy.choose = lambda ids, budget=None, behind=0: 1  # every step plain
+    params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
+    rows, lines = [], []
+    for bs in batches:
+        prompts = [[100 + (7 * i + j) % 20000 for j in range(32)] for i in range(bs)]
+        times = {k: [] for k in engines}
+        for llm in engines.values():
+            run(llm, prompts, params)  # warm-up
+        for _ in range(a.rounds):
+            for name, llm in engines.items():
+                times[name].append(run(llm, prompts, params))
+        prof = {}
+        for name, llm in engines.items():
+            p = cProfile.Profile()
+            p.enable()
+            _, _, steps = run(llm, prompts, params)
+            p.disable()
+            prof[name] = own_times(p, steps)
+        syncs = {}
+        if a.device == "cuda":
+            for name, llm in engines.items():
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        _, _, steps = run(llm, prompts, params)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                syncs[name] = (len(caught) / steps, sorted({str(w.message)[:160] for w in caught})[:5])
+        med = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in times.items()}
+        keys = set(prof["plain"]) | set(prof["draft"])
+        diff = sorted(keys, key=lambda k: -(prof["draft"].get(k, (0, 0))[0] - prof["plain"].get(k, (0, 0))[0]))
+        top = [(k, prof["plain"].get(k, (0, 0)), prof["draft"].get(k, (0, 0))) for k in diff[:15]]
+        rows.append(dict(batch=bs, step_ms=med, rounds=times, syncs=syncs,
+                         top=[dict(fn=k, plain_us=p[0], draft_us=d[0], plain_calls=p[1], draft_calls=d[1]) for k, p, d in top]))
+        lines.append(f"\n### batch {bs}: a step {med['plain'][0]:.3f} ms plain, {med['draft'][0]:.3f} ms with the draft "
+                     f"({med['draft'][0] / med['plain'][0]:.3f}×); runner {med['plain'][1]:.3f} / {med['draft'][1]:.3f} ms")
+        for k, (n, msgs) in syncs.items():
+            lines.append(f"- host syncs a step, {k}: {n:.2f}" + ("".join(f"\n  - `{m}`" for m in msgs) if msgs else ""))
+        lines.append("\n| function (own time, cProfile) | plain µs a step | draft µs a step | calls a step plain / draft |\n|---|---|---|---|")
+        for k, p, d in top:
+            lines.append(f"| `{k}` | {p[0]:.1f} | {d[0]:.1f} | {p[1]:.1f} / {d[1]:.1f} |")
+        print("\n".join(lines[-(len(top) + 4 + len(syncs)):]), flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    info = provenance()
+    (a.out / "host_profile_spec.json").write_text(json.dumps(dict(info=info, rows=rows), indent=1, default=str))
+    (a.out / "host_profile_spec.md").write_text("\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
