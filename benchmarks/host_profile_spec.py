@@ -10,6 +10,11 @@ rounds; per engine and batch: wall ms a step, the runner's ms a step, then one m
 cProfile and, where CUDA is there, one under torch's sync debug mode (every host sync the step
 makes beyond its one token read-back is printed with its stack). The table lists the functions
 whose own time differs most between the two engines, µs a step.
+
+--trees 2,5 (after the plain comparison): the draft engine's choice pinned to trees of n nodes
+instead, so that every decode step speculates; per n and batch: ms a step, tokens a step, and
+cProfile's functions of ours by cumulative time and all by own time, µs a step -- where a
+speculative step's host time goes.
 """
 from __future__ import annotations
 
@@ -54,12 +59,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--trees", default="", help="tree sizes to pin, each profiled at every batch")
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args()
     from optllm import LLM, SamplingParams
 
     batches = [int(b) for b in a.batches.split(",")]
-    kw = dict(model=a.model, device=a.device, max_num_seqs=max(batches))
+    from optllm.runtime.config import EngineConfig
+
+    # both engines live at once: each a KV cache of what the batch needs (not a share of the GPU)
+    kw = dict(model=a.model, device=a.device, max_num_seqs=max(batches), max_model_len=a.tokens + 64,
+              num_kv_blocks=EngineConfig.kv_blocks_for(max(batches), a.tokens + 96))
     engines = {"plain": LLM(**kw), "draft": LLM(**kw, draft=a.draft, spec_policy="adaptive")}
     spec = engines["draft"].engine.runner.spec
     if spec.policy is None:
@@ -107,9 +117,44 @@ def main() -> None:
         for k, p, d in top:
             lines.append(f"| `{k}` | {p[0]:.1f} | {d[0]:.1f} | {p[1]:.1f} / {d[1]:.1f} |")
         print("\n".join(lines[-(len(top) + 4 + len(syncs)):]), flush=True)
+    spec_rows = []
+    draft = engines["draft"]
+    for n in [int(t) for t in a.trees.split(",") if t]:
+        if n not in spec.policy.sizes:
+            print(f"tree size {n} is not in the menu {spec.policy.sizes}; skipped", flush=True)
+            continue
+        spec.policy.choose = lambda ids, budget=None, behind=0, n=n: n
+        for bs in batches:
+            prompts = [[100 + (7 * i + j) % 20000 for j in range(32)] for i in range(bs)]
+            run(draft, prompts, params)  # warm-up
+            st0 = dict(spec.stats.as_dict())
+            step_ms, runner_ms, steps = statistics.median(run(draft, prompts, params) for _ in range(a.rounds))
+            p = cProfile.Profile()
+            p.enable()
+            _, _, psteps = run(draft, prompts, params)
+            p.disable()
+            st1 = spec.stats.as_dict()
+            seq_steps = st1["seq_steps"] - st0["seq_steps"]
+            tau = (st1["accepted"] - st0["accepted"] + seq_steps) / seq_steps if seq_steps else None
+            own = own_times(p, psteps)
+            cum = {}
+            for (file, line, fn), (_cc, _nc, _tt, ct, _callers) in pstats.Stats(p).stats.items():
+                if "optllm" in file or "/runtime/" in file:
+                    cum[f"{Path(file).name}:{line}({fn})"] = 1e6 * ct / psteps
+            top_cum = sorted(cum.items(), key=lambda kv: -kv[1])[:25]
+            top_own = sorted(own.items(), key=lambda kv: -kv[1][0])[:20]
+            spec_rows.append(dict(tree=n, batch=bs, step_ms=step_ms, runner_ms=runner_ms, steps=steps,
+                                  tau=tau, cum=top_cum, own=top_own))
+            lines.append(f"\n### trees of {n}, batch {bs}: {step_ms:.3f} ms a step (runner {runner_ms:.3f}), "
+                         f"{steps} steps for {bs * a.tokens} tokens, τ {tau or 0:.2f}")
+            lines.append("\n| ours, cumulative | µs a step |\n|---|---|")
+            lines += [f"| `{k}` | {v:.1f} |" for k, v in top_cum]
+            lines.append("\n| own time | µs a step | calls a step |\n|---|---|---|")
+            lines += [f"| `{k}` | {v[0]:.1f} | {v[1]:.1f} |" for k, v in top_own]
+            print("\n".join(lines[-(len(top_cum) + len(top_own) + 7):]), flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     info = provenance()
-    (a.out / "host_profile_spec.json").write_text(json.dumps(dict(info=info, rows=rows), indent=1, default=str))
+    (a.out / "host_profile_spec.json").write_text(json.dumps(dict(info=info, rows=rows, spec_rows=spec_rows), indent=1, default=str))
     (a.out / "host_profile_spec.md").write_text("\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n" + "\n".join(lines) + "\n")
 
 

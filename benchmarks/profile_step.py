@@ -17,7 +17,10 @@ With --model and --draft (issue 15: a draft engine's plain steps measured 1-6% s
 draft-less engine's): three engines of the model, built in this order -- without the draft, with
 it (the adaptive policy, every speculative graph captured), and without it again, so that an
 effect of building second is told from one of the draft -- their decode graphs timed in
-interleaved rounds (the median of --rounds), then profiled the same way.
+interleaved rounds (the median of --rounds), then profiled the same way. --spec-trees 2,5,20
+adds the draft engine's speculative step graphs (SpecStepGraphs: catch-up window, proposal,
+verify, acceptance, KV move, feature store; greedy) of those tree sizes at each batch, replayed
+on the inputs its last speculative step left (a pinned policy speculates through each first).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model of ours to load (with --draft)")
     ap.add_argument("--draft", default=None)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--spec-trees", default="", help="with --draft: speculative step graphs of these tree sizes")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     from optllm import LLM, SamplingParams
@@ -124,28 +128,45 @@ def main() -> None:
             w4 = case == "smol-w4a16"
             folder = shape_folder(a.root, f"smollm2-135m{'-w4a16' if w4 else ''}-shape", SMOLLM2, w4a16=w4, group=64)
             specs[case] = dict(model=str(folder), load_format="dummy", **size)
-    cases = list(specs)
     engines, times = {}, defaultdict(list)
-    for case in cases:
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False)
+    items = {}  # (case, batch) -> (graph, bucket)
+    for case in specs:
         llm = engines[case] = LLM(**specs[case])
         for bs in batches:
             prompts = [[100 + (7 * i + j) % 20000 for j in range(32)] for i in range(bs)]
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False))
+            llm.generate(prompts, greedy)
+            items[(case, bs)] = graph_of(llm, bs)
+    trees = [int(t) for t in a.spec_trees.split(",") if t]
+    if trees and "draft" in engines:
+        spec = engines["draft"].engine.runner.spec
+        for n in trees:
+            if spec.graphs is None or n not in spec.sizes:
+                sys.exit(f"--spec-trees: no speculative step graphs of {n} nodes (menu {spec.sizes})")
+            spec.policy.choose = lambda ids, budget=None, behind=0, n=n: n  # speculate with trees of n
+            for bs in batches:
+                b = spec.graphs.bucket(bs, n)
+                if b is None:
+                    print(f"trees of {n} at batch {bs}: no graph (eager past the token cap)", flush=True)
+                    continue
+                prompts = [[100 + (7 * i + j) % 20000 for j in range(32)] for i in range(bs)]
+                engines["draft"].generate(prompts, greedy)
+                items[(f"draft, trees of {n}", bs)] = (spec.graphs.graphs[(b, n, False)], b)
+    cases = list(dict.fromkeys(c for c, _ in items))
     timed = {}
     for _ in range(a.rounds):  # every timing before any profiling, the engines interleaved
-        for case in cases:
-            for bs in batches:
-                times[(case, bs)].append(time_graph(graph_of(engines[case], bs)[0]))
-    for case in cases:
-        for bs in batches:
-            timed[(case, bs)] = (statistics.median(times[(case, bs)]), graph_of(engines[case], bs)[1])
-            print(f"{case} bs {bs}: graph {timed[(case, bs)][0]:.1f} us (rounds: "
-                  f"{', '.join(f'{t:.1f}' for t in times[(case, bs)])})", flush=True)
+        for key, (g, _b) in items.items():
+            times[key].append(time_graph(g))
+    for key, (_g, bucket) in items.items():
+        timed[key] = (statistics.median(times[key]), bucket)
+        print(f"{key[0]} bs {key[1]}: graph {timed[key][0]:.1f} us (rounds: "
+              f"{', '.join(f'{t:.1f}' for t in times[key])})", flush=True)
     rows, lines = [], []
     for case in cases:
-        llm = engines[case]
         for bs in batches:
-            g, bucket = graph_of(llm, bs)
+            if (case, bs) not in items:
+                continue
+            g, bucket = items[(case, bs)]
             graph_us = timed[(case, bs)][0]
             kernels = profile_graph(g, a.steps)
             groups: dict[str, dict] = defaultdict(lambda: {"count": 0.0, "us": 0.0})

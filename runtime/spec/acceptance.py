@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..sampler import _kth_largest
@@ -290,15 +291,20 @@ def temperature_only(p: SamplingParams, vocab_size: int) -> bool:
             and not p.uses_penalties)
 
 
-def accepted_per_size(accepted: torch.Tensor, ranks: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+def accepted_per_size(accepted: np.ndarray, ranks: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
     """int64 [B, len(sizes)]: the draft tokens a tree of the first m ranks would have accepted,
     for each m in sizes, from one verify of the whole tree. accepted int64 [B, N]: the accepted
     path (``AcceptResult.accepted``); ranks int64 [B, N]: each node's rank (the root 0), such
     that the nodes of rank < m form a tree (every parent ranked before its children). Under
     greedy acceptance this is exact -- at most one child of a node matches the target's argmax,
     so the smaller tree accepts the same path cut at its first node of rank >= m; under
-    rejection sampling it is an estimate."""
+    rejection sampling it is an estimate. On the host (numpy: a handful of small arrays, where
+    the same on the GPU is dozens of kernel launches and a sync a step)."""
+    accepted, ranks = np.asarray(accepted, dtype=np.int64), np.asarray(ranks, dtype=np.int64)
     path = accepted[:, 1:]
-    r = ranks.gather(1, path.clamp_min(0))
-    cols = [((path >= 0) & (r < m)).long().cumprod(dim=1).sum(dim=1) for m in sizes]
-    return torch.stack(cols, dim=1) if cols else torch.zeros(accepted.shape[0], 0, dtype=torch.int64)
+    on = path >= 0
+    r = np.take_along_axis(ranks, np.maximum(path, 0), axis=1)
+    out = np.zeros((accepted.shape[0], len(sizes)), dtype=np.int64)
+    for j, m in enumerate(sizes):
+        out[:, j] = np.cumprod(on & (r < m), axis=1).sum(axis=1)
+    return out
