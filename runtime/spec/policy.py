@@ -213,7 +213,10 @@ class AdaptivePolicy:
             self._idle += 1
             if can_win:
                 n = can_win[-1]
-                over = max((self.step_cost(n, b) + extra) / plain_ms - 1.0, 0.0)
+                # an exploring step is one step, so it pays the whole catch-up, not a stretch's share
+                # (charged a share, explorations after long plain stretches took ~3% of a batch-8
+                # run on the H200 against the 1% budget)
+                over = max((self.step_cost(n, b) + self.catch_up_cost(behind)) / plain_ms - 1.0, 0.0)
                 if self._idle >= max(self.explore_every, math.ceil(over / self.explore_budget)):
                     self._idle = 0
                     best = n

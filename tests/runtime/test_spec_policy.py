@@ -94,6 +94,17 @@ def test_policy_explores_the_largest_tree_that_could_win_while_off():
     assert 3 in picks and picks <= {1, 3}
 
 
+def test_an_exploring_step_is_charged_the_whole_catch_up():
+    """bs 16, a tree of 6 at 1.9 ms against 1 ms plain, a catch-up of 0.2 + 0.01 ms a row over 1000
+    rows (10.2 ms) that a stretch of 4 would share: exploring pays it all in one step, so the 10%
+    budget explores every (0.9 + 10.2) / 0.1 = 111 steps, not every (0.9 + 10.2 / 4) / 0.1 = 35."""
+    sizes = [3, 6]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, catch_up=(0.2, 0.01),
+                         explore_every=4, explore_budget=0.1)
+    picks = [pol.choose(list(range(16)), behind=1000) for _ in range(230)]
+    assert [i for i, p in enumerate(picks) if p != 1] == [110, 221]
+
+
 def test_switching_on_pays_the_draft_catch_up_spread_over_a_stretch():
     """A step whose sequences are behind by R rows carries the draft's catch-up, c0 + c1 * R ms
     times its measured ratio, spread over the mean stretch of speculative steps (4 at first)."""
