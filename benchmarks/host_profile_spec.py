@@ -68,8 +68,9 @@ def main() -> None:
     from optllm.runtime.config import EngineConfig
 
     # both engines live at once: each a KV cache of what the batch needs (not a share of the GPU)
-    kw = dict(model=a.model, device=a.device, max_num_seqs=max(batches), max_model_len=a.tokens + 64,
-              num_kv_blocks=EngineConfig.kv_blocks_for(max(batches), a.tokens + 96))
+    # room for the largest tree past the last token: every decode step stays eligible to speculate
+    kw = dict(model=a.model, device=a.device, max_num_seqs=max(batches), max_model_len=a.tokens + 128,
+              num_kv_blocks=EngineConfig.kv_blocks_for(max(batches), a.tokens + 160))
     engines = {"plain": LLM(**kw), "draft": LLM(**kw, draft=a.draft, spec_policy="adaptive")}
     spec = engines["draft"].engine.runner.spec
     if spec.policy is None:
@@ -108,12 +109,15 @@ def main() -> None:
         diff = sorted(keys, key=lambda k: -(prof["draft"].get(k, (0, 0))[0] - prof["plain"].get(k, (0, 0))[0]))
         top = [(k, prof["plain"].get(k, (0, 0)), prof["draft"].get(k, (0, 0))) for k in diff[:15]]
         rows.append(dict(batch=bs, step_ms=med, rounds=times, syncs=syncs,
-                         top=[dict(fn=k, plain_us=p[0], draft_us=d[0], plain_calls=p[1], draft_calls=d[1]) for k, p, d in top]))
-        lines.append(f"\n### batch {bs}: a step {med['plain'][0]:.3f} ms plain, {med['draft'][0]:.3f} ms with the draft "
-                     f"({med['draft'][0] / med['plain'][0]:.3f}×); runner {med['plain'][1]:.3f} / {med['draft'][1]:.3f} ms")
+                         top=[dict(fn=k, plain_us=p[0], draft_us=d[0], plain_calls=p[1], draft_calls=d[1])
+                              for k, p, d in top]))
+        (p_ms, p_run), (d_ms, d_run) = med["plain"], med["draft"]
+        lines.append(f"\n### batch {bs}: a step {p_ms:.3f} ms plain, {d_ms:.3f} ms with the draft "
+                     f"({d_ms / p_ms:.3f}×); runner {p_run:.3f} / {d_run:.3f} ms")
         for k, (n, msgs) in syncs.items():
-            lines.append(f"- host syncs a step, {k}: {n:.2f}" + ("".join(f"\n  - `{m}`" for m in msgs) if msgs else ""))
-        lines.append("\n| function (own time, cProfile) | plain µs a step | draft µs a step | calls a step plain / draft |\n|---|---|---|---|")
+            lines.append(f"- host syncs a step, {k}: {n:.2f}" + "".join(f"\n  - `{m}`" for m in msgs))
+        lines.append("\n| function (own time, cProfile) | plain µs a step | draft µs a step "
+                     "| calls a step plain / draft |\n|---|---|---|---|")
         for k, p, d in top:
             lines.append(f"| `{k}` | {p[0]:.1f} | {d[0]:.1f} | {p[1]:.1f} / {d[1]:.1f} |")
         print("\n".join(lines[-(len(top) + 4 + len(syncs)):]), flush=True)
@@ -154,8 +158,10 @@ def main() -> None:
             print("\n".join(lines[-(len(top_cum) + len(top_own) + 7):]), flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     info = provenance()
-    (a.out / "host_profile_spec.json").write_text(json.dumps(dict(info=info, rows=rows, spec_rows=spec_rows), indent=1, default=str))
-    (a.out / "host_profile_spec.md").write_text("\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n" + "\n".join(lines) + "\n")
+    report = dict(info=info, rows=rows, spec_rows=spec_rows)
+    (a.out / "host_profile_spec.json").write_text(json.dumps(report, indent=1, default=str))
+    head = "\n".join(f"- {k}: {v}" for k, v in info.items())
+    (a.out / "host_profile_spec.md").write_text(head + "\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

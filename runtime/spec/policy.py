@@ -219,14 +219,17 @@ class AdaptivePolicy:
                 over = max((self.step_cost(n, b) + self.catch_up_cost(behind)) / plain_ms - 1.0, 0.0)
                 if self._idle >= max(self.explore_every, math.ceil(over / self.explore_budget)):
                     self._idle = 0
-                    best = n
+                    return self._chose(n, explored=True)
         else:
             self._idle = 0
         return self._chose(best)
 
-    def _chose(self, best: int) -> int:
-        """Record a choice: the stretch of speculative steps it ends feeds run_len."""
-        if best > 1:
+    def _chose(self, best: int, explored: bool = False) -> int:
+        """Record a choice: the stretch of speculative steps it ends feeds run_len. An exploring
+        step is not a stretch the estimates chose: counted as one, explorations (each a single
+        step) would pull run_len toward 1, which charges a switch the whole catch-up, which keeps
+        speculation off, which leaves only explorations."""
+        if best > 1 and not explored:
             self._run += 1
         elif self._run:
             self.run_len = self.decay * self.run_len + (1 - self.decay) * self._run

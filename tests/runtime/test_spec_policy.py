@@ -103,6 +103,8 @@ def test_an_exploring_step_is_charged_the_whole_catch_up():
                          explore_every=4, explore_budget=0.1)
     picks = [pol.choose(list(range(16)), behind=1000) for _ in range(230)]
     assert [i for i, p in enumerate(picks) if p != 1] == [110, 221]
+    # explorations are not stretches the estimates chose: the mean stretch stays as it was
+    assert pol.run_len == 4.0
 
 
 def test_switching_on_pays_the_draft_catch_up_spread_over_a_stretch():
