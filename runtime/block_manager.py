@@ -149,7 +149,7 @@ class BlockManager:
         state = self._seqs.get(seq.seq_id)
         if state is None:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_tokens, len(seq.block_table) * self.block_size)
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids), len(seq.block_table) * self.block_size)
         num_full //= self.block_size
         if num_full <= state.num_committed:
             return
@@ -179,6 +179,13 @@ class BlockManager:
         Returns False and changes nothing when the free blocks (reviving a freed cached block
         counts as taking one) do not suffice.
         """
+        if hit is None and type(num_new_tokens) is int and type(lookahead) is int \
+                and num_new_tokens >= 0 and lookahead >= 0 and seq.seq_id in self._seqs:
+            # a running sequence whose blocks already cover the slots (most decode steps): nothing
+            # to take, and no check past the one that the tokens exist
+            end = seq.num_computed_tokens + num_new_tokens
+            if end <= len(seq.token_ids) and -(-(end + lookahead) // self.block_size) <= len(seq.block_table):
+                return True
         if self._num_to_take(seq, num_new_tokens, hit, lookahead) > self.num_free_blocks:
             return False
         state = self._seqs.setdefault(seq.seq_id, _SeqHashes())

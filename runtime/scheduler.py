@@ -72,7 +72,7 @@ class Scheduler:
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), speculator=None) -> None:
         """speculator: None, or what decides speculation (runtime/spec_runner.py's SpecDecoder):
         ``plan(running)`` before each step returns its lookahead (0: none this step), ``n`` is
-        then the step's tree size, and ``eligible(seq)`` says which decoding sequences may
+        then the step's tree size, and ``speculates(seq)`` says which decoding sequences may
         speculate. Such a decode computes n tokens (the step's budget pays n) and writes up to
         1 + lookahead slots (its blocks cover them)."""
         self.config = config
@@ -147,7 +147,7 @@ class Scheduler:
                 i += 1
                 continue
             ahead = lookahead if (lookahead and n == 1 == seq.num_uncomputed_tokens and budget >= spec_tokens
-                                  and spec.eligible(seq)) else 0
+                                  and spec.speculates(seq)) else 0
             while not bm.allocate(seq, n, lookahead=ahead):
                 victim = self.running.pop()  # the most recently arrived
                 self._preempt(victim)
@@ -187,32 +187,40 @@ class Scheduler:
         if len(sampled) != len(batch.seqs):
             raise ValueError(f"sampled has {len(sampled)} entries; allowed: one per scheduled "
                              f"sequence ({len(batch.seqs)})")
+        sampling = batch.sampling
         for i, tok in enumerate(sampled):
-            if (tok is None) == batch.sampling[i] and not batch.seqs[i].is_finished:
+            if (tok is None) == sampling[i] and not batch.seqs[i].is_finished:
                 raise ValueError(f"sampled[{i}]={tok!r} is not allowed; allowed: "
                                  f"{'a token id' if batch.sampling[i] else 'None'} "
                                  f"(seqs[{i}] {'samples' if batch.sampling[i] else 'does not sample'})")
         finished: list[Sequence] = []
+        commit = self.block_manager.commit
+        finished_status = SequenceStatus.FINISHED
         for seq, k, tok in zip(batch.seqs, batch.num_new_tokens, sampled):
-            if seq.is_finished:
+            if seq.status is finished_status:
                 continue
             if tok is None:
                 seq.num_computed_tokens += k
-                self.block_manager.commit(seq)
+                commit(seq)
                 continue
-            toks = tok if isinstance(tok, list) else [tok]
-            computed = len(toks) if isinstance(tok, list) else k
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
-            stop = None
-            for t in toks:
-                seq.append_token(t)
-                stop = self._stop(seq, t)
-                if stop is not None:
-                    break
+            token_ids = seq.token_ids
+            if isinstance(tok, list):
+                computed = len(tok)
+                stop = None
+                for t in tok:
+                    token_ids.append(t)
+                    stop = self._stop(seq, t)
+                    if stop is not None:
+                        break
+            else:
+                computed = k
+                token_ids.append(tok)
+                stop = self._stop(seq, tok)
             # the tokens first, then the KV progress: commit hashes the blocks' token ids
-            seq.num_computed_tokens = min(seq.num_computed_tokens + computed, seq.num_tokens)
-            self.block_manager.commit(seq)
+            seq.num_computed_tokens = min(seq.num_computed_tokens + computed, len(token_ids))
+            commit(seq)
             if stop is not None:
                 seq.finish(*stop)
                 self._release(seq)
@@ -275,13 +283,15 @@ class Scheduler:
         EOS and stop_token_ids count only once min_tokens outputs came before this one.
         """
         p = seq.params
-        if seq.num_output_tokens > p.min_tokens:
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output > p.min_tokens:
             if tok in self.eos_token_ids and not p.ignore_eos:
                 return FinishReason.STOP, None
             if tok in p.stop_token_ids:
                 return FinishReason.STOP, tok
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             return FinishReason.LENGTH, None
-        if seq.num_tokens >= self.max_seq_len:
+        if num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH, None
         return None

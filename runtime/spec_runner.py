@@ -202,6 +202,7 @@ class SpecDecoder:
         self.sizes = sorted({self.num_nodes} | ({max(2, self.num_nodes >> i) for i in range(1, 5)}
                                                 if options.policy == "adaptive" else set()))
         self.n = self.num_nodes  # this step's tree size (plan() sets it)
+        self._planned: set[int] | None = None  # the seq ids plan()'s last scan found eligible
         self.last_step_caught_up = False  # step() ran the draft over earlier plain steps' rows first
         self.policy = None
         self.adaptive = options.policy == "adaptive"
@@ -271,6 +272,7 @@ class SpecDecoder:
         its ends), the choice stands for up to ``recheck_every`` steps without a scan of every
         sequence (a scan cost about 1 µs a sequence on the H200's host, every step)."""
         self.pending_cost = None
+        self._planned = None
         if self.policy is None:
             self.n = self.num_nodes
             return self.lookahead
@@ -281,8 +283,9 @@ class SpecDecoder:
             pol.idle()
             return 0
         self._plan_sig, self._plan_skips = sig, 0
-        seqs = [s for s in running if s.num_uncomputed_tokens == 1 and self.eligible(s)]
+        seqs = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and self.eligible(s)]
         ids, behind = [s.seq_id for s in seqs], self.rows_behind(seqs)
+        self._planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
         if len(pol._seq) > 2 * len(running) + 64:  # forget the sequences that left
             live = {s.seq_id for s in running}
             for sid in [k for k in pol._seq if k not in live]:
@@ -409,10 +412,18 @@ class SpecDecoder:
     def eligible(self, seq) -> bool:
         """Whether the sequence's next decode can be a speculative step."""
         p = seq.params
+        num_tokens = len(seq.token_ids)
         return (seq.num_computed_tokens > 0 and not p.uses_penalties
                 and (p.seed is None or p.temperature < GREEDY_EPS)
-                and seq.num_output_tokens >= p.min_tokens
-                and seq.num_tokens + max(self.num_nodes, self.scratch) - 1 <= self.runner.max_model_len)
+                and num_tokens - seq.num_prompt_tokens >= p.min_tokens
+                and num_tokens + max(self.num_nodes, self.scratch) - 1 <= self.runner.max_model_len)
+
+    def speculates(self, seq) -> bool:
+        """The scheduler's question for each decode of a step whose plan() returned a lookahead:
+        whether seq is among the sequences plan() found eligible (its set, when the policy
+        scanned them; else ``eligible``)."""
+        planned = self._planned
+        return seq.seq_id in planned if planned is not None else self.eligible(seq)
 
     def rows_behind(self, seqs) -> int:
         """EAGLE: the rows a speculative step of seqs must run the draft over before its graph's own

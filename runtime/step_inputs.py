@@ -60,9 +60,14 @@ def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables) -> Ho
         start = seq.num_computed_tokens
         end = start + k
         bt = seq.block_table
-        ids += seq.token_ids[start:end]
-        pos += range(start, end)
-        slots += [bt[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        if k == 1:  # a decode: one token, without the slices and ranges of the general case
+            ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(bt[start // block_size] * block_size + start % block_size)
+        else:
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            slots += [bt[p // block_size] * block_size + p % block_size for p in range(start, end)]
         row0 = cu[-1]
         cu.append(row0 + k)
         seq_lens.append(end)
