@@ -147,8 +147,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         state = self._seqs.get(seq.seq_id)
-        if state is None:
-            return
+        if state is None or seq.num_computed_tokens < (state.num_committed + 1) * self.block_size:
+            return  # (no block past the committed ones is full of computed tokens)
         num_full = min(seq.num_computed_tokens, len(seq.token_ids), len(seq.block_table) * self.block_size)
         num_full //= self.block_size
         if num_full <= state.num_committed:

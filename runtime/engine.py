@@ -149,8 +149,10 @@ class LLMEngine:
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
             if req.params.detokenize:
                 items.append((seq, req.states[seq.index]))
+        if not items:
+            return self._collect()
         multi = {seq.seq_id: len(tok) for seq, tok in zip(batch.seqs, sampled) if isinstance(tok, list)}
-        for (seq, st), stop in zip(items, self.detokenizer.update(items) if items else []):
+        for (seq, st), stop in zip(items, self.detokenizer.update(items)):
             if stop is not None and not seq.is_finished:
                 if multi.get(seq.seq_id, 1) > 1:
                     self._cut_at_stop(seq, stop)

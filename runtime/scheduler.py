@@ -139,24 +139,31 @@ class Scheduler:
         # a speculative decode computes the tree's tokens (the budget's share); its blocks also
         # cover the draft's scratch slots (the lookahead)
         spec_tokens = spec.n if lookahead else 0
+        running, allocate, RUNNING = self.running, bm.allocate, SequenceStatus.RUNNING
+        b_seqs, b_new, b_sampling, b_spec = batch.seqs, batch.num_new_tokens, batch.sampling, batch.speculate
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            n = min(uncomputed, budget)
             if n == 0:  # nothing to compute until update() gives it a token
                 i += 1
                 continue
-            ahead = lookahead if (lookahead and n == 1 == seq.num_uncomputed_tokens and budget >= spec_tokens
+            ahead = lookahead if (lookahead and n == 1 == uncomputed and budget >= spec_tokens
                                   and spec.speculates(seq)) else 0
-            while not bm.allocate(seq, n, lookahead=ahead):
-                victim = self.running.pop()  # the most recently arrived
+            while not allocate(seq, n, lookahead=ahead):
+                victim = running.pop()  # the most recently arrived
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not RUNNING:
                 break
-            self._add_to_batch(batch, seq, n, speculate=ahead > 0)
+            # _add_to_batch, inline (a call per sequence per step)
+            b_seqs.append(seq)
+            b_new.append(n)
+            b_sampling.append(n == uncomputed)
+            b_spec.append(ahead > 0)
             budget -= spec_tokens if ahead else n
             i += 1
         # admitting right after a preemption would only thrash

@@ -71,7 +71,8 @@ def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables) -> Ho
         row0 = cu[-1]
         cu.append(row0 + k)
         seq_lens.append(end)
-        width = max(width, len(bt))
+        if len(bt) > width:
+            width = len(bt)
         if seq.params.prompt_logprobs is not None:
             # position q scores prompt token q + 1: q in [lo, hi) of this step's [start, end)
             lo = max(start, seq.next_prompt_logprob - 1)
@@ -79,7 +80,7 @@ def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables) -> Ho
             if hi > lo:
                 prompt_lp.append((i, len(rows), hi - lo, lo))
                 rows += range(row0 + lo - start, row0 + hi - start)
-        if end == seq.num_tokens:
+        if end == len(seq.token_ids):
             sample.append((i, len(rows)))
             rows.append(row0 + k - 1)
     return HostBatch(ids, pos, slots, seq_lens, cu, tables.gather(seqs, width), rows, sample, prompt_lp)
