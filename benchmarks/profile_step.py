@@ -138,6 +138,8 @@ def main() -> None:
             llm.generate(prompts, greedy)
             items[(case, bs)] = graph_of(llm, bs)
     trees = [int(t) for t in a.spec_trees.split(",") if t]
+    if trees and not a.draft:
+        sys.exit("--spec-trees needs --model and --draft (the speculative graphs are the draft engine's)")
     if trees and "draft" in engines:
         spec = engines["draft"].engine.runner.spec
         for n in trees:

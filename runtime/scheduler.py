@@ -140,7 +140,6 @@ class Scheduler:
         # cover the draft's scratch slots (the lookahead)
         spec_tokens = spec.n if lookahead else 0
         running, allocate, RUNNING = self.running, bm.allocate, SequenceStatus.RUNNING
-        b_seqs, b_new, b_sampling, b_spec = batch.seqs, batch.num_new_tokens, batch.sampling, batch.speculate
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -159,11 +158,7 @@ class Scheduler:
                     break
             if seq.status is not RUNNING:
                 break
-            # _add_to_batch, inline (a call per sequence per step)
-            b_seqs.append(seq)
-            b_new.append(n)
-            b_sampling.append(n == uncomputed)
-            b_spec.append(ahead > 0)
+            self._add_to_batch(batch, seq, n, speculate=ahead > 0)
             budget -= spec_tokens if ahead else n
             i += 1
         # admitting right after a preemption would only thrash
@@ -212,21 +207,15 @@ class Scheduler:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
-            token_ids = seq.token_ids
-            if isinstance(tok, list):
-                computed = len(tok)
-                stop = None
-                for t in tok:
-                    token_ids.append(t)
-                    stop = self._stop(seq, t)
-                    if stop is not None:
-                        break
-            else:
-                computed = k
-                token_ids.append(tok)
-                stop = self._stop(seq, tok)
+            toks, computed = (tok, len(tok)) if isinstance(tok, list) else ((tok,), k)
+            stop = None
+            for t in toks:
+                seq.append_token(t)
+                stop = self._stop(seq, t)
+                if stop is not None:
+                    break
             # the tokens first, then the KV progress: commit hashes the blocks' token ids
-            seq.num_computed_tokens = min(seq.num_computed_tokens + computed, len(token_ids))
+            seq.num_computed_tokens = min(seq.num_computed_tokens + computed, len(seq.token_ids))
             commit(seq)
             if stop is not None:
                 seq.finish(*stop)
@@ -264,7 +253,7 @@ class Scheduler:
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int, speculate: bool = False) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
-        batch.sampling.append(seq.num_computed_tokens + n == seq.num_tokens)
+        batch.sampling.append(seq.num_computed_tokens + n == len(seq.token_ids))
         batch.speculate.append(speculate)
 
     def _preempt(self, seq: Sequence) -> None:

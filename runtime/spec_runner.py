@@ -546,7 +546,7 @@ class SpecDecoder:
         width = res.tokens.shape[1]
         parts = [res.num_accepted.view(bsz, 1), res.tokens, res.accepted]
         if self.policy is not None:
-            parts.append(ranks.expand(bsz, -1))
+            parts.append(ranks)
         host = torch.cat([p.to(torch.int64) for p in parts], dim=1).cpu()
         num_acc = host[:, 0].tolist()
         tokens = host[:, 1:1 + width].tolist()
