@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.topk import topk_logprobs
 from .cuda_graphs import capture_graphs, graph_buckets
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import AttentionMetadata
@@ -635,13 +636,13 @@ class SpecDecoder:
     def _propose_medusa(self, roots: torch.Tensor, states: torch.Tensor, n: int):
         tree = self.trees[n]
         logits = self.draft(states)  # [B, heads, V]
-        topk = torch.topk(logits.float(), tree.top_k, dim=-1).indices
+        topk = topk_logprobs(logits, tree.top_k, self.runner.backend)[1]
         return tree.batch(roots, topk)
 
     def _propose_eagle(self, roots, states, ctx, tables, n):
         o, dev, bs = self.options, self.device, self.block_size
         bsz, k = roots.shape[0], o.top_k
-        root_lp = torch.log_softmax(self.draft.logits(states).float(), dim=-1)
+        root_lp = self.draft.ranked(states, k)
         # a tree of n nodes is at most n - 1 deep: no expansion past that (a chain of n - 1 is all
         # the smallest menu sizes can keep)
         depth = self.tree_depth(n)
@@ -684,8 +685,8 @@ class SpecDecoder:
             f = torch.cat(feats_in, dim=1).reshape(bsz * m, -1)
             ids = torch.cat(toks, dim=1).reshape(-1)
             out = self.draft(f, ids, positions, meta).view(bsz, m, -1)[:, m - k:]
-            lp = torch.log_softmax(self.draft.logits(out.reshape(bsz * k, -1)).float(), dim=-1)
-            builder.expand(lp.view(bsz, k, -1))
+            lp, ids = self.draft.ranked(out, k)  # [B, k, k]
+            builder.expand((lp, ids))
             prev_out = out
         tree = builder.build()
         # rank of each kept node by score, as build() chose them (stable, descending)

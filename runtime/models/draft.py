@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import UserError
+from ...kernels.topk import topk_logprobs
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.norm import RMSNorm
@@ -137,6 +138,7 @@ class EagleDraft(nn.Module):
         self.num_kv_heads, self.head_dim = cfg["num_key_value_heads"], cfg["head_dim"]
         self.fc = nn.Linear(2 * h, h, bias=bool(cfg.get("fc_bias", False)))
         self.layers = nn.ModuleList([_EagleLayer(cfg, max_position, dtype, device, backend)])
+        self.backend = backend
         self._target = [target]  # not a submodule: the target's weights are not the draft's
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
@@ -158,6 +160,12 @@ class EagleDraft(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary of a draft output: the target's LM head."""
         return self._target[0].compute_logits(out)
+
+    def ranked(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely next tokens of draft outputs out [..., H]: (log-probs float32 [..., k]
+        descending, clamped to <= 0; target ids int64 [..., k]), the logits read once
+        (kernels/topk.py)."""
+        return topk_logprobs(self.logits(out), k, self.backend)
 
 
 class _Eagle3Attention(_EagleAttention):
@@ -208,6 +216,7 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device))
         self.target_ids, self.identity = None, True
+        self.backend = backend
         self._target = [target]
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
@@ -230,6 +239,12 @@ class Eagle3Draft(nn.Module):
         full = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
         full[:, self.target_ids] = small
         return full
+
+    def ranked(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As EagleDraft.ranked: over the draft's own vocabulary, its ids mapped to the target's
+        (the log-softmax over the target's vocabulary with -inf elsewhere is the same)."""
+        vals, ids = topk_logprobs(self.lm_head(self.norm(out)), k, self.backend)
+        return (vals, ids) if self.identity else (vals, self.target_ids[ids])
 
     def set_d2t(self, d2t: torch.Tensor) -> None:
         """The draft-to-target id offsets (target id = draft id + d2t[draft id])."""

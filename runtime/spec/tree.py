@@ -355,11 +355,14 @@ class DynamicTreeBuilder:
     and ties go to the earlier candidate (a parent always precedes its children): the kept
     set is a tree. Kept nodes are in pool (creation) order, siblings by rank.
 
-    root_tokens int64 [B]; root_logprobs float [B, V]: the draft's log-probs after the root.
+    root_tokens int64 [B]; root_logprobs float [B, V]: the draft's log-probs after the root, or
+    already ranked: (float32 [B, top_k] descending and <= 0, int64 [B, top_k] their tokens), as
+    kernels/topk.py gives them in two launches (the runtime's path on a GPU; ``expand`` takes the
+    same pair, [B, top_k, top_k]).
     """
 
-    def __init__(self, root_tokens: torch.Tensor, root_logprobs: torch.Tensor, *, top_k: int, depth: int,
-                 num_draft: int) -> None:
+    def __init__(self, root_tokens: torch.Tensor, root_logprobs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                 *, top_k: int, depth: int, num_draft: int) -> None:
         for name, v in (("top_k", top_k), ("depth", depth), ("num_draft", num_draft)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
@@ -367,13 +370,19 @@ class DynamicTreeBuilder:
         if num_draft > pool:
             raise ValueError(f"num_draft={num_draft} is not allowed; allowed: at most {pool} (the candidates "
                              f"top_k={top_k}, depth={depth} produce)")
-        if root_logprobs.dim() != 2 or root_tokens.shape != (root_logprobs.shape[0],) \
+        if isinstance(root_logprobs, tuple):
+            s, t = root_logprobs
+            if s.dim() != 2 or s.shape != t.shape or s.shape[1] != top_k or root_tokens.shape != (s.shape[0],):
+                raise ValueError(f"root_tokens, root_logprobs: must be [B] and two [B, top_k={top_k}] tensors, got "
+                                 f"{tuple(root_tokens.shape)}, {tuple(s.shape)} and {tuple(t.shape)}")
+        elif root_logprobs.dim() != 2 or root_tokens.shape != (root_logprobs.shape[0],) \
                 or root_logprobs.shape[1] < top_k:
             raise ValueError(f"root_tokens, root_logprobs: must be [B] and [B, V >= top_k={top_k}], got "
                              f"{tuple(root_tokens.shape)} and {tuple(root_logprobs.shape)}")
+        else:
+            s, t = _ranked_topk(root_logprobs.float().clamp_max(0.0), top_k)
         self.top_k, self.depth, self.num_draft = top_k, depth, num_draft
-        bsz, dev = root_logprobs.shape[0], root_logprobs.device
-        s, t = _ranked_topk(root_logprobs.float().clamp_max(0.0), top_k)
+        bsz, dev = s.shape[0], s.device
         self._tokens = [root_tokens.to(dev, torch.int64)[:, None], t]
         self._scores = [const_full((bsz, 1), 0.0, torch.float32, dev), s]
         self._parents = [const_full((bsz, 1), -1, torch.int64, dev), const_full((bsz, top_k), 0, torch.int64, dev)]
@@ -416,16 +425,22 @@ class DynamicTreeBuilder:
         """float32 [B, pool]: cumulative log-probabilities (the root: 0)."""
         return torch.cat(self._scores, dim=1)
 
-    def expand(self, logprobs: torch.Tensor) -> None:
+    def expand(self, logprobs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
         """Grow one level from logprobs float [B, top_k, V]: the draft's log-probs after each
-        frontier node, in ``frontier`` order."""
+        frontier node, in ``frontier`` order (or their ranked top_k, a pair as in __init__)."""
         k = self.top_k
         if self.steps >= self.depth:
             raise ValueError(f"expand: the tree already has depth={self.depth}")
         bsz = self._frontier.shape[0]
-        if logprobs.dim() != 3 or logprobs.shape[:2] != (bsz, k) or logprobs.shape[2] < k:
+        if isinstance(logprobs, tuple):
+            s, t = logprobs
+            if s.shape != (bsz, k, k) or t.shape != s.shape:
+                raise ValueError(f"logprobs: must be two [B={bsz}, top_k={k}, top_k={k}] tensors, got "
+                                 f"{tuple(s.shape)} and {tuple(t.shape)}")
+        elif logprobs.dim() != 3 or logprobs.shape[:2] != (bsz, k) or logprobs.shape[2] < k:
             raise ValueError(f"logprobs: must be [B={bsz}, top_k={k}, V >= {k}], got {tuple(logprobs.shape)}")
-        s, t = _ranked_topk(logprobs.float().clamp_max(0.0), k)  # [B, k, k]
+        else:
+            s, t = _ranked_topk(logprobs.float().clamp_max(0.0), k)  # [B, k, k]
         cum = (self._frontier_scores[:, :, None] + s).reshape(bsz, k * k)
         parents = self._frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
         ids = const_arange(k * k, cum.device, start=self._size)

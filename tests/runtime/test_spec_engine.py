@@ -272,3 +272,8 @@ def test_eagle3_greedy_equals_plain_and_its_state_follows_the_sequence(tiny_llam
         torch.testing.assert_close(got_lg[kept], want_lg, rtol=1e-4, atol=1e-4)
         if draft_vocab:
             assert torch.isinf(got_lg).sum() == hf.config.vocab_size - draft_vocab
+        # what the trees read: the top-k of the log-softmax over the target's vocabulary
+        vals, ids = draft.ranked(state[None], 3)
+        want_lp = torch.log_softmax(got_lg.float(), dim=-1)
+        assert torch.equal(ids[0], torch.topk(want_lp, 3).indices)
+        torch.testing.assert_close(vals[0], want_lp[ids[0]], rtol=0, atol=1e-5)

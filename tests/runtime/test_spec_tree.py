@@ -140,10 +140,12 @@ def _brute_force(root: int, seed: int, top_k: int, depth: int, num_draft: int) -
     return {p: score[p] for p in best}
 
 
-def _grow(roots, seeds, top_k, depth, num_draft):
-    """DynamicTreeBuilder driven by the same draft model, for a batch."""
+def _grow(roots, seeds, top_k, depth, num_draft, ranked=False):
+    """DynamicTreeBuilder driven by the same draft model, for a batch; ranked: fed each level's
+    top_k pairs (as the runtime's kernel gives them) instead of the whole log-prob rows."""
+    feed = (lambda x: tuple(torch.topk(x, top_k, dim=-1))) if ranked else (lambda x: x)
     lp = torch.stack([_draft_logprobs((r,), s) for r, s in zip(roots, seeds)])
-    bld = DynamicTreeBuilder(torch.tensor(roots), lp, top_k=top_k, depth=depth, num_draft=num_draft)
+    bld = DynamicTreeBuilder(torch.tensor(roots), feed(lp), top_k=top_k, depth=depth, num_draft=num_draft)
     for _ in range(depth - 1):
         tokens, parents = bld.pool_tokens.tolist(), bld.pool_parents.tolist()
         rows = []
@@ -156,14 +158,15 @@ def _grow(roots, seeds, top_k, depth, num_draft):
                     node = parents[b][node]
                 per.append(_draft_logprobs(tuple(reversed(path)), seeds[b]))
             rows.append(torch.stack(per))
-        bld.expand(torch.stack(rows))
+        bld.expand(feed(torch.stack(rows)))
     return bld, bld.build()
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("top_k,depth,num_draft", [(2, 3, 1), (2, 3, 4), (2, 3, 10), (3, 3, 7), (3, 2, 12), (1, 4, 4)])
-def test_eagle2_matches_brute_force(top_k, depth, num_draft):
+def test_eagle2_matches_brute_force(top_k, depth, num_draft, ranked):
     roots, seeds = [3, 1], [10, 11]
-    bld, tb = _grow(roots, seeds, top_k, depth, num_draft)
+    bld, tb = _grow(roots, seeds, top_k, depth, num_draft, ranked)
     assert tb.tokens.shape == (2, num_draft + 1)
     for b in range(2):
         expect = _brute_force(roots[b], seeds[b], top_k, depth, num_draft)
@@ -200,3 +203,9 @@ def test_eagle2_bad_arguments():
     bld = DynamicTreeBuilder(torch.tensor([0]), lp, top_k=2, depth=1, num_draft=2)
     with pytest.raises(ValueError, match="depth"):
         bld.expand(torch.zeros(1, 2, 4))
+    pair = (torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.int64))  # top_k=3 pairs for top_k=2
+    with pytest.raises(ValueError, match="root_logprobs"):
+        DynamicTreeBuilder(torch.tensor([0]), pair, top_k=2, depth=2, num_draft=2)
+    bld = DynamicTreeBuilder(torch.tensor([0]), (pair[0][:, :2], pair[1][:, :2]), top_k=2, depth=2, num_draft=2)
+    with pytest.raises(ValueError, match="logprobs"):
+        bld.expand((torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, dtype=torch.int64)))
