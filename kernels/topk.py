@@ -11,9 +11,10 @@ level they were half of a speculative step's GPU time. Here the logits are read 
 
 Stage 1, grid (rows, chunks of BLOCK columns): each program finds its chunk's max and sum of
 exp(x - max), and its k best entries, by k rounds of a max over (value, index) keys packed in
-one int64: the value's bits made order-preserving as an int32 above (2^31 - 1 - index), so
-the max is unique, prefers the lower index among equal values, and removing it removes one
-entry. Stage 2, grid (rows,): the k best of the chunks' candidates the same way, and the row's
+one integer: the value's bits made order-preserving above the complement of the index, so the
+max is unique, prefers the lower index among equal values, and removing it removes one entry
+(16-bit logits: int32 keys of the value and the column in the chunk; float32: int64 keys).
+Stage 2, grid (rows,): the k best of the chunks' candidates the same way, and the row's
 log-sum-exp from the chunks' (max, sum) pairs.
 
 NaN sorts above +inf (as in torch.topk); -inf entries (a reduced draft vocabulary's unmapped
@@ -53,25 +54,40 @@ def _unkey(key):
 
 @triton.jit(do_not_specialize=["R"])
 def _chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, R, V, stride_x, S,
-                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr):
     """grid (R, S): row r's columns [c * BLOCK, +BLOCK): its max, sum of exp(x - max) and k best
-    keys, to keys [R, S, K_PAD] (slots >= K untouched), m / s [R, S]."""
+    keys, to keys [R, S, K_PAD] (slots >= K untouched), m / s [R, S]. HALF (16-bit logits,
+    BLOCK <= 65536): the rounds run on int32 keys, the value's 16 bits above (65535 - the
+    column within the chunk), a third of the int64 keys' instructions."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    cols = c * BLOCK + tl.arange(0, BLOCK)
+    local = tl.arange(0, BLOCK)
+    cols = c * BLOCK + local
     inside = cols < V
-    x = tl.load(x_ptr + r * stride_x + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    raw = tl.load(x_ptr + r * stride_x + cols, mask=inside, other=float("-inf"))
+    x = raw.to(tl.float32)
     m = tl.max(x, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # all -inf: a sum of 0, not NaN
     s = tl.sum(tl.where(inside, tl.exp(x - m_safe), 0.0), axis=0)
     tl.store(m_ptr + r * S + c, m)
     tl.store(s_ptr + r * S + c, s)
-    key = _keys(x, cols)
     out = keys_ptr + (r * S + c) * K_PAD
-    for j in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        tl.store(out + j, best)
-        key = tl.where(key == best, -9223372036854775807 - 1, key)
+    if HALF:
+        bits = raw.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
+        key = ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | (0xFFFF - local)
+        for j in tl.static_range(K):
+            best = tl.max(key, axis=0)
+            hi = best >> 16
+            val = (hi ^ ((hi >> 15) & 0x7FFF)).to(tl.int16).to(raw.dtype, bitcast=True).to(tl.float32)
+            col = c * BLOCK + 0xFFFF - (best & 0xFFFF)
+            tl.store(out + j, _keys(val, col))
+            key = tl.where(key == best, -2147483647 - 1, key)
+    else:
+        key = _keys(x, cols)
+        for j in tl.static_range(K):
+            best = tl.max(key, axis=0)
+            tl.store(out + j, best)
+            key = tl.where(key == best, -9223372036854775807 - 1, key)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -140,7 +156,7 @@ def topk_logprobs(logits: torch.Tensor, k: int, backend: str = "auto") -> tuple[
     m = torch.empty(r, s, dtype=torch.float32, device=dev)
     sums = torch.empty(r, s, dtype=torch.float32, device=dev)
     _chunk_kernel[(r, s)](x, keys, m, sums, r, v, x.stride(0), s, K=k, K_PAD=k_pad, BLOCK=block,
-                          num_warps=4 if block <= 2048 else 8)
+                          HALF=x.dtype != torch.float32, num_warps=4 if block <= 2048 else 8)
     _merge_kernel[(r,)](keys, m, sums, vals, ids, r, s, K=k, K_PAD=k_pad, S_PAD=pow2(s),
                         num_warps=1 if pow2(s) * k_pad <= 256 else 4)
     return vals.view(*lead, k), ids.view(*lead, k)

@@ -16,21 +16,25 @@ estimates are noisy and are all taken in the engine that holds the draft, whose 
 2-7% slower than a draft-less engine's on the H200 at batch 64 (host work; the same decode graph
 time), so a choice the estimates call a 2% win could lose against decoding without a draft.
 
-acc_i(n) for every menu size comes from each verify of the largest tree: under greedy
-acceptance the path a smaller prefix-tree accepts is the full tree's accepted path cut at its
-first node outside the prefix (only one child of a node can match the target's argmax), so
-one verify scores every smaller size exactly (sampling: the same count, an estimate). Each
-sequence keeps an exponential moving average per size, starting from the engine-wide average
-of the sequences seen so far, which starts from the draft's training record (``acceptance_prior``:
-its held-out top-1 accuracy; without one, an uninformed guess of one token at the largest size,
-under which the H200's policy hardly ever speculated at batch 1 where the 41-node tree won 1.2x).
-A size that could not win even if every draft token were
-accepted (``max_accept``: the tree's depth) is never chosen. While speculation is off nothing
-is observed, so now and then a step verifies the largest size that could win -- its one verify
-scores every smaller size too, while a small tree's says nothing of the larger ones (exploring
-with the smallest, the H200's policy never learned that its 41-node tree accepted 2.1-2.3
-tokens) -- after ``explore_every`` steps without speculation at least, and rarely enough that
-exploring costs at most ``explore_budget`` of the plain steps' time.
+acc_i(n) for every menu size comes from each verify of the largest tree: under greedy acceptance
+the path a smaller prefix-tree accepts is the full tree's accepted path cut at its first node
+outside the prefix (only one child of a node can match the target's argmax), so one verify
+scores every smaller size exactly (sampling: the same count, an estimate). Each sequence keeps
+an exponential moving average per size, starting from the engine-wide average of the sequences
+seen so far, which starts from the draft's training record (``acceptance_prior``: its held-out
+top-1 accuracy; without one, an uninformed guess of one token at the largest size, under which
+the H200's policy hardly ever speculated at batch 1 where the 41-node tree won 1.2x). A size
+that could not win even if every draft token were accepted (``max_accept``: the tree's depth) is
+never chosen. While speculation is off nothing is observed, so each plain step moves every
+sequence's estimates back toward the engine-wide ones (``relax``: it keeps 0.9 of its distance a
+step): a few rejected steps in a row, common when half the first draft tokens are rejected, had
+kept a sequence's estimate low, and so speculation off, until the next exploration -- at batch 1
+on the H200 speculation ran 127 of 605 steps while its steps gave 1.26x a plain step's tokens a
+ms. And now and then a step verifies the largest size that could win -- its one verify scores
+every smaller size too, while a small tree's says nothing of the larger ones (exploring with the
+smallest, the H200's policy never learned that its 41-node tree accepted 2.1-2.3 tokens) --
+after ``explore_every`` steps without speculation at least, and rarely enough that exploring
+costs at most ``explore_budget`` of the plain steps' time.
 
 The start-up profile times the steps' GPU paths on an idle engine; a serving step also pays its
 host side (building inputs, the per-sequence bookkeeping of acceptance, a catch-up outside the
@@ -107,6 +111,7 @@ class AdaptivePolicy:
     margin: float = 1.05  # speculation must be this much faster than a plain step
     explore_every: int = 16
     explore_budget: float = 0.01
+    relax: float = 0.9  # a plain step keeps this share of each sequence's distance from the engine-wide estimate
     cost_decay: float = 0.9  # weight of the past in each measured / profiled ratio
     _seq: dict[int, dict[int, float]] = field(default_factory=dict)
     _ratio: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -114,6 +119,7 @@ class AdaptivePolicy:
     _global: dict[int, float] = field(default_factory=dict)
     _global_n: int = 0
     _idle: int = 0
+    _plain_run: int = 0  # plain steps since the last speculative one (the estimates' relaxation)
     last_choice: int = 1
     # the draft's catch-up over rows of plain steps: (c0 ms, c1 ms a row) from the start-up profile
     # (None: free, Medusa's), times a measured ratio; the mean length of speculative stretches
@@ -205,7 +211,7 @@ class AdaptivePolicy:
                 continue  # slower than plain even if every draft token were accepted
             can_win.append(n)
             if sums is None:
-                sums = self._summed(seq_ids)
+                sums = self._relaxed(self._summed(seq_ids), b)
             rate = (b + sums[n]) / spec_ms
             if rate > best_rate:
                 best, best_rate = n, rate
@@ -234,8 +240,26 @@ class AdaptivePolicy:
         elif self._run:
             self.run_len = self.decay * self.run_len + (1 - self.decay) * self._run
             self._run = 0
+        if best == 1:
+            self._plain_run += 1
+        elif self._plain_run:  # the estimates this choice saw become the ones the verify updates
+            keep = self.relax ** self._plain_run
+            for est in self._seq.values():
+                for n, g in self._global.items():
+                    est[n] = g + (est[n] - g) * keep
+            self._version += 1
+            self._plain_run = 0
         self.last_choice = best
         return best
+
+    def _relaxed(self, sums: dict[int, float], b: int) -> dict[int, float]:
+        """Summed estimates of b sequences after the plain steps since the last speculative one:
+        each sequence's distance from the engine-wide estimate times relax per step (a sequence
+        without estimates of its own has none)."""
+        if not self._plain_run or self.relax >= 1.0:
+            return sums
+        keep = self.relax ** self._plain_run
+        return {n: b * self._global[n] + (v - b * self._global[n]) * keep for n, v in sums.items()}
 
     def idle(self) -> None:
         """A step the caller decided plainly without asking (nothing changed since a choice of 1):

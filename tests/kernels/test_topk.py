@@ -40,8 +40,9 @@ def test_matches_reference(rows, vocab, k, dtype):
     _check(x, k)
 
 
-def test_ties_go_to_the_lower_column_and_never_repeat():
-    x = torch.zeros(2, 4096 + 500, device=DEV)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ties_go_to_the_lower_column_and_never_repeat(dtype):
+    x = torch.zeros(2, 4096 + 500, device=DEV, dtype=dtype)
     x[0, [7, 4100, 4200, 3]] = 1.0  # equal maxima in two chunks
     x[1, 4096:] = 2.0  # the second chunk all equal
     vals, ids = topk_logprobs(x, 6, backend="triton")
@@ -60,8 +61,9 @@ def test_minus_infinity_words_and_chunks():
     x[2] = torch.randn(x.shape[1], generator=g)
     x[2, 4096:8192] = float("-inf")
     _check(x.to(DEV, torch.bfloat16), 3)
-    vals, ids = topk_logprobs(x.to(DEV), 3, backend="triton")
-    assert ids[1].tolist() == [2, 0, 1] and torch.isfinite(vals).all()
+    for dtype in (torch.float32, torch.bfloat16):
+        vals, ids = topk_logprobs(x.to(DEV, dtype), 3, backend="triton")
+        assert ids[1].tolist() == [2, 0, 1] and torch.isfinite(vals).all()
 
 
 def test_leading_dims_and_strided_rows():

@@ -358,3 +358,30 @@ def test_choice_follows_every_observation_through_the_sum_cache():
     pol.forget(2)  # back to the engine-wide estimates
     pol.choose([2])
     assert pol._sums[2] == pol._global
+
+
+@pytest.mark.parametrize("relax", [0.9, 1.0])
+def test_a_rejected_streak_is_forgotten_over_plain_steps(relax):
+    """Bs 1 at the H200's measured costs: a sequence whose last verifies accepted nothing drops below
+    what a tree must accept to pay. Plain steps observe nothing, so its estimates relax toward the
+    engine-wide ones (many sequences' record), and speculation resumes after a few steps; without
+    the relaxation (relax = 1) it stays off until an exploration (none here)."""
+    sizes = [2, 5, 41]
+    costs = CostTable([1], {1: [1.17], 2: [1.30], 5: [1.65], 41: [2.22]})
+    pol = AdaptivePolicy(sizes, costs, prior={2: 0.6, 5: 1.1, 41: 1.4}, explore_every=10**6, relax=relax)
+    for sid in range(1, 40):  # the engine-wide record: other sequences' typical verifies
+        pol.observe(sid, {2: 1, 5: 1, 41: 2} if sid % 2 else {2: 0, 5: 1, 41: 1})
+    assert pol.choose([0]) > 1
+    for _ in range(8):  # sequence 0: eight verifies with nothing accepted
+        pol.observe(0, {2: 0, 5: 0, 41: 0})
+    low, g = dict(pol.expected(0)), dict(pol._global)
+    picks = [pol.choose([0]) for _ in range(12)]
+    assert picks[0] == 1
+    if relax < 1:
+        first = next(i for i, p in enumerate(picks) if p > 1)
+        assert 2 <= first <= 10
+        # the switch makes the relaxed estimates the sequence's own: a verify updates those
+        for n in sizes:
+            assert pol.expected(0)[n] == pytest.approx(g[n] + (low[n] - g[n]) * relax ** first)
+    else:
+        assert picks == [1] * 12
