@@ -64,6 +64,10 @@ from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import DynamicTreeBuilder, StaticTree, const_arange, const_eye
 from .step_inputs import HostBatch, host_tensor, packed_to
 
+# EAGLE: plain steps a speculative step's graphed catch-up window covers beyond its own last step's
+# tokens (the draft reruns those rows every speculative step: B * 8 more rows of one layer)
+CATCH_SLACK = 8
+
 # Medusa's tree when none is given: ranks of the heads' top-k along each path, widest near the
 # root (where acceptance is likeliest), cut to the heads the draft has.
 DEFAULT_MEDUSA_CHOICES = (
@@ -187,7 +191,11 @@ class SpecDecoder:
                                depth=o.depth, num_draft=o.num_draft)  # checks the options now
             self.num_nodes = o.num_draft + 1
             self.scratch = (o.depth - 1) * o.top_k
-            self.catch_rows = o.depth + 1  # a graphed step's catch-up: rows c - G .. c - 1 (a step emits <= depth + 1)
+            # a graphed step's catch-up window: rows c - G .. c - 1. A step emits <= depth + 1 tokens;
+            # CATCH_SLACK rows more cover that many plain steps since the last speculative one, so a
+            # short plain stretch needs no eager catch-up (about 2 ms on the H200 even for a few rows,
+            # which the policy charges to switching back on: short stretches made it stay off)
+            self.catch_rows = o.depth + 1 + CATCH_SLACK
         else:
             choices = options.medusa_choices or tuple(c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= draft.num_heads)
             full = StaticTree.from_choices(choices)
@@ -487,18 +495,21 @@ class SpecDecoder:
     def _states_fixed(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Tensor-only states (a graphed step's): EAGLE, the draft over the last G rows of each
         sequence, positions c - G .. c - 1, ids int64 [B, G] the tokens at c - G + 1 .. c (the root
-        last); rows the draft ran over before are recomputed to the same values. Medusa: the
-        feature at c - 1 (ids unused)."""
+        last); rows the draft ran over before are recomputed to the same values. A sequence with
+        c < G has G - c rows before position 0: they store nothing (slot -1), read the feature
+        store's dump row and position 0, and no later row sees them (the extend kernel places
+        query i at c - G + i). Medusa: the feature at c - 1 (ids unused)."""
         bsz, bs, dev = ctx.shape[0], self.block_size, self.device
         if not self.eagle:
             return self._medusa_states(ctx, tables)
         g = ids.shape[1]
         pos = ctx[:, None] + const_arange(g, dev, start=-g)[None, :]
-        slots = _slots(tables, pos, bs).reshape(-1)
+        at = pos.clamp_min(0)
+        slots = torch.where(pos >= 0, _slots(tables, at, bs), -1).reshape(-1)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=ctx.to(torch.int32), decode=False,
                                  cu_seqlens_q=const_arange(bsz + 1, dev, torch.int32, step=g),
                                  max_seqlen_q=g)
-        pred = self.draft(self.store[slots], ids.reshape(-1), pos.reshape(-1), meta)
+        pred = self.draft(self.store[slots], ids.reshape(-1), at.reshape(-1), meta)
         return pred.view(bsz, g, -1)[:, -1]
 
     # ---- the speculative step
@@ -521,7 +532,7 @@ class SpecDecoder:
         if behind:
             self.stats.caught_up_steps += 1
             self.stats.catch_up_rows += behind
-        if key is not None and all(s.num_computed_tokens >= g for s in seqs):
+        if key is not None:
             if self.eagle:  # the rows before the graph's catch-up window, eager
                 if self.last_step_caught_up:
                     t0 = time.perf_counter()
@@ -716,7 +727,7 @@ class SpecDecoder:
 class SpecStepGraphs:
     """Speculative steps under CUDA graphs: one graph per (batch bucket b, tree size n, sampled)
     with b * n <= max_tokens, captured once at start, each the whole of a SpecDecoder step: the
-    draft states (EAGLE: its catch-up over each sequence's last G = depth + 1 rows), the proposal,
+    draft states (EAGLE: its catch-up over each sequence's last G = depth + 1 + CATCH_SLACK rows), the proposal,
     the verify forward, acceptance, the KV move and the feature store. Outputs: the
     AcceptResult's tensors and the node ranks; the caller's one host sync reads them.
 
@@ -762,7 +773,7 @@ class SpecStepGraphs:
     def run(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, n: int,
             temps: torch.Tensor | None = None):
         """(AcceptResult, ranks) of B sequences' step with trees of n nodes: ids int64 [B, G],
-        ctx int64 [B] (c >= G), tables int32 [B, w <= width]; temps float32 [B] (None: greedy,
+        ctx int64 [B] (c >= 1), tables int32 [B, w <= width]; temps float32 [B] (None: greedy,
         the greedy graph); the outputs are the graph's own (valid until its next replay). Needs a
         bucket: ``bucket(B, n, temps is not None)`` is not None."""
         bsz, w = ids.shape[0], tables.shape[1]
@@ -784,13 +795,13 @@ class SpecStepGraphs:
         return AcceptResult(acc[:bsz], num[:bsz], tok[:bsz]), ranks[:bsz]
 
     def run_seqs(self, seqs, n: int, temps: list[float] | None = None):
-        """``run`` for scheduled sequences (each with num_computed_tokens >= G); temps: each one's
-        temperature (None: a greedy step)."""
+        """``run`` for scheduled sequences; temps: each one's temperature (None: a greedy step)."""
         g, dev = self.g, self.spec.device
         rows = []
         for s in seqs:
             c = s.num_computed_tokens
-            rows.append(s.token_ids[c - g + 1: c + 1])
+            # the tokens at c - G + 1 .. c; zeros before the first (rows of no position)
+            rows.append(s.token_ids[c - g + 1: c + 1] if c >= g else [0] * (g - 1 - c) + s.token_ids[:c + 1])
         host = host_tensor("q", *rows, [s.num_computed_tokens for s in seqs]).to(dev, non_blocking=True)
         bsz = len(seqs)
         width = max(len(s.block_table) for s in seqs)
