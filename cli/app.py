@@ -255,6 +255,10 @@ def eval_cmd(
                                         "speculative decoding, tau, acceptance per depth, on held-out chat prompts"),
     temperatures: str = typer.Option("0,1", help="--draft: sampling temperatures, comma-separated"),
     spec_policy: str = typer.Option("auto", help="--draft: auto (adaptive on CUDA) | adaptive | fixed"),
+    spec_top_k: int = typer.Option(8, "--spec-top-k", help="--draft, EAGLE tree: children per expanded node"),
+    spec_depth: int = typer.Option(6, "--spec-depth", help="--draft, EAGLE tree: draft tokens along a path at most"),
+    spec_tokens: int = typer.Option(40, "--spec-tokens", help="--draft, EAGLE tree: draft tokens verified per "
+                                    "step at most"),
     compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
                                            "thresholds are marked as regressions"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),
@@ -295,6 +299,9 @@ def eval_cmd(
             temps = _floats("--temperatures", temperatures)
             if spec_policy not in ("auto", "adaptive", "fixed"):
                 _fail(f"--spec-policy {spec_policy!r} is not allowed; allowed: auto, adaptive, fixed")
+            for flag, v in (("--spec-top-k", spec_top_k), ("--spec-depth", spec_depth), ("--spec-tokens", spec_tokens)):
+                if v < 1:
+                    _fail(f"{flag} {v} is not allowed; allowed: an integer >= 1")
         rows = []
         phases = [p for p, on in (("perplexity", want_ppl), ("lm-eval tasks", bool(task_names)), ("speed", speed),
                                   ("speculation", bool(draft))) if on]
@@ -338,7 +345,9 @@ def eval_cmd(
             # a GPU batch of 128 tokens takes ~0.2 s: three measured batches per case against noise
             results = evaluate_speculation(models, draft, spec_sizes, spec_len, device=dev, dtype=dtype,
                                            temperatures=temps, reps=3 if str(dev).startswith("cuda") else 1,
-                                           policy=spec_policy, on_model=spec_partial)
+                                           policy=spec_policy, on_model=spec_partial,
+                                           spec_options=dict(spec_top_k=spec_top_k, spec_depth=spec_depth,
+                                                             spec_num_draft=spec_tokens))
             rows = add_results(rows, models, results, spec_fields)
     except (UserError, ValueError) as e:
         _fail(str(e))

@@ -283,7 +283,7 @@ def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequenc
         rows = measure_speculation(name, draft, batch_sizes, output_len, device, dtype, temperatures, reps, policy,
                                    spec_options, progress)
         for r in rows:
-            r.update(draft=str(draft), draft_method=method, policy=policy)
+            r.update(draft=str(draft), draft_method=method, policy=policy, spec_options=dict(spec_options or {}))
         out.append(dict(speculation=rows, scheme=checkpoint_kind(resolve_model(name)),
                         seconds=time.perf_counter() - t0))
         if on_model is not None and len(out) < len(models):

@@ -168,3 +168,20 @@ def test_kv_blocks_for_a_workload():
     args = _engine_args([1, 8], 128, "cuda", "auto", 100)  # max_len = 100 + 128 + 64
     assert args["num_kv_blocks"] == 8 * (-(-292 // 16) + 1) + 16 and "num_kv_blocks" not in _engine_args(
         [1, 8], 128, "cpu", "auto", 100)
+
+
+def test_eval_takes_the_eagle_tree_options(tiny_llama, tmp_path):
+    """--spec-top-k / --spec-depth / --spec-tokens reach the engine (no tree verifies more than
+    spec_tokens + 1 nodes) and the report records them; a bad one is one line."""
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    opts = dict(spec_top_k=2, spec_depth=2, spec_num_draft=3)
+    res = evaluate_speculation([str(tiny_llama)], str(draft), [2], 10, device="cpu", dtype="float32",
+                               temperatures=(0.0,), reps=1, policy="fixed", spec_options=opts, progress=False)
+    row = res[0]["speculation"][0]
+    assert row["spec_options"] == opts and row["spec_seq_steps"] > 0
+    assert {int(n) for n in row["steps_by_size"]} == {4}
+    r = subprocess.run([sys.executable, "-m", "optllm", "eval", str(tiny_llama), "--device", "cpu", "--no-ppl",
+                        "--draft", str(draft), "--spec-depth", "0", "--batch-sizes", "1", "--temperatures", "0"],
+                       capture_output=True, text=True)
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--spec-depth 0" in lines[0], r.stderr
