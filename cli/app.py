@@ -256,7 +256,7 @@ def eval_cmd(
     temperatures: str = typer.Option("0,1", help="--draft: sampling temperatures, comma-separated"),
     spec_policy: str = typer.Option("auto", help="--draft: auto (adaptive on CUDA) | adaptive | fixed"),
     spec_top_k: int = typer.Option(8, "--spec-top-k", help="--draft, EAGLE tree: children per expanded node"),
-    spec_depth: int = typer.Option(6, "--spec-depth", help="--draft, EAGLE tree: draft tokens along a path at most"),
+    spec_depth: int = typer.Option(5, "--spec-depth", help="--draft, EAGLE tree: draft tokens along a path at most"),
     spec_tokens: int = typer.Option(40, "--spec-tokens", help="--draft, EAGLE tree: draft tokens verified per "
                                     "step at most"),
     compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
@@ -401,7 +401,7 @@ _LOAD = typer.Option("auto", "--load-format", help="auto | dummy (random weights
 _DRAFT = typer.Option(None, "--draft", help="a draft folder `optllm train-draft` wrote (Medusa or EAGLE): "
                                             "speculative decoding, same output")
 _SPEC_TOP_K = typer.Option(8, "--spec-top-k", help="EAGLE tree: children per expanded node")
-_SPEC_DEPTH = typer.Option(6, "--spec-depth", help="EAGLE tree: draft tokens along a path at most")
+_SPEC_DEPTH = typer.Option(5, "--spec-depth", help="EAGLE tree: draft tokens along a path at most")
 _SPEC_TOKENS = typer.Option(40, "--spec-tokens", help="EAGLE tree: draft tokens verified per step at most")
 _SPEC_POLICY = typer.Option("auto", "--spec-policy", help="auto (adaptive on CUDA, fixed on CPU) | adaptive (a tree "
                                                           "size per step, down to none) | fixed (the whole tree)")

@@ -87,7 +87,7 @@ class SpecOptions:
     acceptance and a cost profile measured at start-up)."""
 
     top_k: int = 8
-    depth: int = 6
+    depth: int = 5
     num_draft: int = 40
     medusa_choices: tuple | None = None
     policy: str = "fixed"
