@@ -15,11 +15,6 @@ profile (``CostTable``). Speculation must win by ``margin`` to be chosen: 5%, si
 estimates are noisy and are all taken in the engine that holds the draft, whose plain steps ran
 2-7% slower than a draft-less engine's on the H200 at batch 64 (host work; the same decode graph
 time), so a choice the estimates call a 2% win could lose against decoding without a draft.
-Once on, speculation stays on while it merely matches a plain step (``stay_margin``: 1.0):
-staying costs nothing more, while switching off and on again costs the draft a catch-up. With
-the 5% bar both ways, noisy estimates ended stretches early, and short stretches make each
-switch's catch-up charge larger (it is spread over the mean stretch): at batch 8 on the H200
-speculation ran 34 of 752 steps while its steps gave 1.2x a plain step's tokens a ms.
 
 acc_i(n) for every menu size comes from each verify of the largest tree: under greedy acceptance
 the path a smaller prefix-tree accepts is the full tree's accepted path cut at its first node
@@ -113,8 +108,7 @@ class AdaptivePolicy:
     prior: dict[int, float] | None = None
     max_accept: dict[int, int] | None = None  # the most draft tokens each size can give (None: n - 1)
     decay: float = 0.8  # weight of the past in each sequence's average
-    margin: float = 1.05  # speculation must be this much faster than a plain step to be switched on
-    stay_margin: float = 1.0  # ... and this much to stay on (the draft caught up: staying costs nothing more)
+    margin: float = 1.05  # speculation must be this much faster than a plain step
     explore_every: int = 16
     explore_budget: float = 0.01
     relax: float = 0.9  # a plain step keeps this share of each sequence's distance from the engine-wide estimate
@@ -205,8 +199,7 @@ class AdaptivePolicy:
         extra = self.catch_up_cost(behind) / max(self.run_len, 1.0)
         plain_ms = self.step_cost(1, b)
         plain = b / plain_ms
-        margin = self.margin if self.last_choice == 1 else self.stay_margin
-        best, best_rate = 1, plain * margin
+        best, best_rate = 1, plain * self.margin
         can_win = []
         sums = None
         for n in self.sizes:
@@ -214,7 +207,7 @@ class AdaptivePolicy:
                 continue
             top = (self.max_accept or {}).get(n, n - 1)
             spec_ms = self.step_cost(n, b) + extra
-            if b * (1.0 + top) / spec_ms <= plain * margin:
+            if b * (1.0 + top) / spec_ms <= plain * self.margin:
                 continue  # slower than plain even if every draft token were accepted
             can_win.append(n)
             if sums is None:

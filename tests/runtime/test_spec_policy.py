@@ -385,20 +385,3 @@ def test_a_rejected_streak_is_forgotten_over_plain_steps(relax):
             assert pol.expected(0)[n] == pytest.approx(g[n] + (low[n] - g[n]) * relax ** first)
     else:
         assert picks == [1] * 12
-
-
-def test_speculation_needs_the_margin_to_start_and_only_break_even_to_stay():
-    """A tree whose expected rate is 2% above plain: not switched on from plain (5% margin), but
-    kept once on (a verify of full acceptance switched it on): staying costs no catch-up."""
-    sizes = [3]
-    costs = CostTable([1], {1: [1.0], 3: [2.0]})
-    pol = AdaptivePolicy(sizes, costs, prior={3: 1.04}, explore_every=10**6, decay=0.0, relax=1.0)
-    assert [pol.choose([0]) for _ in range(3)] == [1, 1, 1]  # 2.04 tokens for 2 ms: +2%, below the margin
-    pol.observe(0, {3: 2})
-    assert pol.choose([0]) == 3  # 3 tokens for 2 ms: +50%
-    pol.observe(0, {3: 1.04})
-    assert [pol.choose([0]) for _ in range(3)] == [3, 3, 3]  # +2% again: stays on
-    pol.observe(0, {3: 0.9})
-    assert pol.choose([0]) == 1  # below break-even: off
-    pol.observe(0, {3: 1.04})
-    assert pol.choose([0]) == 1  # +2% from plain: the margin applies again
