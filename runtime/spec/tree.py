@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -310,10 +310,22 @@ class StaticTree:
         return torch.cat([root_tokens.to(topk_ids.device, torch.int64)[:, None], drafts.long()], dim=1)
 
     def batch(self, root_tokens: torch.Tensor, topk_ids: torch.Tensor) -> TreeBatch:
-        """The TreeBatch of B copies of this tree with tokens as ``tokens`` gives them."""
+        """The TreeBatch of B copies of this tree with tokens as ``tokens`` gives them; the shape's
+        tensors are built once per device and shared, expanded over B (never write into them)."""
         tok = self.tokens(root_tokens, topk_ids)
-        par = _const(self.tree.parents, tok.device).expand_as(tok)
-        return TreeBatch.build(tok, par.contiguous(), validate=False)
+        one = _static_structure(self.tree.parents, tok.device)
+        bsz = tok.shape[0]
+        par, depths, mask, paths = (t.expand(bsz, *t.shape[1:]) for t in (one.parents, one.depths, one.mask,
+                                                                          one.paths))
+        return TreeBatch(tok, par, const_full((bsz,), self.tree.size, torch.int64, tok.device), depths, mask, paths)
+
+
+@functools.lru_cache(maxsize=64)
+def _static_structure(parents: tuple, device: torch.device) -> TreeBatch:
+    """One static tree's TreeBatch (tokens unused), made once per device: a Medusa step rebuilt
+    it every step, some 25 kernels inside its CUDA graph."""
+    par = torch.tensor([parents], dtype=torch.int64, device=device)
+    return TreeBatch.build(torch.zeros_like(par), par, validate=False)
 
 
 @functools.lru_cache(maxsize=512)
@@ -455,8 +467,10 @@ class DynamicTreeBuilder:
         self._frontier_parent = best // k  # candidate p * k + c is frontier node p's child c
         self.steps += 1
 
-    def build(self) -> TreeBatch:
-        """The trees: root + the num_draft best candidates, each tree num_draft + 1 nodes."""
+    def build(self, make: Optional[Callable[[torch.Tensor, torch.Tensor, int], TreeBatch]] = None) -> TreeBatch:
+        """The trees: root + the num_draft best candidates, each tree num_draft + 1 nodes. make(tokens,
+        parents, max_depth): builds the TreeBatch of those [B, n] tensors instead of
+        TreeBatch.build (the runtime passes kernels/tree_struct.py's one-launch version on a GPU)."""
         scores, tokens, parents = self.pool_scores, self.pool_tokens, self.pool_parents
         n = self.num_draft + 1
         # the root's 0 is the largest score and index 0 wins its ties: it is always kept
@@ -467,6 +481,8 @@ class DynamicTreeBuilder:
         par = parents.gather(1, keep)
         tree_par = torch.where(par >= 0, remap.gather(1, par.clamp_min(0)), -1)
         self.kept_scores = scores.gather(1, keep)
+        if make is not None:
+            return make(tokens.gather(1, keep), tree_par, self.steps)
         return TreeBatch.build(tokens.gather(1, keep), tree_par, validate=False, max_depth=self.steps)
 
 
