@@ -50,3 +50,13 @@ def test_bad_inputs_are_one_error():
         tree_struct(torch.zeros(1, 3, dtype=torch.int32), 1)
     with pytest.raises(ValueError, match="max_depth"):
         tree_struct(torch.tensor([[-1, 0]]), -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bsz, n", [(1, 41), (64, 41), (8, 21)])
+def test_cuda_trees_of_a_speculative_step(bsz, n):
+    par = _random_parents(bsz, n, seed=bsz + n)
+    ref = tree_struct_ref(par)
+    got = tree_struct(par.cuda(), int(ref[0].max()))
+    assert all(torch.equal(g.cpu(), r) for g, r in zip(got, ref))
