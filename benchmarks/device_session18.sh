@@ -6,8 +6,8 @@
 #   3. issue 15: the speculative step graphs kernel by kernel (profile_step.py --spec-trees
 #      SPEC_TREES), unless NO_SPEC_PROFILE
 #   4. issue 15: the adaptive policy end to end (optllm eval --draft, batches BS, temperatures
-#      TEMPS, or TEMPS_<run> for one run), unless NO_SPEC; RUNS=n repeats it (the spread between
-#      runs is the noise)
+#      TEMPS, or TEMPS_<run> for one run; SPEC_LOAD waves | continuous), unless NO_SPEC; RUNS=n
+#      repeats it (the spread between runs is the noise)
 #   5. EXTRA: a command line run last (optional)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -28,7 +28,7 @@ fi
 for r in $(seq 1 "${RUNS:-1}"); do
   [ -n "${NO_SPEC:-}" ] && break
   timeout "${SPEC_S:-200}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/eagle \
-    --temperatures "$(eval echo \${TEMPS_$r:-\${TEMPS:-0}})" --batch-sizes "${BS:-1,8,64}" --spec-policy auto --out /root/spec-auto-$r \
+    --temperatures "$(eval echo \${TEMPS_$r:-\${TEMPS:-0}})" --batch-sizes "${BS:-1,8,64}" --spec-policy auto --spec-load "${SPEC_LOAD:-waves}" --out /root/spec-auto-$r \
     > "$OUT/logs/spec_auto_$r.log" 2>&1 || echo "spec eval $r exited $?"
   cp /root/spec-auto-$r/report.md "$OUT/spec_auto_$r.md" 2>/dev/null
   cp /root/spec-auto-$r/report.json "$OUT/spec_auto_$r.json" 2>/dev/null

@@ -259,6 +259,8 @@ def eval_cmd(
     spec_depth: int = typer.Option(5, "--spec-depth", help="--draft, EAGLE tree: draft tokens along a path at most"),
     spec_tokens: int = typer.Option(40, "--spec-tokens", help="--draft, EAGLE tree: draft tokens verified per "
                                     "step at most"),
+    spec_load: str = typer.Option("waves", "--spec-load", help="--draft: waves (each batch's requests together) | "
+                                  "continuous (all requests at once, at most batch size running: a busy server)"),
     compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
                                            "thresholds are marked as regressions"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),
@@ -302,6 +304,8 @@ def eval_cmd(
             for flag, v in (("--spec-top-k", spec_top_k), ("--spec-depth", spec_depth), ("--spec-tokens", spec_tokens)):
                 if v < 1:
                     _fail(f"{flag} {v} is not allowed; allowed: an integer >= 1")
+            if spec_load not in ("waves", "continuous"):
+                _fail(f"--spec-load {spec_load!r} is not allowed; allowed: waves, continuous")
         rows = []
         phases = [p for p, on in (("perplexity", want_ppl), ("lm-eval tasks", bool(task_names)), ("speed", speed),
                                   ("speculation", bool(draft))) if on]
@@ -347,7 +351,7 @@ def eval_cmd(
                                            temperatures=temps, reps=3 if str(dev).startswith("cuda") else 1,
                                            policy=spec_policy, on_model=spec_partial,
                                            spec_options=dict(spec_top_k=spec_top_k, spec_depth=spec_depth,
-                                                             spec_num_draft=spec_tokens))
+                                                             spec_num_draft=spec_tokens), load=spec_load)
             rows = add_results(rows, models, results, spec_fields)
     except (UserError, ValueError) as e:
         _fail(str(e))

@@ -93,6 +93,12 @@ def speed_table(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _batch_cell(s: dict) -> str:
+    """A speculation row's batch size, marked when its requests arrived as one stream (at most that
+    many running) rather than in waves."""
+    return f"{s['batch_size']} (continuous)" if s.get("load") == "continuous" else str(s["batch_size"])
+
+
 def speculation_table(rows: list) -> str:
     """Speculation: a row per model, temperature and batch size (plain and speculative output
     tok/s, speedup, tau, the share of speculative sequence-steps accepting at least d draft
@@ -109,7 +115,7 @@ def speculation_table(rows: list) -> str:
             depth = (list(s.get("accept_at_depth") or []) + [None] * 4)[:4]
             same = _same_tokens(s)
             lines.append("| " + " | ".join([
-                r.model, r.kind, f"{s['temperature']:g}", str(s["batch_size"]), f(s.get("plain_tok_s"), "{:.1f}"),
+                r.model, r.kind, f"{s['temperature']:g}", _batch_cell(s), f(s.get("plain_tok_s"), "{:.1f}"),
                 f(s.get("spec_tok_s"), "{:.1f}"), f(s.get("speedup"), "{:.2f}×"), f(s.get("tau"), "{:.2f}"),
                 *[f(None if d is None else 100 * d, "{:.0f}%") for d in depth],
                 ", ".join(f"{n}: {c}" for n, c in (s.get("steps_by_size") or {}).items()) or "–", same]) + " |")
@@ -129,7 +135,7 @@ def speculation_time_table(rows: list) -> str:
     for r, s in items:
         p, q = s["time"]["plain"], s["time"]["spec"]
         lines.append("| " + " | ".join([
-            r.model, f"{s['temperature']:g}", str(s["batch_size"]), str(p["steps"]), f"{p['runner_ms']:.1f}",
+            r.model, f"{s['temperature']:g}", _batch_cell(s), str(p["steps"]), f"{p['runner_ms']:.1f}",
             f"{p['host_ms']:.1f}", str(q["steps"]), f"{q['runner_ms']:.1f}", f"{q['host_ms']:.1f}",
             f"{q['spec_steps']} ({q['spec_part_ms']:.1f})", f"{q['plain_parts']} ({q['plain_part_ms']:.1f})",
             f"{q['caught_up_steps']} ({q['catch_up_rows']}, {q.get('catch_up_ms', 0.0):.1f})"]) + " |")

@@ -19,7 +19,14 @@ ones, each run once untimed first when reps > 1 (a GPU's): a prompt length or ta
 seen in a timed batch could still cost a kernel compile, about a second, in a batch of a few
 hundred milliseconds. The plain and the speculative engine (the draft's tree under the given policy) are loaded
 side by side with the same shape, their KV caches sized to the workload, and their batches
-alternate (plain, speculative, plain, ...), so that a drift in time hits both alike. On a GPU
+alternate (plain, speculative, plain, ...), so that a drift in time hits both alike.
+
+``load="continuous"`` measures a busy server instead of waves: the ``reps`` batches' requests
+all arrive at once and at most ``batch size`` run together, so a finished sequence's place goes
+to a waiting request. With waves, the sequences that speculated finish first and the wave's
+tail runs steps of fewer sequences at nearly a full step's cost, which a draft-less engine's
+wave of equal lengths never does (H200, eighteenth session: at batch 8 the speculative steps
+won 25% and the run still lost 9%). On a GPU
 each case is then measured twice, the engines built plain first and then speculative first,
 and the times summed: the same decode graph replayed up to 12% slower in whichever engine a
 process built second (H200, eleventh session), a bias that alternating batches does not remove
@@ -28,6 +35,8 @@ process built second (H200, eleventh session), a bias that alternating batches d
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +53,7 @@ from ..runtime.loader import checkpoint_kind
 from ..runtime.sampling_params import SamplingParams
 
 _USER = ("<|im_start|>user\n", "<|im_end|>")
+LOADS = ("waves", "continuous")
 
 
 def heldout_user_prompts() -> list[str]:
@@ -99,6 +109,19 @@ def _delta(after: dict, before: dict) -> dict:
         "histogram": h, "steps_by_size": {n: c for n, c in sorted(sizes.items()) if c}}
 
 
+@contextlib.contextmanager
+def _running_at_most(engines: dict, n: int):
+    """Each engine's scheduler runs at most n sequences at once while inside."""
+    saved = {k: llm.engine.scheduler.config for k, llm in engines.items()}
+    try:
+        for k, llm in engines.items():
+            llm.engine.scheduler.config = dataclasses.replace(saved[k], max_num_seqs=n)
+        yield
+    finally:
+        for k, llm in engines.items():
+            llm.engine.scheduler.config = saved[k]
+
+
 def _exec(llm: LLM) -> tuple[int, float]:
     """The engine's steps run so far and their wall milliseconds in the model runner."""
     r = llm.engine.runner
@@ -120,9 +143,11 @@ def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
 def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], output_len: int, device: str = "cpu",
                         dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0), reps: int = 1,
                         policy: str = "auto", spec_options: dict | None = None, progress: bool = False,
-                        both_orders: bool | None = None) -> list[dict]:
+                        both_orders: bool | None = None, load: str = "waves") -> list[dict]:
     """One row per (temperature, batch size): plain_tok_s, spec_tok_s, speedup, tau, histogram,
     accept_at_depth, identical (greedy) and the counts behind them (see the module docstring).
+    load: "waves" (each batch's requests together, the next batch after) or "continuous" (all
+    requests at once, at most batch size running).
     both_orders (None: on a GPU): every case measured twice, the engines built plain first, then
     speculative first, their times summed (the module docstring says why)."""
     if both_orders is None:
@@ -132,6 +157,8 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
     for t in temperatures:
         if not t >= 0:
             raise UserError(f"temperature {t!r} is not allowed; allowed: a number >= 0")
+    if load not in LOADS:
+        raise UserError(f"load {load!r} is not allowed; allowed: {', '.join(LOADS)}")
     plain = LLM(str(model), **_engine_args(batch_sizes, output_len, device, dtype, 1))
     prompts = {bs: render_prompts(plain, bs * (reps + 1), offset=17 * bs) for bs in batch_sizes}
     longest = max(len(p) for ps in prompts.values() for p in ps)
@@ -150,7 +177,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             try:
                 for label in order:
                     engines[label] = build[label]()
-                _measure_pass(engines, cases, prompts, reps, output_len, results, bar)
+                _measure_pass(engines, cases, prompts, reps, output_len, results, bar, load)
             finally:
                 engines.clear()
                 _free()
@@ -167,7 +194,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
         steps, hist = c["seq_steps"], c["histogram"]
         at_depth = [sum(hist[d:]) / steps if steps else None for d in range(1, len(hist))]
         rows.append(dict(
-            batch_size=bs, temperature=t, output_len=output_len, requests=bs * reps,
+            batch_size=bs, temperature=t, output_len=output_len, requests=bs * reps, load=load,
             plain_tok_s=r["plain_tok_s"], spec_tok_s=r["spec_tok_s"],
             speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
@@ -195,9 +222,11 @@ def _time_split(r: dict, c: dict) -> dict:
     return out
 
 
-def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, results: dict, bar) -> None:
+def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, results: dict, bar,
+                  load: str = "waves") -> None:
     """Every case on one pair of engines (built in the order of ``engines``), added into results:
-    seconds and tokens per engine summed over passes, the first pass's token ids, the counts."""
+    seconds and tokens per engine summed over passes, the first pass's token ids, the counts.
+    load "continuous": the timed batches run as one stream of requests, bs at a time."""
     spec = engines["spec"].engine.runner.spec
     table = getattr(spec, "cost_table", None)  # the adaptive policy's start-up profile
     for t, bs in cases:
@@ -210,16 +239,18 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
         r = results[(t, bs)]
         first = "plain_ids" not in r
         ids: dict[str, list] = {"plain": [], "spec": []}
-        for b in batches[1:]:  # alternating, so that a drift hits both alike
-            for label, llm in engines.items():
-                steps0, ms0 = _exec(llm)
-                sec, n, out = _batch(llm, b, params)
-                steps1, ms1 = _exec(llm)
-                r[f"{label}_seconds"] = r.get(f"{label}_seconds", 0.0) + sec
-                r[f"{label}_tokens"] = r.get(f"{label}_tokens", 0) + n
-                r[f"{label}_steps"] = r.get(f"{label}_steps", 0) + steps1 - steps0
-                r[f"{label}_exec_ms"] = r.get(f"{label}_exec_ms", 0.0) + ms1 - ms0
-                ids[label] += out
+        timed = batches[1:] if load == "waves" else [[p for b in batches[1:] for p in b]]
+        with _running_at_most(engines, bs) if load == "continuous" else contextlib.nullcontext():
+            for b in timed:  # alternating, so that a drift hits both alike
+                for label, llm in engines.items():
+                    steps0, ms0 = _exec(llm)
+                    sec, n, out = _batch(llm, b, params)
+                    steps1, ms1 = _exec(llm)
+                    r[f"{label}_seconds"] = r.get(f"{label}_seconds", 0.0) + sec
+                    r[f"{label}_tokens"] = r.get(f"{label}_tokens", 0) + n
+                    r[f"{label}_steps"] = r.get(f"{label}_steps", 0) + steps1 - steps0
+                    r[f"{label}_exec_ms"] = r.get(f"{label}_exec_ms", 0.0) + ms1 - ms0
+                    ids[label] += out
         delta = _delta(_spec_counts(engines["spec"]), before)
         if first:
             for label in ids:
@@ -270,7 +301,8 @@ def _identity(margins: list[float | None]) -> dict:
 def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequence[int], output_len: int,
                          device: str = "cpu", dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0),
                          reps: int = 1, policy: str = "auto", spec_options: dict | None = None,
-                         progress: bool = True, on_model: Callable[[list[dict]], None] | None = None) -> list[dict]:
+                         progress: bool = True, on_model: Callable[[list[dict]], None] | None = None,
+                         load: str = "waves") -> list[dict]:
     """measure_speculation for each model with the one draft: [{"speculation": rows, "scheme",
     "seconds"}], as eval's other measurements return them. on_model(results so far) runs after
     each model but the last (eval rewrites its partial report there)."""
@@ -281,7 +313,7 @@ def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequenc
     for name in models:
         t0 = time.perf_counter()
         rows = measure_speculation(name, draft, batch_sizes, output_len, device, dtype, temperatures, reps, policy,
-                                   spec_options, progress)
+                                   spec_options, progress, load=load)
         for r in rows:
             r.update(draft=str(draft), draft_method=method, policy=policy, spec_options=dict(spec_options or {}))
         out.append(dict(speculation=rows, scheme=checkpoint_kind(resolve_model(name)),

@@ -117,7 +117,8 @@ def test_eval_draft_bad_input_is_one_line(tiny_llama, tmp_path, measured):
     draft = str(measured[1])
     for args, pattern in ((("--draft", str(tmp_path)), "not a draft folder"),
                           (("--draft", draft, "--temperatures", "0,x"), "--temperatures '0,x'"),
-                          (("--draft", draft, "--spec-policy", "greedy"), "--spec-policy 'greedy'")):
+                          (("--draft", draft, "--spec-policy", "greedy"), "--spec-policy 'greedy'"),
+                          (("--draft", draft, "--spec-load", "bursty"), "--spec-load 'bursty'")):
         r = run(*args)
         lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
         assert r.returncode == 2 and len(lines) == 1 and pattern in lines[0], r.stderr
@@ -132,7 +133,7 @@ def test_each_finished_model_is_handed_on_before_the_next(tiny_llama, tmp_path, 
     draft = write_draft(tmp_path / "medusa", tiny_llama, "medusa")
     measured_models, seen = [], []
     monkeypatch.setattr(spec, "measure_speculation",
-                        lambda name, *a: measured_models.append(name) or [{"batch_size": 1, "model": name}])
+                        lambda name, *a, **kw: measured_models.append(name) or [{"batch_size": 1, "model": name}])
     models = [str(tiny_llama)] * 3
     res = evaluate_speculation(models, str(draft), [1], 4, on_model=lambda done: seen.append(
         (len(measured_models), [r["speculation"][0]["model"] for r in done])))
@@ -185,3 +186,34 @@ def test_eval_takes_the_eagle_tree_options(tiny_llama, tmp_path):
                        capture_output=True, text=True)
     lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--spec-depth 0" in lines[0], r.stderr
+
+
+def test_continuous_load_keeps_at_most_the_batch_running(tiny_llama, tmp_path, monkeypatch):
+    """load="continuous": every timed request arrives at once and at most batch-size run together
+    (a finished sequence's place goes to a waiting request); the rows say so, greedy output stays
+    the plain engine's, and the report marks the batch cell."""
+    import optllm.eval.speculation as spec_mod
+    from optllm.runtime.scheduler import Scheduler
+
+    most = []
+    schedule = Scheduler.schedule
+
+    def watched(self):
+        out = schedule(self)
+        most.append((self.config.max_num_seqs, len(self.running)))
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", watched)
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    rows = spec_mod.measure_speculation(str(tiny_llama), str(draft), [2], 6, device="cpu", dtype="float32",
+                                        temperatures=(0.0,), reps=2, policy="fixed", load="continuous",
+                                        spec_options=dict(spec_top_k=2, spec_depth=2, spec_num_draft=3))
+    row = rows[0]
+    assert row["load"] == "continuous" and row["requests"] == 4 and row["identical"] is True
+    capped = [n for cap, n in most if cap == 2]
+    assert capped and max(capped) == 2  # the cap held while four requests waited
+    assert max(n for _, n in most) >= 2
+    nan = float("nan")
+    assert "| 2 (continuous) |" in speculation_table([EvalRow("tiny", "float", nan, nan, 0, 0, 0.0, speculation=rows)])
+    with pytest.raises(Exception, match="load 'bursty'"):
+        spec_mod.measure_speculation(str(tiny_llama), str(draft), [2], 6, device="cpu", load="bursty")
