@@ -292,7 +292,7 @@ class SpecDecoder:
             pol.idle()
             return 0
         self._plan_sig, self._plan_skips = sig, 0
-        seqs = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and self.eligible(s)]
+        seqs = self.eligible_decodes(running)
         ids, behind = [s.seq_id for s in seqs], self.rows_behind(seqs)
         self._planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
         if len(pol._seq) > 2 * len(running) + 64:  # forget the sequences that left
@@ -420,12 +420,34 @@ class SpecDecoder:
     # ---- which sequences speculate
     def eligible(self, seq) -> bool:
         """Whether the sequence's next decode can be a speculative step."""
-        p = seq.params
         num_tokens = len(seq.token_ids)
-        return (seq.num_computed_tokens > 0 and not p.uses_penalties
-                and (p.seed is None or p.temperature < GREEDY_EPS)
-                and num_tokens - seq.num_prompt_tokens >= p.min_tokens
+        return (seq.num_computed_tokens > 0 and self._params_allow(seq)
+                and num_tokens - seq.num_prompt_tokens >= seq.params.min_tokens
                 and num_tokens + max(self.num_nodes, self.scratch) - 1 <= self.runner.max_model_len)
+
+    @staticmethod
+    def _params_allow(seq) -> bool:
+        """What of eligibility the sequence's sampling parameters fix (no penalties; no per-request
+        seed under sampling): worked out once and kept on the sequence."""
+        ok = seq.__dict__.get("spec_params_ok")
+        if ok is None:
+            p = seq.params
+            ok = seq.spec_params_ok = not p.uses_penalties and (p.seed is None or p.temperature < GREEDY_EPS)
+        return ok
+
+    def eligible_decodes(self, running) -> list:
+        """The running sequences whose next step is a decode (one token to compute) that can
+        speculate: ``eligible`` for each, in one loop (plan() scans every sequence each
+        speculative step)."""
+        limit = self.runner.max_model_len - max(self.num_nodes, self.scratch) + 1
+        allow = self._params_allow
+        out = []
+        for s in running:
+            n = len(s.token_ids)
+            c = s.num_computed_tokens
+            if n - c == 1 and c > 0 and n <= limit and allow(s) and n - s.num_prompt_tokens >= s.params.min_tokens:
+                out.append(s)
+        return out
 
     def speculates(self, seq) -> bool:
         """The scheduler's question for each decode of a step whose plan() returned a lookahead:
@@ -641,8 +663,7 @@ class SpecDecoder:
         its first node of rank >= m (exact under greedy acceptance). accepted, ranks: the step's
         AcceptResult.accepted and node ranks, int64 [B, N] on the host."""
         sizes = [m for m in self.sizes if m <= n]
-        for s, row in zip(seqs, accepted_per_size(accepted, ranks, sizes).tolist()):
-            self.policy.observe(s.seq_id, dict(zip(sizes, row)))
+        self.policy.observe_many([s.seq_id for s in seqs], sizes, accepted_per_size(accepted, ranks, sizes).tolist())
 
     def _propose_medusa(self, roots: torch.Tensor, states: torch.Tensor, n: int):
         tree = self.trees[n]

@@ -294,6 +294,29 @@ class AdaptivePolicy:
                 est[n] = d * est[n] + (1 - d) * k
                 self._global[n] = g * self._global[n] + (1 - g) * k
 
+    def observe_many(self, seq_ids, sizes, rows) -> None:
+        """``observe`` for a step's sequences at once: rows[i][j] = the draft tokens seq_ids[i]'s
+        verify accepted under a tree of sizes[j] nodes (the same updates, in order, as calling
+        observe per sequence; a speculative step at batch 64 spent ~0.2 ms of host time there)."""
+        self._version += 1
+        d = self.decay
+        e = 1.0 - d
+        glob, seqs = self._global, self._seq
+        cols = [(j, n) for j, n in enumerate(sizes) if n in glob]
+        gn = self._global_n
+        for sid, row in zip(seq_ids, rows):
+            est = seqs.get(sid)
+            if est is None:
+                est = seqs[sid] = dict(glob)
+            gn += 1
+            g = min(0.98, 1.0 - 1.0 / (gn + 1))
+            h = 1.0 - g
+            for j, n in cols:
+                k = row[j]
+                est[n] = d * est[n] + e * k
+                glob[n] = g * glob[n] + h * k
+        self._global_n = gn
+
     def forget(self, seq_id: int) -> None:
         self._version += 1
         self._seq.pop(seq_id, None)

@@ -290,3 +290,28 @@ def test_speculative_greedy_on_the_triton_kernels(tiny_llama, drafts, method):
     assert got == want
     st = llm.engine.stats().speculation
     assert st["seq_steps"] > 0 and sum(st["histogram"][1:]) > 0, st
+
+
+def test_eligible_decodes_is_eligible_per_decode(tiny_llama, drafts):
+    """plan()'s one-loop scan picks exactly the decodes ``eligible`` allows: not penalties, not a
+    per-request seed under sampling, not inside min_tokens, not without room for the tree, not a
+    prefill."""
+    from optllm.runtime.sequence import Sequence
+
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(drafts["eagle"]), spec_top_k=2,
+              spec_depth=2, spec_num_draft=3, max_model_len=64)
+    spec = llm.engine.runner.spec
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, seed=3),
+             SamplingParams(temperature=0, seed=3), SamplingParams(temperature=0, repetition_penalty=1.2),
+             SamplingParams(temperature=0, min_tokens=5)]
+    running = []
+    for i, p in enumerate(kinds * 3):
+        s = Sequence(f"r{i}", list(range(1, 6 + i)), p)
+        s.token_ids += [7] * (i % 4)  # outputs so far
+        s.num_computed_tokens = len(s.token_ids) - (1 if i % 5 else 2)  # every fifth: two tokens to compute
+        running.append(s)
+    running[-1].token_ids += [7] * 40  # no room for the tree under max_model_len
+    running[-1].num_computed_tokens = len(running[-1].token_ids) - 1
+    want = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and spec.eligible(s)]
+    got = spec.eligible_decodes(running)
+    assert got == want and 0 < len(got) < len(running)

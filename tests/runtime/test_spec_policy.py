@@ -385,3 +385,26 @@ def test_a_rejected_streak_is_forgotten_over_plain_steps(relax):
             assert pol.expected(0)[n] == pytest.approx(g[n] + (low[n] - g[n]) * relax ** first)
     else:
         assert picks == [1] * 12
+
+
+def test_observe_many_is_observe_per_sequence():
+    """A step's observations at once leave every estimate as observing each sequence in turn does
+    (new sequences start from the engine-wide estimate as it stands when they are reached)."""
+    import random
+
+    rng = random.Random(0)
+    sizes = [2, 5, 9]
+    one = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={2: 0.5, 5: 1.0, 9: 1.5})
+    many = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={2: 0.5, 5: 1.0, 9: 1.5})
+    for step in range(40):
+        ids = rng.sample(range(12), rng.randint(1, 8))
+        menu = sizes[:rng.randint(1, 3)]  # a smaller tree scores only the sizes up to it
+        rows = [[rng.randint(0, m - 1) for m in menu] for _ in ids]
+        for sid, row in zip(ids, rows):
+            one.observe(sid, dict(zip(menu, row)))
+        many.observe_many(ids, menu, rows)
+        assert many._global == pytest.approx(one._global, rel=1e-12) and many._global_n == one._global_n
+        assert many._seq.keys() == one._seq.keys()
+        for sid in one._seq:
+            assert many._seq[sid] == pytest.approx(one._seq[sid], rel=1e-12)
+        assert many.choose(ids) == one.choose(ids)
