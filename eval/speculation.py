@@ -26,7 +26,7 @@ all arrive at once and at most ``batch size`` run together, so a finished sequen
 to a waiting request. With waves, the sequences that speculated finish first and the wave's
 tail runs steps of fewer sequences at nearly a full step's cost, which a draft-less engine's
 wave of equal lengths never does (H200, eighteenth session: at batch 8 the speculative steps
-won 25% and the run still lost 9%). On a GPU
+won 25% and the run still lost 9%, the waves' tails a likely part of it, not yet measured apart). On a GPU
 each case is then measured twice, the engines built plain first and then speculative first,
 and the times summed: the same decode graph replayed up to 12% slower in whichever engine a
 process built second (H200, eleventh session), a bias that alternating batches does not remove
