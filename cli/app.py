@@ -293,6 +293,7 @@ def eval_cmd(
             bandwidth_bytes = check_bandwidth(None if bandwidth is None else bandwidth * 1e9)
             shape = speed_shape(dev, batch_sizes, prompt_len, output_len)
         if draft:
+            from ..eval.speculation import LOADS
             from ..eval.speed import speed_shape
             from ..runtime.models.draft import read_draft_config
 
@@ -304,8 +305,8 @@ def eval_cmd(
             for flag, v in (("--spec-top-k", spec_top_k), ("--spec-depth", spec_depth), ("--spec-tokens", spec_tokens)):
                 if v < 1:
                     _fail(f"{flag} {v} is not allowed; allowed: an integer >= 1")
-            if spec_load not in ("waves", "continuous"):
-                _fail(f"--spec-load {spec_load!r} is not allowed; allowed: waves, continuous")
+            if spec_load not in LOADS:
+                _fail(f"--spec-load {spec_load!r} is not allowed; allowed: {', '.join(LOADS)}")
         rows = []
         phases = [p for p, on in (("perplexity", want_ppl), ("lm-eval tasks", bool(task_names)), ("speed", speed),
                                   ("speculation", bool(draft))) if on]

@@ -437,17 +437,9 @@ class SpecDecoder:
 
     def eligible_decodes(self, running) -> list:
         """The running sequences whose next step is a decode (one token to compute) that can
-        speculate: ``eligible`` for each, in one loop (plan() scans every sequence each
-        speculative step)."""
-        limit = self.runner.max_model_len - max(self.num_nodes, self.scratch) + 1
-        allow = self._params_allow
-        out = []
-        for s in running:
-            n = len(s.token_ids)
-            c = s.num_computed_tokens
-            if n - c == 1 and c > 0 and n <= limit and allow(s) and n - s.num_prompt_tokens >= s.params.min_tokens:
-                out.append(s)
-        return out
+        speculate (``eligible``)."""
+        eligible = self.eligible
+        return [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and eligible(s)]
 
     def speculates(self, seq) -> bool:
         """The scheduler's question for each decode of a step whose plan() returned a lookahead:
