@@ -571,6 +571,8 @@ def train_draft(
     num_prompts: int = typer.Option(256, help="prompts to write (Magpie) or read at most"),
     prompts: Optional[Path] = typer.Option(None, help="FILE.jsonl: {\"prompt\": ...} or ShareGPT conversations "
                                            "[default: the target writes its own]"),
+    dataset: Optional[Path] = typer.Option(None, help="OUT/dataset.jsonl of an earlier train-draft run on this target: "
+                                           "train on its sequences instead of writing new ones"),
     max_steps: int = typer.Option(1000, help="optimizer steps"),
     lr: float = typer.Option(1e-3, help="peak learning rate (cosine schedule with warmup)"),
     batch_size: int = typer.Option(8, help="sequences per micro-batch"),
@@ -599,7 +601,8 @@ def train_draft(
         _fail(f"--export {export} writes EAGLE drafts; --method {method} has no such layout")
     try:
         cfg = DraftConfig(target=target, out=out, method=method, num_heads=num_heads, num_prompts=num_prompts,
-                          prompts=prompts, max_steps=max_steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
+                          prompts=prompts, dataset=dataset, max_steps=max_steps, lr=lr, batch_size=batch_size,
+                          grad_accum=grad_accum,
                           seq_len=seq_len, answer_tokens=answer_tokens, checkpoint_every=checkpoint_every,
                           eval_every=eval_every, resume=resume, device=device, seed=seed, overwrite=overwrite,
                           ttt_steps=ttt_steps, draft_vocab=draft_vocab, time_limit=time_limit)

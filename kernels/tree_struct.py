@@ -12,9 +12,7 @@ ceil(log2 depth) times, then a scatter: about 25 kernels inside a speculative st
 each a launch). Here one program per tree walks every node up to the root at once, max_depth
 steps of a gather from the parent list.
 
-Not yet called by the runtime: written and tested under the CPU interpreter in the eighteenth
-session, when no device time was left to run its GPU test; the speculative step takes it once
-`pytest -m gpu tests/kernels/test_tree_struct.py` has passed on a GPU.
+The runtime's EAGLE-2 proposal builds its trees with it on the Triton backend (runtime/spec_runner.py).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.topk import topk_logprobs
+from ..kernels.tree_struct import tree_struct
 from .cuda_graphs import capture_graphs, graph_buckets
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import AttentionMetadata
@@ -61,7 +62,7 @@ from .spec.acceptance import (
     temperature_probs,
 )
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
-from .spec.tree import DynamicTreeBuilder, StaticTree, const_arange, const_eye
+from .spec.tree import DynamicTreeBuilder, StaticTree, TreeBatch, const_arange, const_eye, const_full
 from .step_inputs import HostBatch, host_tensor, packed_to
 
 # EAGLE: plain steps a speculative step's graphed catch-up window covers beyond its own last step's
@@ -714,10 +715,16 @@ class SpecDecoder:
             lp, ids = self.draft.ranked(out.reshape(bsz * k, -1), k)
             builder.expand((lp.view(bsz, k, k), ids.view(bsz, k, k)))
             prev_out = out
-        tree = builder.build()
+        tree = builder.build(self._tree_batch if self.runner.backend == "triton" else None)
         # rank of each kept node by score, as build() chose them (stable, descending)
         order = torch.sort(builder.kept_scores, dim=1, descending=True, stable=True).indices
         return tree, torch.argsort(order, dim=1)
+
+    def _tree_batch(self, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int) -> TreeBatch:
+        """Trees of every node real (an EAGLE-2 step's), their structure in one kernel launch."""
+        bsz, n = tokens.shape
+        depths, mask, paths = tree_struct(parents, max_depth, self.runner.backend)
+        return TreeBatch(tokens, parents, const_full((bsz,), n, torch.int64, tokens.device), depths, mask, paths)
 
     def _record_logprobs(self, seqs, out, logits, rows) -> None:
         """Raw log-probabilities of the emitted tokens, from the target's logits at the path's

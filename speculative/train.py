@@ -45,6 +45,8 @@ class DraftConfig:
     most; warmup_steps: None = 5% of max_steps; checkpoint_every / eval_every: in steps;
     holdout: sequences kept out of training to measure each head's top-1 accuracy;
     resume: a checkpoint-STEP folder to continue from (same data, schedule and RNG).
+    dataset: a dataset.jsonl an earlier run wrote (OUT/dataset.jsonl): train on those sequences
+    instead of writing new ones (another method, or longer, on the same self-distilled answers).
     time_limit: seconds the whole run may take (data included): after a few steps the step time
     is measured and, if max_steps would not fit, the cosine schedule is planned for the steps
     that do (the learning rate still decays to zero); past the limit training stops and the draft
@@ -59,6 +61,7 @@ class DraftConfig:
     num_prompts: int = 256
     max_steps: int = 1000
     prompts: Path | None = None
+    dataset: Path | None = None
     lr: float = 1e-3
     weight_decay: float = 0.0
     batch_size: int = 8
@@ -81,6 +84,10 @@ class DraftConfig:
         self.out = Path(self.out)
         self.prompts = Path(self.prompts) if self.prompts is not None else None
         self.resume = Path(self.resume) if self.resume is not None else None
+        self.dataset = Path(self.dataset) if self.dataset is not None else None
+        if self.dataset is not None and (self.prompts is not None or self.resume is not None):
+            raise UserError("dataset is not allowed with prompts or resume; allowed: one source of training data "
+                            "(a dataset.jsonl, a prompt file, or the run a checkpoint belongs to)")
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
         for name in ("num_heads", "num_prompts", "max_steps", "batch_size", "grad_accum", "answer_tokens",
@@ -134,6 +141,10 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         raise UserError(f"{out} exists; pass --overwrite to replace it")
     if cfg.prompts is not None and not cfg.prompts.is_file():
         raise UserError(f"prompt file {cfg.prompts} not found")
+    if cfg.dataset is not None and not cfg.dataset.is_file():
+        raise UserError(f"dataset file {cfg.dataset} not found")
+    if cfg.dataset is not None:
+        _read_checked(cfg.dataset)  # its format, before any folder is made
     if cfg.resume is not None and not (cfg.resume / _STATE).is_file():
         raise UserError(f"--resume {cfg.resume}: not a checkpoint folder (no {_STATE})")
     if cfg.resume is not None and not (cfg.resume.parent / "dataset.jsonl").is_file():
@@ -156,16 +167,25 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         if cfg.resume is not None:
             if not resuming_here:
                 shutil.copyfile(cfg.resume.parent / "dataset.jsonl", work / "dataset.jsonl")
+        elif cfg.dataset is not None:
+            shutil.copyfile(cfg.dataset, work / "dataset.jsonl")
         else:
             seqs = build_dataset(cfg.target, cfg.num_prompts, cfg.prompts, seed=cfg.seed,
                                  device="cuda" if use_cuda else "cpu", max_len=cfg.seq_len,
                                  answer_tokens=cfg.answer_tokens, answer_temperature=cfg.answer_temperature, log=log)
             write_dataset(seqs, work / "dataset.jsonl")
     acc.wait_for_everyone()
-    seqs = read_dataset(work / "dataset.jsonl")
+    seqs = _read_checked(work / "dataset.jsonl")
     train, held = _split(seqs, cfg.holdout, cfg.seed)
 
     target, folder = load_target(cfg.target, "bfloat16" if use_cuda else "float32", acc.device)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    top = max((max(s.token_ids) for s in seqs if s.token_ids), default=-1)
+    if top >= vocab:
+        if acc.is_main_process and not resuming_here and cfg.resume is None:
+            shutil.rmtree(work, ignore_errors=True)  # a run that never trained leaves nothing behind
+        raise UserError(f"the training data has token id {top}, past the target's vocabulary of {vocab}: "
+                        f"{cfg.dataset or 'dataset.jsonl'} was written for another model; allowed: data of this target")
     method = DRAFT_METHODS[cfg.method]
     heads = method.build(target, cfg.num_heads, cfg)
     if hasattr(method, "fit"):
@@ -266,6 +286,22 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
 
 
 # --------------------------------------------------------------------------- data
+
+
+def _read_checked(path: Path) -> list[DraftSequence]:
+    """The sequences of a dataset.jsonl; one that is not train-draft's format is one clear error."""
+    try:
+        seqs = read_dataset(path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"dataset {path}: not a train-draft dataset.jsonl ({type(e).__name__}: {e}); "
+                        "allowed: lines {\"token_ids\": [...], \"num_prompt_tokens\": N}") from None
+    bad = next((i for i, s in enumerate(seqs) if not 0 <= s.num_prompt_tokens < len(s.token_ids)
+                or min(s.token_ids) < 0), None)
+    if not seqs or bad is not None:
+        where = "no sequences" if not seqs else f"sequence {bad + 1} has no answer token or a negative id"
+        raise UserError(f"dataset {path}: {where}; allowed: each line's token_ids non-negative, "
+                        "longer than its num_prompt_tokens")
+    return seqs
 
 
 def _split(seqs: list[DraftSequence], holdout: int, seed: int) -> tuple[list[DraftSequence], list[DraftSequence]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -467,8 +467,10 @@ class DynamicTreeBuilder:
         self._frontier_parent = best // k  # candidate p * k + c is frontier node p's child c
         self.steps += 1
 
-    def build(self) -> TreeBatch:
-        """The trees: root + the num_draft best candidates, each tree num_draft + 1 nodes."""
+    def build(self, make: Optional[Callable[[torch.Tensor, torch.Tensor, int], TreeBatch]] = None) -> TreeBatch:
+        """The trees: root + the num_draft best candidates, each tree num_draft + 1 nodes. make(tokens,
+        parents, max_depth): builds the TreeBatch of those [B, n] tensors instead of
+        TreeBatch.build (the runtime passes kernels/tree_struct.py's one-launch version on a GPU)."""
         scores, tokens, parents = self.pool_scores, self.pool_tokens, self.pool_parents
         n = self.num_draft + 1
         # the root's 0 is the largest score and index 0 wins its ties: it is always kept
@@ -479,6 +481,8 @@ class DynamicTreeBuilder:
         par = parents.gather(1, keep)
         tree_par = torch.where(par >= 0, remap.gather(1, par.clamp_min(0)), -1)
         self.kept_scores = scores.gather(1, keep)
+        if make is not None:
+            return make(tokens.gather(1, keep), tree_par, self.steps)
         return TreeBatch.build(tokens.gather(1, keep), tree_par, validate=False, max_depth=self.steps)
 
 

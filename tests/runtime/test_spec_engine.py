@@ -282,7 +282,8 @@ def test_eagle3_greedy_equals_plain_and_its_state_follows_the_sequence(tiny_llam
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_speculative_greedy_on_the_triton_kernels(tiny_llama, drafts, method):
     """kernels="triton" (the interpreter here, a GPU's path): each draft level ranked by
-    kernels/topk.py, Medusa's shared static structure: the output is plain greedy decoding's."""
+    kernels/topk.py, the EAGLE trees' structure from kernels/tree_struct.py, Medusa's shared
+    static structure: the output is plain greedy decoding's."""
     short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want, _ = _run(tiny_llama, PROMPTS[:2], short, kernels="triton")
     got, llm = _run(tiny_llama, PROMPTS[:2], short, kernels="triton", draft=str(drafts[method]), spec_top_k=3,

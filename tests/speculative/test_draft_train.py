@@ -96,6 +96,42 @@ def test_bad_input_through_the_api(tiny_chat, tmp_path):
         train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "exists"))
 
 
+def test_dataset_of_an_earlier_run_is_reused(straight, tiny_chat, tmp_path):
+    """--dataset: another method trains on the first run's sequences, nothing generated."""
+    _, first, _ = straight
+    logs: list[str] = []
+    out = tmp_path / "eagle"
+    small = {**SMALL, "max_steps": 2, "checkpoint_every": 2}
+    result = train_draft(DraftConfig(target=str(tiny_chat), out=out, method="eagle", dataset=first / "dataset.jsonl",
+                                     **small), log=logs.append)
+    assert result.step == 2 and not any(line.startswith("data:") for line in logs)
+    assert (out / "dataset.jsonl").read_bytes() == (first / "dataset.jsonl").read_bytes()
+    assert json.loads((out / "config.json").read_text())["training"]["dataset"] == str(first / "dataset.jsonl")
+
+
+@pytest.mark.parametrize("content, pattern", [
+    ('{"token_ids": [1, 2, 999], "num_prompt_tokens": 1}\n', "token id 999, past the target's vocabulary of 320"),
+    ('{"token_ids": [1, 2], "num_prompt_tokens": 2}\n', "sequence 1 has no answer token"),
+    ('{"tokens": [1, 2]}\n', "not a train-draft dataset.jsonl"),
+    ("not json\n", "not a train-draft dataset.jsonl"),
+    ("", "no sequences"),
+])
+def test_bad_dataset_is_one_clear_error(content, pattern, tiny_chat, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(content)
+    with pytest.raises(UserError, match=pattern):
+        train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "o", method="eagle", dataset=data,
+                                **{**SMALL, "max_steps": 1}))
+    assert not (tmp_path / "o").exists()
+
+
+def test_dataset_excludes_other_data_sources(tiny_chat, tmp_path):
+    with pytest.raises(UserError, match="dataset is not allowed with prompts or resume"):
+        DraftConfig(target=str(tiny_chat), out=tmp_path / "o", dataset=tmp_path / "d.jsonl", prompts=tmp_path / "p")
+    with pytest.raises(UserError, match="dataset file .*nope.jsonl not found"):
+        train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "o", dataset=tmp_path / "nope.jsonl"))
+
+
 def _cli(*args):
     """The command in-process (typer's runner): the same code path as the console script,
     without a new interpreter's start-up per case."""
@@ -111,12 +147,14 @@ def _cli(*args):
     ("exists", "exists; pass --overwrite"),
     ("no-template", "no chat template"),
     ("missing-prompts", "not found"),
+    ("missing-dataset", "dataset file"),
 ])
 def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
     args = {"method": [str(tiny_chat), "--method", "eagle9", "--out", str(tmp_path / "o")],
             "exists": [str(tiny_chat), "--out", str(tmp_path)],
             "no-template": [str(tiny_llama), "--out", str(tmp_path / "o"), "--device", "cpu", "--num-prompts", "2"],
             "missing-prompts": [str(tiny_chat), "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "x.jsonl")],
+            "missing-dataset": [str(tiny_chat), "--out", str(tmp_path / "o"), "--dataset", str(tmp_path / "x.jsonl")],
             }[case]
     r = _cli(*args)
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)

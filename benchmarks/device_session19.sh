@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The nineteenth session's device work (issue 15), after staging (.carry1's part in /root/m; carry
+# .carry2 and .carry-draft). PART picks the call:
+#   train  1. GPU tests TESTS in the background (default: the one-launch tree structure, the fused
+#             top-k, the speculative step under graphs)
+#          2. EAGLE trained on PROMPTS of the float target's own prompts and answers (Magpie,
+#             self-distilled) into /root/d/eagle-new, TRAIN_S seconds, data generation included
+#          3. as soon as that run's dataset.jsonl is written: EAGLE-3 (training-time test TTT steps,
+#             a draft vocabulary of VOCAB tokens) on the same sequences (--dataset) into
+#             /root/d/eagle3, beside it on the GPU, until the same deadline
+#          4. both drafts and the dataset back through $OUT in 15 MiB pieces
+#   eval   optllm eval --draft for each of DRAFTS (folders under /root/d; the old draft is
+#          /root/d/eagle, from .carry-draft), batches BS, temperatures TEMPS, SPEC_LOAD waves |
+#          continuous; the machine must still hold /root/d from the train call (chain the calls
+#          within 30 s), else only the carried draft is there
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+mkdir -p "$OUT/logs" /root/d
+source benchmarks/device_stage.sh
+[ -f /root/d/eagle/config.json ] || cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d
+if [ "${PART:-train}" = train ]; then
+  T0=$(date +%s)
+  TRAIN_S=${TRAIN_S:-520}
+  TESTS=${TESTS-tests/kernels/test_tree_struct.py tests/kernels/test_topk.py tests/runtime/test_spec_gpu.py}
+  if [ -n "$TESTS" ]; then
+    ( timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS > "$OUT/logs/gpu_tests.log" 2>&1 ) &
+  fi
+  ( timeout $(( TRAIN_S + 30 )) python3 -m optllm train-draft smollm2-135m --method eagle --out /root/d/eagle-new \
+      --device cuda --num-prompts "${PROMPTS:-12288}" --max-steps 40000 --batch-size 16 \
+      --time-limit "$TRAIN_S" --overwrite > "$OUT/logs/train_eagle.log" 2>&1 ) &
+  data=/root/d/.eagle-new.partial/dataset.jsonl
+  while [ ! -s "$data" ] && [ $(( $(date +%s) - T0 )) -lt $(( TRAIN_S - 120 )) ]; do sleep 2; done
+  sleep 3  # written in one call; let it finish
+  left=$(( TRAIN_S - ($(date +%s) - T0) ))
+  if [ -s "$data" ] && [ "$left" -gt 100 ]; then
+    cp "$data" /root/d/dataset.jsonl
+    echo "EAGLE-3 starts $(( $(date +%s) - T0 )) s in, $left s left"
+    ( timeout $(( left + 30 )) python3 -m optllm train-draft smollm2-135m --method eagle3 --out /root/d/eagle3 \
+        --device cuda --dataset /root/d/dataset.jsonl --ttt-steps "${TTT:-4}" ${VOCAB:+--draft-vocab $VOCAB} \
+        --max-steps 40000 --batch-size 16 --time-limit "$left" --overwrite > "$OUT/logs/train_eagle3.log" 2>&1 ) &
+  fi
+  wait
+  tail -2 "$OUT/logs/gpu_tests.log" 2>/dev/null; grep -m 20 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
+  for m in eagle eagle3; do
+    echo "== train $m"; grep -v "^step" "$OUT/logs/train_$m.log" | tail -6; grep "^step" "$OUT/logs/train_$m.log" | tail -2
+  done
+  (cd /root/d && tar czf /tmp/drafts.tgz --exclude 'checkpoint-*' --exclude dataset.jsonl eagle-new eagle3 2>/dev/null)
+  split -b 15m /tmp/drafts.tgz "$OUT/drafts.tgz.part"
+  gzip -c /root/d/dataset.jsonl > /tmp/dataset.jsonl.gz 2>/dev/null && split -b 15m /tmp/dataset.jsonl.gz "$OUT/dataset.jsonl.gz.part"
+else
+  for d in ${DRAFTS:-eagle eagle-new eagle3}; do
+    [ -f "/root/d/$d/config.json" ] || { echo "no draft /root/d/$d"; continue; }
+    timeout "${SPEC_S:-200}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft "/root/d/$d" \
+      --temperatures "${TEMPS:-0}" --batch-sizes "${BS:-1,8,32,64}" --spec-policy auto --spec-load "${SPEC_LOAD:-waves}" \
+      --out "/root/spec-$d" > "$OUT/logs/spec_$d.log" 2>&1 || echo "spec eval $d exited $?"
+    cp "/root/spec-$d/report.md" "$OUT/spec_$d.md" 2>/dev/null
+    cp "/root/spec-$d/report.json" "$OUT/spec_$d.json" 2>/dev/null
+  done
+  [ -z "${EXTRA:-}" ] || eval "$EXTRA"
+  for f in "$OUT"/spec_*.md; do [ -f "$f" ] && { echo "== $f"; grep "^|" "$f" | head -24; }; done
+fi
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
