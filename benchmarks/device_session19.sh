@@ -11,13 +11,15 @@
 #          4. both drafts and the dataset back through $OUT in 15 MiB pieces
 #   eval   optllm eval --draft for each of DRAFTS (folders under /root/d; the old draft is
 #          /root/d/eagle, from .carry-draft), batches BS, temperatures TEMPS, SPEC_LOAD waves |
-#          continuous; the machine must still hold /root/d from the train call (chain the calls
-#          within 30 s), else only the carried draft is there
+#          continuous (requests of spread lengths, eval/speculation.py); /root/d from the train call
+#          on a machine still warm, else the drafts carried in .carry-d19/drafts.tgz
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 mkdir -p "$OUT/logs" /root/d
 source benchmarks/device_stage.sh
 [ -f /root/d/eagle/config.json ] || cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d
+# a fresh machine: this session's drafts, carried back in .carry-d19 (eagle3, eagle-12k)
+[ -f /root/d/eagle3/config.json ] || [ ! -f .carry-d19/drafts.tgz ] || tar xzf .carry-d19/drafts.tgz -C /root/d
 if [ "${PART:-train}" = train ]; then
   T0=$(date +%s)
   TRAIN_S=${TRAIN_S:-520}

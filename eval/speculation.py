@@ -23,11 +23,16 @@ alternate (plain, speculative, plain, ...), so that a drift in time hits both al
 
 ``load="continuous"`` measures a busy server instead of waves: the ``reps`` batches' requests
 all arrive at once and at most ``batch size`` run together, so a finished sequence's place goes
-to a waiting request. With waves, the sequences that speculated finish first and the wave's
-tail runs steps of fewer sequences at nearly a full step's cost, which a draft-less engine's
-wave of equal lengths never does (H200, eighteenth session: at batch 8 the speculative steps
-won 25% and the run still lost 9%, the waves' tails a likely part of it, not yet measured apart). On a GPU
-each case is then measured twice, the engines built plain first and then speculative first,
+to a waiting request. Their output lengths are spread evenly over half to one and a half times
+``output_len`` (``spread_lengths``, the same for both engines), as a server's requests are: with
+equal lengths the draft-less engine's requests would finish together and be admitted as waves
+again, never paying the prefill steps of staggered arrivals that the speculative engine pays
+(H200, nineteenth session: 0.43-0.46x at batch 32 and 64 with equal lengths). With waves, the
+sequences that speculated finish first and the wave's tail runs steps of fewer sequences at
+nearly a full step's cost, which a draft-less engine's wave of equal lengths never does (H200,
+eighteenth session: at batch 8 the speculative steps won 25% and the run still lost 9%, the
+waves' tails a likely part of it, not yet measured apart).
+On a GPU each case is then measured twice, the engines built plain first and then speculative first,
 and the times summed: the same decode graph replayed up to 12% slower in whichever engine a
 process built second (H200, eleventh session), a bias that alternating batches does not remove
 (the speculative engine, built second, measured 0.91-0.95x of plain while it hardly speculated).
@@ -38,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -107,6 +113,15 @@ def _delta(after: dict, before: dict) -> dict:
     sizes = {n: c - before["steps_by_size"].get(n, 0) for n, c in after["steps_by_size"].items()}
     return {k: after[k] - before[k] for k in _SUMMED} | {
         "histogram": h, "steps_by_size": {n: c for n, c in sorted(sizes.items()) if c}}
+
+
+def spread_lengths(n: int, mean: int) -> list[int]:
+    """n output lengths evenly spread over [mean / 2, 3 mean / 2] (at least 1), in a fixed
+    shuffled order: a continuous load's requests, the same for both engines."""
+    lo, hi = max(1, mean // 2), max(1, (3 * mean) // 2)
+    lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    random.Random(0).shuffle(lengths)
+    return lengths
 
 
 @contextlib.contextmanager
@@ -195,6 +210,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
         at_depth = [sum(hist[d:]) / steps if steps else None for d in range(1, len(hist))]
         rows.append(dict(
             batch_size=bs, temperature=t, output_len=output_len, requests=bs * reps, load=load,
+            output_lens=spread_lengths(bs * reps, output_len) if load == "continuous" else None,
             plain_tok_s=r["plain_tok_s"], spec_tok_s=r["spec_tok_s"],
             speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
@@ -240,11 +256,13 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
         first = "plain_ids" not in r
         ids: dict[str, list] = {"plain": [], "spec": []}
         timed = batches[1:] if load == "waves" else [[p for b in batches[1:] for p in b]]
+        timed_params = params if load == "waves" else [
+            dataclasses.replace(params, max_tokens=n) for n in spread_lengths(len(timed[0]), output_len)]
         with _running_at_most(engines, bs) if load == "continuous" else contextlib.nullcontext():
             for b in timed:  # alternating, so that a drift hits both alike
                 for label, llm in engines.items():
                     steps0, ms0 = _exec(llm)
-                    sec, n, out = _batch(llm, b, params)
+                    sec, n, out = _batch(llm, b, timed_params)
                     steps1, ms1 = _exec(llm)
                     r[f"{label}_seconds"] = r.get(f"{label}_seconds", 0.0) + sec
                     r[f"{label}_tokens"] = r.get(f"{label}_tokens", 0) + n

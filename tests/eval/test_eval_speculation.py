@@ -188,6 +188,15 @@ def test_eval_takes_the_eagle_tree_options(tiny_llama, tmp_path):
     assert r.returncode == 2 and len(lines) == 1 and "--spec-depth 0" in lines[0], r.stderr
 
 
+def test_spread_lengths_are_even_fixed_and_shuffled():
+    from optllm.eval.speculation import spread_lengths
+
+    a = spread_lengths(64, 128)
+    assert a == spread_lengths(64, 128) and len(a) == 64 and min(a) == 64 and max(a) == 192
+    assert abs(sum(a) / 64 - 128) <= 1 and a != sorted(a)
+    assert spread_lengths(1, 128) == [64] and spread_lengths(3, 1) == [1, 1, 1]
+
+
 def test_continuous_load_keeps_at_most_the_batch_running(tiny_llama, tmp_path, monkeypatch):
     """load="continuous": every timed request arrives at once and at most batch-size run together
     (a finished sequence's place goes to a waiting request); the rows say so, greedy output stays
@@ -204,12 +213,25 @@ def test_continuous_load_keeps_at_most_the_batch_running(tiny_llama, tmp_path, m
         return out
 
     monkeypatch.setattr(Scheduler, "schedule", watched)
+    ran = []
+    batch = spec_mod._batch
+
+    def counted(llm, prompts, params):
+        out = batch(llm, prompts, params)
+        ran.append([len(x) for x in out[2]])
+        return out
+
+    monkeypatch.setattr(spec_mod, "_batch", counted)
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
     rows = spec_mod.measure_speculation(str(tiny_llama), str(draft), [2], 6, device="cpu", dtype="float32",
                                         temperatures=(0.0,), reps=2, policy="fixed", load="continuous",
                                         spec_options=dict(spec_top_k=2, spec_depth=2, spec_num_draft=3))
     row = rows[0]
     assert row["load"] == "continuous" and row["requests"] == 4 and row["identical"] is True
+    # requests of varied lengths, the same for both engines: each sequence ran its own length
+    lengths = spec_mod.spread_lengths(4, 6)
+    assert row["output_lens"] == lengths and sorted(lengths) == [3, 5, 7, 9]
+    assert ran[-2:] == [lengths, lengths]  # the timed stream, plain then speculative
     capped = [n for cap, n in most if cap == 2]
     assert capped and max(capped) == 2  # the cap held while four requests waited
     assert max(n for _, n in most) >= 2
