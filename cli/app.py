@@ -261,6 +261,8 @@ def eval_cmd(
                                     "step at most"),
     spec_load: str = typer.Option("waves", "--spec-load", help="--draft: waves (each batch's requests together) | "
                                   "continuous (all requests at once, at most batch size running: a busy server)"),
+    admit_group: int = typer.Option(1, "--admit-group", help="--draft: both engines admit waiting requests in groups "
+                                    "of this many while others decode (the scheduler's admit_group; 1: at once)"),
     compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
                                            "thresholds are marked as regressions"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),
@@ -307,6 +309,8 @@ def eval_cmd(
                     _fail(f"{flag} {v} is not allowed; allowed: an integer >= 1")
             if spec_load not in LOADS:
                 _fail(f"--spec-load {spec_load!r} is not allowed; allowed: {', '.join(LOADS)}")
+            if admit_group < 1:
+                _fail(f"--admit-group {admit_group} is not allowed; allowed: an integer >= 1")
         rows = []
         phases = [p for p, on in (("perplexity", want_ppl), ("lm-eval tasks", bool(task_names)), ("speed", speed),
                                   ("speculation", bool(draft))) if on]
@@ -352,7 +356,8 @@ def eval_cmd(
                                            temperatures=temps, reps=3 if str(dev).startswith("cuda") else 1,
                                            policy=spec_policy, on_model=spec_partial,
                                            spec_options=dict(spec_top_k=spec_top_k, spec_depth=spec_depth,
-                                                             spec_num_draft=spec_tokens), load=spec_load)
+                                                             spec_num_draft=spec_tokens), load=spec_load,
+                                           admit_group=admit_group)
             rows = add_results(rows, models, results, spec_fields)
     except (UserError, ValueError) as e:
         _fail(str(e))

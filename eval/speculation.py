@@ -158,7 +158,7 @@ def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
 def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], output_len: int, device: str = "cpu",
                         dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0), reps: int = 1,
                         policy: str = "auto", spec_options: dict | None = None, progress: bool = False,
-                        both_orders: bool | None = None, load: str = "waves") -> list[dict]:
+                        both_orders: bool | None = None, load: str = "waves", admit_group: int = 1) -> list[dict]:
     """One row per (temperature, batch size): plain_tok_s, spec_tok_s, speedup, tau, histogram,
     accept_at_depth, identical (greedy) and the counts behind them (see the module docstring).
     load: "waves" (each batch's requests together, the next batch after) or "continuous" (all
@@ -183,7 +183,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
     results: dict[tuple, dict] = {(t, bs): {} for t, bs in cases}
     orders = [("plain", "spec"), ("spec", "plain")] if both_orders else [("plain", "spec")]
     bar = _bar(len(cases) * len(orders)) if progress else None
-    args = _engine_args(batch_sizes, output_len, device, dtype, longest)
+    args = _engine_args(batch_sizes, output_len, device, dtype, longest) | {"admit_group": admit_group}
     build = {"plain": lambda: LLM(str(model), **args),
              "spec": lambda: LLM(str(model), **args, draft=str(draft), spec_policy=policy, **(spec_options or {}))}
     try:
@@ -209,7 +209,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
         steps, hist = c["seq_steps"], c["histogram"]
         at_depth = [sum(hist[d:]) / steps if steps else None for d in range(1, len(hist))]
         rows.append(dict(
-            batch_size=bs, temperature=t, output_len=output_len, requests=bs * reps, load=load,
+            batch_size=bs, temperature=t, output_len=output_len, requests=bs * reps, load=load, admit_group=admit_group,
             output_lens=spread_lengths(bs * reps, output_len) if load == "continuous" else None,
             plain_tok_s=r["plain_tok_s"], spec_tok_s=r["spec_tok_s"],
             speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,
@@ -320,7 +320,7 @@ def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequenc
                          device: str = "cpu", dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0),
                          reps: int = 1, policy: str = "auto", spec_options: dict | None = None,
                          progress: bool = True, on_model: Callable[[list[dict]], None] | None = None,
-                         load: str = "waves") -> list[dict]:
+                         load: str = "waves", admit_group: int = 1) -> list[dict]:
     """measure_speculation for each model with the one draft: [{"speculation": rows, "scheme",
     "seconds"}], as eval's other measurements return them. on_model(results so far) runs after
     each model but the last (eval rewrites its partial report there)."""
@@ -331,7 +331,7 @@ def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequenc
     for name in models:
         t0 = time.perf_counter()
         rows = measure_speculation(name, draft, batch_sizes, output_len, device, dtype, temperatures, reps, policy,
-                                   spec_options, progress, load=load)
+                                   spec_options, progress, load=load, admit_group=admit_group)
         for r in rows:
             r.update(draft=str(draft), draft_method=method, policy=policy, spec_options=dict(spec_options or {}))
         out.append(dict(speculation=rows, scheme=checkpoint_kind(resolve_model(name)),

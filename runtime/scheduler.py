@@ -85,6 +85,7 @@ class Scheduler:
         self.num_preemptions = 0  # over the scheduler's life
         self._arrival: dict[int, int] = {}  # seq_id -> arrival rank, for every unfinished sequence
         self._next_arrival = 0
+        self._held = 0  # steps the waiting queue's head has been held back for a group (admit_group)
 
     # ---- metrics
     @property
@@ -161,7 +162,15 @@ class Scheduler:
             self._add_to_batch(batch, seq, n, speculate=ahead > 0)
             budget -= spec_tokens if ahead else n
             i += 1
-        # admitting right after a preemption would only thrash
+        # admitting right after a preemption would only thrash; while sequences decode, a
+        # group of admissions at once (admit_group) instead of a mixed, eager step for each
+        cfg = self.config
+        if self.waiting and cfg.admit_group > 1 and batch.decode_only:  # a mixed step admits for free
+            free = cfg.max_num_seqs - len(self.running)
+            if free < min(cfg.admit_group, len(self.waiting)) and self._held < cfg.admit_max_wait:
+                self._held += free > 0  # the wait counts steps a place stood empty
+                return batch
+        self._held = 0
         while (not batch.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]

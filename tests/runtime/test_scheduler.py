@@ -76,6 +76,53 @@ def test_max_num_seqs_is_honored():
     assert plan(batch) == [("c", 4)]
 
 
+def test_admit_group_holds_arrivals_while_decode_steps_run_graphed():
+    """admit_group=2: with sequences decoding, a lone freed place is not filled (the step stays
+    decode-only) until two fit or a place has stood empty admit_max_wait steps; an idle engine or a
+    step that is mixed anyway admits at once."""
+    sched = make_sched(max_num_seqs=3, admit_group=2, admit_max_wait=3)
+    sched.add(make_seq(4, "a", max_tokens=2))
+    sched.add(make_seq(4, "b", max_tokens=9))
+    sched.add(make_seq(4, "c", max_tokens=9))
+    batch, _ = step(sched)  # idle engine: all admitted together
+    assert plan(batch) == [("a", 4), ("b", 4), ("c", 4)]
+    sched.add(make_seq(4, "d", max_tokens=9))
+    sched.add(make_seq(4, "e", max_tokens=9))
+    batch, finished = step(sched)
+    assert [s.request_id for s in finished] == ["a"] and batch.decode_only
+    held = []
+    for _ in range(3):  # one place free, two wait: held for admit_max_wait = 3 steps
+        batch, _ = step(sched)
+        held.append(batch.decode_only and plan(batch) == [("b", 1), ("c", 1)])
+    assert held == [True, True, True]
+    batch, _ = step(sched)  # waited long enough: the head goes in alone
+    assert plan(batch) == [("b", 1), ("c", 1), ("d", 4)] and sched.num_waiting == 1
+
+
+def test_admit_group_admits_a_group_as_soon_as_it_fits():
+    sched = make_sched(max_num_seqs=4, admit_group=2, admit_max_wait=50)
+    for r, n in (("a", 2), ("b", 3), ("c", 9), ("d", 9)):
+        sched.add(make_seq(4, r, max_tokens=n))
+    step(sched)
+    for r in "ef":
+        sched.add(make_seq(4, r, max_tokens=9))
+    batch, finished = step(sched)  # a finishes: one place, held
+    assert [s.request_id for s in finished] == ["a"]
+    batch, finished = step(sched)  # b finishes in this step; still one place while it ran
+    assert [s.request_id for s in finished] == ["b"] and len(batch) == 3
+    batch, _ = step(sched)  # two places: both admitted in one mixed step
+    assert plan(batch) == [("c", 1), ("d", 1), ("e", 4), ("f", 4)]
+
+
+def test_admit_group_one_is_the_old_behaviour_and_bad_values_are_refused():
+    sched = make_sched(max_num_seqs=2)
+    assert sched.config.admit_group == 1
+    with pytest.raises(ValueError, match="admit_group=0 is not allowed"):
+        SchedulerConfig(admit_group=0)
+    with pytest.raises(ValueError, match="admit_max_wait=0 is not allowed"):
+        SchedulerConfig(admit_max_wait=0)
+
+
 def test_fcfs_a_big_waiting_prompt_blocks_smaller_ones():
     sched = make_sched(num_blocks=4)  # 32 slots
     sched.add(make_seq(15, "a", max_tokens=2))  # 2 blocks
