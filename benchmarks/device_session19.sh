@@ -9,6 +9,8 @@
 #             a draft vocabulary of VOCAB tokens) on the same sequences (--dataset) into
 #             /root/d/eagle3, beside it on the GPU, until the same deadline
 #          4. both drafts and the dataset back through $OUT in 15 MiB pieces
+#          DATASET=FILE.jsonl.gz instead: no data generation; both methods train on it into
+#          /root/d/eagle-d and /root/d/eagle3-d
 #   eval   optllm eval --draft for each of DRAFTS (folders under /root/d; the old draft is
 #          /root/d/eagle, from .carry-draft), batches BS, temperatures TEMPS, SPEC_LOAD waves |
 #          continuous (requests of spread lengths, eval/speculation.py); /root/d from the train call
@@ -20,7 +22,19 @@ source benchmarks/device_stage.sh
 [ -f /root/d/eagle/config.json ] || cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d
 # a fresh machine: this session's drafts, carried back in .carry-d19 (eagle3, eagle-12k)
 [ -f /root/d/eagle3/config.json ] || [ ! -f .carry-d19/drafts.tgz ] || tar xzf .carry-d19/drafts.tgz -C /root/d
-if [ "${PART:-train}" = train ]; then
+if [ "${PART:-train}" = train ] && [ -f "${DATASET:-}" ]; then
+  # the data of an earlier run (DATASET=.carry-draft/dataset_12288.jsonl.gz: this session's 12288
+  # prompts, 420 s of generation saved): EAGLE and EAGLE-3 side by side on it, TRAIN_S each
+  gzip -dc "$DATASET" > /root/d/dataset.jsonl
+  for m in eagle eagle3; do
+    extra=""; [ $m = eagle3 ] && extra="--ttt-steps ${TTT:-4} ${VOCAB:+--draft-vocab $VOCAB}"
+    ( timeout $(( ${TRAIN_S:-500} + 30 )) python3 -m optllm train-draft smollm2-135m --method $m --out /root/d/$m-d \
+        --device cuda --dataset /root/d/dataset.jsonl $extra --max-steps 40000 --batch-size 16 \
+        --time-limit "${TRAIN_S:-500}" --overwrite > "$OUT/logs/train_$m.log" 2>&1 ) &
+  done
+  wait
+  for m in eagle eagle3; do echo "== train $m"; grep -v "^step" "$OUT/logs/train_$m.log" | tail -3; done
+elif [ "${PART:-train}" = train ]; then
   T0=$(date +%s)
   TRAIN_S=${TRAIN_S:-520}
   TESTS=${TESTS-tests/kernels/test_tree_struct.py tests/kernels/test_topk.py tests/runtime/test_spec_gpu.py}
