@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The nineteenth session's device work (issue 15), after staging (.carry1's part in /root/m; carry
-# .carry2 and .carry-draft). PART picks the call:
+# .carry2). PART picks the call:
 #   train  1. GPU tests TESTS in the background (default: the one-launch tree structure, the fused
 #             top-k, the speculative step under graphs)
 #          2. EAGLE trained on PROMPTS of the float target's own prompts and answers (Magpie,
@@ -11,15 +11,17 @@
 #          4. both drafts and the dataset back through $OUT in 15 MiB pieces
 #          DATASET=FILE.jsonl.gz instead: no data generation; both methods train on it into
 #          /root/d/eagle-d and /root/d/eagle3-d
-#   eval   optllm eval --draft for each of DRAFTS (folders under /root/d; the old draft is
-#          /root/d/eagle, from .carry-draft), batches BS, temperatures TEMPS, SPEC_LOAD waves |
+#   eval   optllm eval --draft for each of DRAFTS (folders under /root/d), batches BS,
+#          temperatures TEMPS, SPEC_LOAD waves |
 #          continuous (requests of spread lengths, eval/speculation.py); /root/d from the train call
 #          on a machine still warm, else the drafts carried in .carry-d19/drafts.tgz
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 mkdir -p "$OUT/logs" /root/d
 source benchmarks/device_stage.sh
-[ -f /root/d/eagle/config.json ] || cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d
+# the sixteenth session's draft, where a checkout still has it (it left the repo in the nineteenth)
+[ -f /root/d/eagle/config.json ] || ! ls .carry-draft/draft*.tgz.part* >/dev/null 2>&1 \
+  || cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d
 # a fresh machine: this session's drafts, carried back in .carry-d19 (eagle3, eagle-12k)
 [ -f /root/d/eagle3/config.json ] || [ ! -f .carry-d19/drafts.tgz ] || tar xzf .carry-d19/drafts.tgz -C /root/d
 if [ "${PART:-train}" = train ] && [ -f "${DATASET:-}" ]; then
@@ -64,7 +66,7 @@ elif [ "${PART:-train}" = train ]; then
   split -b 15m /tmp/drafts.tgz "$OUT/drafts.tgz.part"
   gzip -c /root/d/dataset.jsonl > /tmp/dataset.jsonl.gz 2>/dev/null && split -b 15m /tmp/dataset.jsonl.gz "$OUT/dataset.jsonl.gz.part"
 else
-  for d in ${DRAFTS:-eagle eagle-new eagle3}; do
+  for d in ${DRAFTS:-eagle3-d eagle-d}; do
     [ -f "/root/d/$d/config.json" ] || { echo "no draft /root/d/$d"; continue; }
     timeout "${SPEC_S:-200}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft "/root/d/$d" \
       --temperatures "${TEMPS:-0}" --batch-sizes "${BS:-1,8,32,64}" --spec-policy auto --spec-load "${SPEC_LOAD:-waves}" \
