@@ -27,7 +27,10 @@ to a waiting request. Their output lengths are spread evenly over half to one an
 ``output_len`` (``spread_lengths``, the same for both engines), as a server's requests are: with
 equal lengths the draft-less engine's requests would finish together and be admitted as waves
 again, never paying the prefill steps of staggered arrivals that the speculative engine pays
-(H200, nineteenth session: 0.43-0.46x at batch 32 and 64 with equal lengths). With waves, the
+(H200, nineteenth session: 0.43-0.46x at batch 32 and 64 with equal lengths). Its warm-up is
+the timed stream itself, run once untimed: the mixed steps (a prefill beside decodes) bring
+shapes the waves never run, and a kernel compiled on first sight inside the timed stream costs
+about a second. With waves, the
 sequences that speculated finish first and the wave's tail runs steps of fewer sequences at
 nearly a full step's cost, which a draft-less engine's wave of equal lengths never does (H200,
 eighteenth session: at batch 8 the speculative steps won 25% and the run still lost 9%, the
@@ -248,16 +251,20 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
     for t, bs in cases:
         params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, detokenize=False)
         batches = [prompts[bs][r * bs:(r + 1) * bs] for r in range(reps + 1)]
+        timed = batches[1:] if load == "waves" else [[p for b in batches[1:] for p in b]]
+        timed_params = params if load == "waves" else [
+            dataclasses.replace(params, max_tokens=n) for n in spread_lengths(len(timed[0]), output_len)]
         for llm in engines.values():  # warm-up
-            for b in batches if reps > 1 else batches[:1]:
-                _batch(llm, b, params)
+            if load == "waves":
+                for b in batches if reps > 1 else batches[:1]:
+                    _batch(llm, b, params)
+            else:  # the timed stream itself: its mixed steps' shapes (kernel compiles) come first here
+                with _running_at_most({"one": llm}, bs):
+                    _batch(llm, timed[0], timed_params)
         before = _spec_counts(engines["spec"])
         r = results[(t, bs)]
         first = "plain_ids" not in r
         ids: dict[str, list] = {"plain": [], "spec": []}
-        timed = batches[1:] if load == "waves" else [[p for b in batches[1:] for p in b]]
-        timed_params = params if load == "waves" else [
-            dataclasses.replace(params, max_tokens=n) for n in spread_lengths(len(timed[0]), output_len)]
         with _running_at_most(engines, bs) if load == "continuous" else contextlib.nullcontext():
             for b in timed:  # alternating, so that a drift hits both alike
                 for label, llm in engines.items():

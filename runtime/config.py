@@ -20,9 +20,8 @@ class SchedulerConfig:
     once min(admit_group, waiting) of them fit at once, or a place has stood empty for
     admit_max_wait steps (1: admit as soon as a place frees). Each admission makes a step mixed
     (prefill + decodes), which runs eagerly instead of as a CUDA-graph decode: under a full
-    server's staggered arrivals nearly every step is one (H200, SmolLM2, batch 64: 12.6k tok/s
-    against 43k in waves); grouped, most steps stay graphed, for a few steps' longer wait to
-    the first token."""
+    server's staggered arrivals at batch 64, 110 of 468 steps (benchmarks/admission_steps.py;
+    27 with admit_group 8), for a few steps' longer wait to the first token."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
