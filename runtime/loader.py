@@ -335,3 +335,57 @@ def _load_quantized(modules, model, module: str, parts: dict, quant: QuantSpec |
 def _dtype_of(name: str) -> torch.dtype:
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     return table.get(str(name).replace("torch.", ""), torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- transformers model
+
+
+def transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """A transformers causal LM of FOLDER on the CPU, in eval mode: a plain HF folder as
+    transformers loads it; a quantized checkpoint (``optllm quantize``) with every quantized
+    linear's weight dequantized through formats/ (the values vLLM's and HF's dequantization
+    give), so no compressed-tensors package is needed. Weight-only schemes (W4A16) then compute
+    what the kernels do; schemes that also quantize activations keep their weights' error only.
+    Used where a checkpoint's hidden states are read by plain torch code (train-draft's target)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..formats.compressed_tensors import load_quantized_weights
+
+    folder = Path(folder)
+    if not is_quantized_folder(folder):
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    qweights, rest, cfg_dict = load_quantized_weights(folder)
+    cfg_dict = {k: v for k, v in cfg_dict.items() if k != "quantization_config"}
+    config = AutoConfig.for_model(**cfg_dict)
+    check_architecture(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in rest.items()
+             if not k.endswith(_KV_SCALE_SUFFIXES)}
+    for name, qw in qweights.items():
+        state[f"{name}.weight"] = qw.dequantize().to(dtype)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise UserError(f"{folder}: checkpoint does not match the model: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _rebuild_meta_buffers(model, dtype)
+    return model.eval()
+
+
+_KV_SCALE_SUFFIXES = tuple(f".{n}" for n in KV_SCALE_NAMES)
+
+
+def _rebuild_meta_buffers(model, dtype) -> None:
+    """Non-persistent buffers (rotary inv_freq) were made on the meta device: rebuild their
+    modules on the CPU from their config."""
+    for mod_name, mod in list(model.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)):
+            if not hasattr(mod, "config"):
+                raise UserError(f"cannot rebuild the buffers of {mod_name} ({type(mod).__name__})")
+            parent, _, child = mod_name.rpartition(".")
+            with torch.device("cpu"):
+                setattr(model.get_submodule(parent) if parent else model, child, type(mod)(config=mod.config))

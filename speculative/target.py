@@ -14,14 +14,19 @@ __all__ = ["last_hidden", "lm_head_weight", "load_target", "target_identity"]
 
 def load_target(model: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
     """(transformers causal LM, frozen, in eval mode; its local folder). MODEL as everywhere:
-    a folder, a built-in alias (resolved through the hub's cache) or a hub id."""
-    from transformers import AutoModelForCausalLM
+    a folder, a built-in alias (resolved through the hub's cache) or a hub id. A quantized
+    checkpoint (``optllm quantize``) is read through formats/ with its weights dequantized
+    (runtime/loader.py's transformers_model): a draft for the AWQ target learns the AWQ target's
+    hidden states, with no compressed-tensors package needed."""
+    from ..runtime.loader import transformers_model
 
     folder = resolve_model(model)
     check_architecture(load_config(folder))
     try:
-        m = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype))
-    except Exception as e:  # corrupt safetensors, missing shards, a quantization transformers cannot read
+        m = transformers_model(folder, parse_dtype(dtype))
+    except UserError:
+        raise
+    except Exception as e:  # corrupt safetensors, missing shards
         raise UserError(f"cannot load the target in {folder}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     m.eval().requires_grad_(False).to(device)
     return m, folder

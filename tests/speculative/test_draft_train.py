@@ -233,3 +233,31 @@ def test_collate_rounds_the_padded_length_up():
         assert attn.sum(1).tolist() == [70, 10] and mask.sum(1).tolist() == [50, 6]
         assert ids[0, :70].tolist() == list(range(1, 71)) and not ids[:, 70:].any()
         assert mask[1, 4:10].all() and not mask[1, :4].any() and not mask[:, 70:].any()
+
+
+def test_a_quantized_target_trains_on_its_dequantized_weights(tiny_chat, tmp_path, monkeypatch):
+    """train-draft on an `optllm quantize` checkpoint: the target is read through formats/ (no
+    compressed-tensors package: importing it fails here), its linears hold the dequantized
+    weights, and the draft records the quantized checkpoint's identity."""
+    import sys
+
+    from optllm.formats.compressed_tensors import load_quantized_weights
+    from optllm.quant.config import QuantizeConfig
+    from optllm.quant.pipeline import quantize
+    from optllm.speculative.target import load_target
+
+    ckpt = tmp_path / "w4"
+    quantize(str(tiny_chat), ckpt, QuantizeConfig(scheme="w4a16-rtn", group_size=32, num_samples=2, seq_len=16),
+             progress=False)
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)
+    model, folder = load_target(str(ckpt))
+    qweights, _, _ = load_quantized_weights(ckpt)
+    assert qweights and folder == ckpt
+    for name, qw in qweights.items():
+        assert torch.equal(model.get_submodule(name).weight, qw.dequantize().to(torch.float32)), name
+    float_model, _ = load_target(str(tiny_chat))
+    assert not torch.equal(model.model.layers[0].mlp.down_proj.weight, float_model.model.layers[0].mlp.down_proj.weight)
+    out = tmp_path / "eagle"
+    result = train_draft(DraftConfig(target=str(ckpt), out=out, method="eagle", **{**SMALL, "max_steps": 2}))
+    assert result.step == 2
+    assert json.loads((out / "config.json").read_text())["target"]["sha256"] == target_identity(ckpt)
