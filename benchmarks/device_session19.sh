@@ -11,6 +11,8 @@
 #          4. both drafts and the dataset back through $OUT in 15 MiB pieces
 #          DATASET=FILE.jsonl.gz instead: no data generation; both methods train on it into
 #          /root/d/eagle-d and /root/d/eagle3-d
+#   awq    the AWQ target with an EAGLE-3 draft trained on itself against one trained on the float
+#          target (the block below says how)
 #   eval   optllm eval --draft for each of DRAFTS (folders under /root/d), batches BS,
 #          temperatures TEMPS, SPEC_LOAD waves |
 #          continuous (requests of spread lengths, eval/speculation.py); /root/d from the train call
@@ -24,7 +26,29 @@ source benchmarks/device_stage.sh
   || cat .carry-draft/draft*.tgz.part* | tar xzf - -C /root/d
 # a fresh machine: this session's drafts, carried back in .carry-d19 (eagle3, eagle-12k)
 [ -f /root/d/eagle3/config.json ] || [ ! -f .carry-d19/drafts.tgz ] || tar xzf .carry-d19/drafts.tgz -C /root/d
-if [ "${PART:-train}" = train ] && [ -f "${DATASET:-}" ]; then
+if [ "${PART:-train}" = awq ]; then
+  # issue 15's comparison: the AWQ target (W4 g64, 128 x 512 calibration, quantized here) served
+  # with an EAGLE-3 draft trained on itself (its own Magpie prompts and answers, features of its
+  # dequantized weights) against one trained on the float target the same way; PROMPTS each,
+  # TRAIN_S each, side by side; then optllm eval of the AWQ target with each draft (BS, TEMPS)
+  timeout 150 python3 -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --device cuda \
+    --num-samples 128 --seq-len 512 --no-compare --out /root/awq > "$OUT/logs/quantize.log" 2>&1 || exit 1
+  for t in awq float; do
+    src=/root/awq; [ $t = float ] && src=smollm2-135m
+    ( timeout $(( ${TRAIN_S:-300} + 30 )) python3 -m optllm train-draft $src --method eagle3 --out /root/d/e3-$t \
+        --device cuda --num-prompts "${PROMPTS:-4096}" --ttt-steps "${TTT:-4}" --draft-vocab "${VOCAB:-16384}" \
+        --max-steps 40000 --batch-size 16 --time-limit "${TRAIN_S:-300}" --overwrite > "$OUT/logs/train_e3_$t.log" 2>&1 ) &
+  done
+  wait
+  for t in awq float; do
+    echo "== train on $t"; grep -v "^step" "$OUT/logs/train_e3_$t.log" | tail -3
+    timeout "${SPEC_S:-120}" python3 -m optllm eval /root/awq --device cuda --no-ppl --draft /root/d/e3-$t \
+      --temperatures "${TEMPS:-0}" --batch-sizes "${BS:-1,8,32,64}" --spec-policy auto --out /root/spec-awq-$t \
+      > "$OUT/logs/spec_awq_$t.log" 2>&1 || echo "spec eval $t exited $?"
+    cp /root/spec-awq-$t/report.md "$OUT/spec_awq_draft_$t.md" 2>/dev/null
+    grep "^|" "$OUT/spec_awq_draft_$t.md" 2>/dev/null | head -8
+  done
+elif [ "${PART:-train}" = train ] && [ -f "${DATASET:-}" ]; then
   # the data of an earlier run (DATASET=.carry-draft/dataset_12288.jsonl.gz: this session's 12288
   # prompts, 420 s of generation saved): EAGLE and EAGLE-3 side by side on it, TRAIN_S each
   gzip -dc "$DATASET" > /root/d/dataset.jsonl
