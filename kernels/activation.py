@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import pow2, use_triton
+from .common import CompiledLaunch, pow2, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -30,6 +30,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
     s = (g / (1.0 + tl.exp(-g))).to(dtype)
     tl.store(out_ptr + row * inter + cols, (s.to(tl.float32) * u.to(tl.float32)).to(dtype), mask=mask)
+
+
+_SILU = CompiledLaunch(_silu_and_mul_kernel, pointers=2, runtime=True)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +61,7 @@ def silu_and_mul(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         return out
     # few rows (decode): smaller blocks, so more programs share the work
     block = min(pow2(i), 1024 if rows >= 64 else 256)
-    _silu_and_mul_kernel[(rows, -(-i // block))](
-        x2, out, i, x2.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 2)
+    warps = 4 if block >= 512 else 2
+    _SILU((x2.dtype, i, x2.stride(0), block, warps), (rows, -(-i // block), 1), (x2, out, i, x2.stride(0)),
+          dict(BLOCK=block), dict(num_warps=warps))
     return out

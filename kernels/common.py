@@ -53,6 +53,12 @@ def pow2(n: int) -> int:
 
 # Launching through Triton's compiled launcher (set False to time JITFunction.run's path)
 DIRECT_LAUNCH = True
+# The runtime's own kernels (RMSNorm, rotary + KV store, extend attention, SiLU-and-mul) take the
+# same path only when this is True: off until tests/kernels/test_direct_launch.py has passed on a
+# GPU (written in the nineteenth session, when no device time was left). An eager step launches
+# about 151 of them (benchmarks/eager_step_launches.py), 38-68 µs of host time each through
+# JITFunction.run on the H200's host.
+RUNTIME_DIRECT_LAUNCH = False
 
 
 class CompiledLaunch:
@@ -71,15 +77,18 @@ class CompiledLaunch:
     profiler's) are not called on the direct path. Under the CPU interpreter nothing is compiled
     and every call goes through the interpreter."""
 
-    def __init__(self, fn, pointers: int, max_keys: int = 4096) -> None:
+    def __init__(self, fn, pointers: int, max_keys: int = 4096, runtime: bool = False) -> None:
+        """runtime: one of the runtime's own kernels, direct only while RUNTIME_DIRECT_LAUNCH."""
         self.fn = fn
         self.names = tuple(fn.arg_names)
         self.pointers = pointers
         self.max_keys = max_keys
+        self.runtime = runtime
         self._compiled: dict = {}
 
     def __call__(self, key: Hashable, grid: tuple, args: Sequence, constexprs: dict, options: dict) -> None:
-        if DIRECT_LAUNCH and args[0].is_cuda and aligned16(*args[:self.pointers]):
+        if DIRECT_LAUNCH and (RUNTIME_DIRECT_LAUNCH or not self.runtime) and args[0].is_cuda \
+                and aligned16(*args[:self.pointers]):
             key = (key, torch._C._cuda_getDevice())
             hit = self._compiled.get(key)
             if hit is not None:
@@ -96,6 +105,13 @@ class CompiledLaunch:
                 self._compiled.clear()
             # the parameters after the positional arguments, in the kernel's order (constexprs)
             self._compiled[key] = (kernel, tuple(constexprs[name] for name in self.names[len(args):]))
+
+
+def int_kind(v: int) -> bool:
+    """What Triton fixes about an int argument it does not specialize on (do_not_specialize):
+    its type, 32 or 64 bits. A CompiledLaunch key holds this for such arguments, and the exact
+    value of every other int argument."""
+    return -(1 << 31) <= v < (1 << 31)
 
 
 def aligned16(*tensors: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import use_triton
+from .common import CompiledLaunch, int_kind, pow2, use_triton
 from .paged_attention import (
     LOG2E,
     _int,
@@ -122,6 +122,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+_EXTEND = CompiledLaunch(_extend_kernel, pointers=11, runtime=True)
 
 
 def extend_tiles(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
@@ -218,12 +221,15 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qpt = block_m // g
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     m = q if mask is None else mask.view(torch.uint8)
-    _extend_kernel[(triton.cdiv(max_seqlen_q, qpt), bsz, h)](
-        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, cu_seqlens_q, m,
-        cu_seqlens_q if mask_offsets is None else mask_offsets, out, scale * LOG2E, sliding_window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
-        ks.stride(0), ks.stride(1), block_tables.stride(0),
-        G=g, D=d, BS=bs, FP8=fp8, HAS_MASK=mask is not None, SLIDING=sliding_window > 0,
-        DOT_F32=compute_dot_f32(q), QPT=qpt, BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    moff = cu_seqlens_q if mask_offsets is None else mask_offsets
+    # window and stride_bt are do_not_specialize (their width only); every other int exactly
+    ints = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], ks.stride(0), ks.stride(1))
+    constexprs = dict(G=g, D=d, BS=bs, FP8=fp8, HAS_MASK=mask is not None, SLIDING=sliding_window > 0,
+                      DOT_F32=compute_dot_f32(q), QPT=qpt, BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), BLOCK_N=block_n)
+    key = (q.dtype, k_cache.dtype, ks.dtype, block_tables.dtype, m.dtype, moff.dtype, out.dtype, ints,
+           int_kind(sliding_window), int_kind(block_tables.stride(0)), tuple(constexprs.values()), warps, stages)
+    _EXTEND(key, (-(-max_seqlen_q // qpt), bsz, h),
+            (q, k_cache, v_cache, ks, vs, block_tables, seq_lens, cu_seqlens_q, m, moff, out, scale * LOG2E,
+             sliding_window, *ints[:7], ks.stride(0), ks.stride(1), block_tables.stride(0)),
+            constexprs, dict(num_warps=warps, num_stages=stages))
     return out

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import pow2, use_triton
+from .common import CompiledLaunch, int_kind, pow2, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_H = 16384
@@ -53,6 +53,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, R, H, inner,
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
     # a product of two 16-bit floats is exact in fp32: one rounding, as torch's bf16 multiply
     tl.store(out_ptr + dst, (normed.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype), mask=mask)
+
+
+_RMS = CompiledLaunch(_rms_norm_kernel, pointers=5, runtime=True)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -95,10 +98,12 @@ def _launch(x, weight, eps, residual):
     # small H: several rows per program, while keeping >= ~256 programs when R allows
     block_r = max(1, min(2048 // block_h, pow2(-(-R // 256))))
     num_warps = min(16, max(1, block_r * block_h // 256))
-    _rms_norm_kernel[(-(-R // block_r),)](
-        x3, x3 if residual is None else residual, weight, out, res_out, R, H, inner,
-        sx_o, sx_i, sr_o, sr_i, eps, HAS_RES=residual is not None,
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps)
+    r = x3 if residual is None else residual
+    # the key: what Triton specializes on (R and inner are do_not_specialize: their width only)
+    key = (x3.dtype, r.dtype, weight.dtype, H, sx_o, sx_i, sr_o, sr_i, int_kind(R), int_kind(inner),
+           residual is not None, block_r, block_h, num_warps)
+    _RMS(key, (-(-R // block_r), 1, 1), (x3, r, weight, out, res_out, R, H, inner, sx_o, sx_i, sr_o, sr_i, eps),
+         dict(HAS_RES=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h), dict(num_warps=num_warps))
     return out, res_out
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import pow2, use_triton
+from .common import CompiledLaunch, pow2, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -166,6 +166,9 @@ def _rotary_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, kc_ptr, vc_ptr
         tl.store(vc_ptr + dst + HALF, tl.load(vsrc + HALF, mask=mask, other=0.0).to(out), mask=mask)
 
 
+_ROTARY_STORE = CompiledLaunch(_rotary_store_kernel, pointers=8, runtime=True)
+
+
 def fused_store_ok(head_dim: int, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """apply_rotary_and_store serves full rotary (rotary_dim == head_dim) into a bf16 / fp16 /
     fp32 cache; partial rotary and FP8 caches take the two separate kernels."""
@@ -207,8 +210,12 @@ def apply_rotary_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
     half = head_dim // 2
     block_d = pow2(half)
     block_h = min(pow2(heads), max(1, 1024 // block_d))
-    _rotary_store_kernel[(T, -(-heads // block_h))](
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q.stride(0), k.stride(0), v.stride(0),
-        cos_sin_cache.stride(0), *k_cache.stride()[:3], nq, nk, BS=k_cache.shape[2], HEAD_DIM=head_dim,
-        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 512 else 2)
+    ints = (q.stride(0), k.stride(0), v.stride(0), cos_sin_cache.stride(0), *k_cache.stride()[:3], nq, nk)
+    warps = 4 if block_h * block_d >= 512 else 2
+    key = (positions.dtype, q.dtype, k.dtype, v.dtype, cos_sin_cache.dtype, k_cache.dtype, v_cache.dtype, ints,
+           k_cache.shape[2], head_dim, block_h, block_d, warps)
+    _ROTARY_STORE(key, (T, -(-heads // block_h), 1),
+                  (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, *ints),
+                  dict(BS=k_cache.shape[2], HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d),
+                  dict(num_warps=warps))
     return q
