@@ -21,7 +21,7 @@ constants, where the real ones grow with the batch and the prefill's tokens. Wit
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 from optllm.eval.speculation import spread_lengths
@@ -29,6 +29,9 @@ from optllm.runtime.config import SchedulerConfig
 from optllm.runtime.sampling_params import SamplingParams
 from optllm.runtime.scheduler import Scheduler
 from optllm.runtime.sequence import Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
 
 
 def simulate(batch: int, reps: int, output_len: int, prompt_len: int, admit_group: int,
@@ -92,11 +95,7 @@ def main() -> None:
         lines.append(line)
     table = "\n".join(lines)
     print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "admission_steps.md").write_text(table + "\n")
-        (out / "admission_steps.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1) + "\n")
+    write_results(args.out, "admission_steps", table, dict(args=vars(args), rows=rows))
 
 
 if __name__ == "__main__":

@@ -124,3 +124,13 @@ def provenance() -> dict:
     return dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, commit=commit(),
                 command=" ".join(sys.argv))
+
+
+def write_results(out: str | Path | None, name: str, table: str, payload: dict) -> None:
+    """OUT/NAME.md (the table) and OUT/NAME.json (payload), OUT made if needed; nothing when out is None."""
+    if out is None:
+        return
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")

@@ -16,7 +16,6 @@ eager step's launches cost the host there (printed as a range; a model, not a GP
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from pathlib import Path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
 
 # ops that launch no GPU kernel: views, metadata, allocations
 _NO_KERNEL = ("view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "t", "transpose", "expand",
@@ -113,11 +114,7 @@ def main() -> None:
     for label, r in rows.items():
         print(f"{label}: Triton {r['triton_by_kernel']}")
         print(f"{label}: torch top ops {dict(list(r['torch_by_op'].items())[:12])}")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "eager_step_launches.md").write_text(table + "\n")
-        (out / "eager_step_launches.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1) + "\n")
+    write_results(args.out, "eager_step_launches", table, dict(args=vars(args), rows=rows))
 
 
 if __name__ == "__main__":
