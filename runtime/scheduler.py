@@ -85,7 +85,7 @@ class Scheduler:
         self.num_preemptions = 0  # over the scheduler's life
         self._arrival: dict[int, int] = {}  # seq_id -> arrival rank, for every unfinished sequence
         self._next_arrival = 0
-        self._held = 0  # steps the waiting queue's head has been held back for a group (admit_group)
+        self._held = 0  # steps a place stood empty while arrivals were held for a group (admit_group)
 
     # ---- metrics
     @property
