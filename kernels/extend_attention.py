@@ -230,6 +230,6 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            int_kind(sliding_window), int_kind(block_tables.stride(0)), tuple(constexprs.values()), warps, stages)
     _EXTEND(key, (-(-max_seqlen_q // qpt), bsz, h),
             (q, k_cache, v_cache, ks, vs, block_tables, seq_lens, cu_seqlens_q, m, moff, out, scale * LOG2E,
-             sliding_window, *ints[:7], ks.stride(0), ks.stride(1), block_tables.stride(0)),
+             sliding_window, *ints, block_tables.stride(0)),
             constexprs, dict(num_warps=warps, num_stages=stages))
     return out

@@ -141,10 +141,11 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         raise UserError(f"{out} exists; pass --overwrite to replace it")
     if cfg.prompts is not None and not cfg.prompts.is_file():
         raise UserError(f"prompt file {cfg.prompts} not found")
-    if cfg.dataset is not None and not cfg.dataset.is_file():
-        raise UserError(f"dataset file {cfg.dataset} not found")
+    given = None  # a --dataset's sequences, read and checked before any folder is made
     if cfg.dataset is not None:
-        _read_checked(cfg.dataset)  # its format, before any folder is made
+        if not cfg.dataset.is_file():
+            raise UserError(f"dataset file {cfg.dataset} not found")
+        given = _read_checked(cfg.dataset)
     if cfg.resume is not None and not (cfg.resume / _STATE).is_file():
         raise UserError(f"--resume {cfg.resume}: not a checkpoint folder (no {_STATE})")
     if cfg.resume is not None and not (cfg.resume.parent / "dataset.jsonl").is_file():
@@ -175,14 +176,14 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
                                  answer_tokens=cfg.answer_tokens, answer_temperature=cfg.answer_temperature, log=log)
             write_dataset(seqs, work / "dataset.jsonl")
     acc.wait_for_everyone()
-    seqs = _read_checked(work / "dataset.jsonl")
+    seqs = given if given is not None else _read_checked(work / "dataset.jsonl")
     train, held = _split(seqs, cfg.holdout, cfg.seed)
 
     target, folder = load_target(cfg.target, "bfloat16" if use_cuda else "float32", acc.device)
     vocab = target.get_input_embeddings().weight.shape[0]
     top = max((max(s.token_ids) for s in seqs if s.token_ids), default=-1)
     if top >= vocab:
-        if acc.is_main_process and not resuming_here and cfg.resume is None:
+        if acc.is_main_process and cfg.resume is None:
             shutil.rmtree(work, ignore_errors=True)  # a run that never trained leaves nothing behind
         raise UserError(f"the training data has token id {top}, past the target's vocabulary of {vocab}: "
                         f"{cfg.dataset or 'dataset.jsonl'} was written for another model; allowed: data of this target")
