@@ -57,8 +57,9 @@ DIRECT_LAUNCH = True
 # same path only when this is True: off until tests/kernels/test_direct_launch.py has passed on a
 # GPU (written in the nineteenth session, when no device time was left). An eager step launches
 # about 151 of them (benchmarks/eager_step_launches.py), 38-68 µs of host time each through
-# JITFunction.run on the H200's host.
-RUNTIME_DIRECT_LAUNCH = False
+# JITFunction.run on the H200's host. OPTLLM_RUNTIME_DIRECT_LAUNCH=1 (read once, here) turns it on
+# for a measurement.
+RUNTIME_DIRECT_LAUNCH = os.environ.get("OPTLLM_RUNTIME_DIRECT_LAUNCH") == "1"
 
 
 class CompiledLaunch:

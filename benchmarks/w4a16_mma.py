@@ -1,0 +1,138 @@
+"""The tensor-core W4A16 GEMV (kernels/w4a16_mma.py) against the Triton W4A16 path, cuBLAS bf16 and
+tinygemm at decode sizes, on the H200.
+
+    python benchmarks/w4a16_mma.py [--shapes qkv,o,gate_up,down,smol_qkv,...] [--ms 1,2,4,8]
+                                   [--configs 8x4,4x4,...] [--out DIR]
+
+Per shape and M: the relative error of each kernel against the float32 reference on the same
+inputs, then µs per call of a CUDA-graph replay with weight copies rotated past 200 MB (read from
+HBM, benchmarks/common.flush_copies), for every tensor-core config (WARPS x UNROLL) and the best of
+them; % of the int4 floor (int4 words + bf16 scales + x + y at 4.27 TB/s). Symmetric int4, group
+128 on the 8B shapes, 64 on SmolLM2's. M = 1 also eager (host cost included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+
+from optllm.benchmarks.common import (
+    BW,
+    SHAPES,
+    flush_copies,
+    graph_us,
+    group_size,
+    parse_shapes,
+    provenance,
+    write_results,
+)
+from optllm.kernels import w4a16 as w4k
+from optllm.kernels import w4a16_mma as mk
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down,smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head")
+    ap.add_argument("--ms", default="1,2,4,8")
+    ap.add_argument("--configs", default="4x2,4x4,8x2,8x4,8x8,16x4")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    a = ap.parse_args()
+    if not mk.available():
+        raise SystemExit(f"the tensor-core GEMV does not build here: {mk._UNAVAILABLE}")
+    configs = [mk.MmaConfig(*(int(v) for v in c.split("x"))) for c in a.configs.split(",")]
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    rows = []
+    for sname in parse_shapes(a.shapes):
+        k, n = SHAPES[sname]
+        G = group_size(sname)
+        rot = flush_copies(n * k // 2)
+        wf, tri, mma, tg = [], [], [], []
+        for _ in range(rot):
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+            s = (w.float().reshape(n, k // G, G).abs().amax(-1) / 7.5).clamp_min(1e-8)
+            q = torch.clamp(torch.round(w.float() / s.repeat_interleave(G, 1)), -8, 7).to(torch.int8)
+            p = w4k.prepack_w4a16(q, s.to(torch.bfloat16), None, G, dtype=torch.bfloat16)
+            wf.append(w)
+            tri.append(p)
+            mma.append(mk.from_w4a16(p))
+            u = (q.to(torch.int32) + 8).to(torch.uint8)
+            try:
+                wp = torch.ops.aten._convert_weight_to_int4pack((u[:, ::2] << 4 | u[:, 1::2]).contiguous(),
+                                                               8 if k % 128 == 0 else 4)
+                sz = torch.stack([s.t(), torch.zeros_like(s.t())], dim=-1).to(torch.bfloat16).contiguous()
+                tg.append((wp, sz))
+            except Exception:
+                pass
+        for m in [int(v) for v in a.ms.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ w4k.dequantize_w4a16(tri[0]).t()
+            r = {"shape": sname, "K": k, "N": n, "M": m, "group": G, "copies": rot,
+                 "floor_int4": (n * k / 2 + n * k / G * 2 + m * k * 2 + m * n * 2) / BW * 1e6,
+                 "err_triton": rel(w4k.w4a16_linear(x, tri[0]), ref)}
+            ops = {"cublas_bf16": lambda i: x @ wf[i].t(), "triton_w4a16": lambda i: w4k.w4a16_linear(x, tri[i])}
+            if len(tg) == rot:
+                ops["tinygemm"] = lambda i: torch.ops.aten._weight_int4pack_mm(x, tg[i][0], G, tg[i][1])
+            for cfg in configs:
+                name = f"mma_{cfg.warps}x{cfg.unroll}"
+                r["err_" + name] = rel(mk.w4a16_mma_gemv(x, mma[0], None, cfg), ref)
+                ops[name] = lambda i, cfg=cfg: mk.w4a16_mma_gemv(x, mma[i], None, cfg)
+            for name, op in ops.items():
+                def fn(op=op):
+                    return [op(i) for i in range(rot)]
+                try:
+                    fn()
+                    r[name] = graph_us(fn, rep=40) / rot
+                except Exception as e:
+                    r[name] = None
+                    r[name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            best = min((c for c in ops if c.startswith("mma_") and r[c] is not None), key=lambda c: r[c])
+            r["mma_best"], r["mma_best_config"] = r[best], best
+            if m == 1:
+                def eager(fn):
+                    return 1000 * triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+                r["mma_eager"] = eager(lambda: mk.w4a16_mma_gemv(x, mma[0], None, configs[0]))
+                r["triton_eager"] = eager(lambda: w4k.w4a16_linear(x, tri[0]))
+            rows.append(r)
+            print(json.dumps({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
+        for held in (wf, tri, mma, tg):
+            held.clear()
+        torch.cuda.empty_cache()
+    table = render(rows, configs)
+    print(table)
+    write_results(a.out, "w4a16_mma", table, {"provenance": provenance(), "rows": rows})
+
+
+def render(rows, configs):
+    def f(v):
+        return "–" if v is None else f"{v:.1f}"
+
+    head = ("| shape | M | cuBLAS bf16 | tinygemm | Triton W4A16 | tensor-core GEMV (best config) | ×bf16 | ×Triton "
+            "| % int4 floor | err (tensor core) | " + " | ".join(f"{c.warps}x{c.unroll}" for c in configs) + " |")
+    lines = [head, "|" + "---|" * (10 + len(configs))]
+    for r in rows:
+        b = r["mma_best"]
+        lines.append(
+            f"| {r['shape']} | {r['M']} | {f(r['cublas_bf16'])} | {f(r.get('tinygemm'))} | {f(r['triton_w4a16'])} "
+            f"| {f(b)} ({r['mma_best_config'][4:]}) | {r['cublas_bf16'] / b:.2f} | {r['triton_w4a16'] / b:.2f} "
+            f"| {100 * r['floor_int4'] / b:.0f}% | {r['err_' + r['mma_best_config']]:.1e} | "
+            + " | ".join(f(r.get(f"mma_{c.warps}x{c.unroll}")) for c in configs) + " |")
+    eager = [r for r in rows if "mma_eager" in r]
+    if eager:
+        lines += ["", "| shape | M = 1 eager µs: tensor-core GEMV | Triton W4A16 | graph µs (tensor core, best) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['mma_eager']:.1f} | {r['triton_eager']:.1f} | {r['mma_best']:.1f} |"
+                  for r in eager]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""W4A16 decode GEMV on the tensor cores: hand-written CUDA, compiled at first use through NVRTC.
+
+    y [M, N] = x [M, K] @ W^T,   W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G],   M = 1..8
+
+Why: the Triton GEMV (kernels/w4a16.py) spends about 22 instructions per 32-bit word of weights
+(eight products and their sums on the CUDA cores, docs/BENCHMARKS.md "GEMV instruction budget"),
+close to the ~31 a word the H200 allows at its memory floor, and runs at 46-58% of that floor.
+Here the products go to the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) with the
+weight tile as the MMA's A operand (its 16 rows are 16 output features, "swap-AB") and the x rows
+as its 8 columns. A word costs 4 lop3 + 3 shifts + 1 mma (1/8 of a warp's), under 10 instructions.
+
+Weight layout (``mma_words``, built once at load from the checkpoint's nibbles)
+    int32 [N / 16, K / 64, 32, 4]: row tile r (16 features), k64 chunk c, lane L, word i. Lane
+    L = 4 g + t holds, in word i, the eight nibbles of its A fragment for the chunk's i-th mma:
+    register j (0..3) of the fragment is ``lop3(word >> 4 j, 0x000F000F, 0x43004300)``: nibble j
+    in the low half, nibble j + 4 in the high half, each or-ed into the mantissa of the bf16 128.
+    Fragment register j is row g + 8 (j & 1) of the tile, and it pairs with x at
+    k = 64 c + 16 t + 4 i + 2 (j >> 1) + (half). That k order is a permutation of the chunk, the
+    same on the x side: lane t's B fragments for all four mmas are x[16 t .. 16 t + 15], two
+    16-byte loads. A warp reads one chunk of one row tile as 512 contiguous bytes, 16 per lane.
+Arithmetic (per quantization group, G a multiple of 64)
+    the mma sums (128 + u) x over the group exactly in fp32 (u = q + 8, products of bf16 are exact);
+    a second mma with an all-ones A gives sum(x) over the group at no dequantization cost; then
+    y += scale * (acc - (136 + zero) * sum(x)). The weight is never rounded to bf16: y is the float32
+    value of sum((q - zero) scale x) up to fp32 summation order, rounded once to bf16 at the end.
+Work split
+    one CTA of WARPS warps per row tile; the warps take contiguous runs of groups (split-K inside
+    the CTA), each prefetching UNROLL chunks ahead; their partials are summed in warp order through
+    shared memory (deterministic), bias added, one bf16 store per output. No workspace, no atomics,
+    no host sync: CUDA-graph safe.
+
+Limits: bf16 activations, N % 16 == 0, K % 64 == 0, G % 64 == 0 (G = K allowed when K % 64 == 0),
+M <= 8. Everything else (and the CPU, where nothing is compiled) stays on kernels/w4a16.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .w4a16 import _K_NIBBLE, W4A16Weight
+
+MAX_M = 8
+CHUNK = 64  # k per chunk: four m16n8k16 mmas, one 16-byte weight load per lane
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    warps: int = 8  # warps per CTA (the CTA's split of K)
+    unroll: int = 4  # chunks a warp loads ahead
+
+    def __post_init__(self) -> None:
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"warps={self.warps}: allowed 1, 2, 4, 8, 16")
+        if self.unroll not in (1, 2, 4, 8):
+            raise ValueError(f"unroll={self.unroll}: allowed 1, 2, 4, 8")
+
+
+@dataclass(frozen=True)
+class W4A16MmaWeight:
+    """words int32 [N / 16, K / 64, 32, 4] (module docstring); scales bf16 [K / G, N]; zeros int8
+    [K / G, N] or None (symmetric)."""
+
+    words: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    N: int
+    K: int
+    group_size: int
+
+
+def mma_supported(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and n % 16 == 0 and k % CHUNK == 0 and group_size % CHUNK == 0 \
+        and k % group_size == 0
+
+
+def _fragment_index(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each (lane, word i, nibble p): the row inside the 16-row tile and the k inside the
+    64-k chunk that nibble holds, [32, 4, 8] each."""
+    lane = torch.arange(32, device=device)[:, None, None]
+    i = torch.arange(4, device=device)[None, :, None]
+    p = torch.arange(8, device=device)[None, None, :]
+    j, half = p % 4, p // 4
+    row = (lane >> 2) + 8 * (j % 2)
+    kk = 16 * (lane & 3) + 4 * i + 2 * (j // 2) + half
+    return row.expand(32, 4, 8), kk.expand(32, 4, 8)
+
+
+def mma_words(u: torch.Tensor) -> torch.Tensor:
+    """Nibbles u [N, K] (integers 0..15) -> the kernel's words int32 [N / 16, K / 64, 32, 4]."""
+    n, k = u.shape
+    if n % 16 or k % CHUNK:
+        raise ValueError(f"u: shape must be [16 a, 64 b], got {tuple(u.shape)}")
+    row, kk = _fragment_index(u.device)
+    tiles = u.to(torch.int64).view(n // 16, 16, k // CHUNK, CHUNK).permute(0, 2, 1, 3)  # [R, C, 16, 64]
+    vals = tiles[:, :, row, kk]  # [R, C, 32, 4, 8]
+    shifts = 4 * torch.arange(8, device=u.device, dtype=torch.int64)
+    words = (vals << shifts).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def mma_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of mma_words: words [N / 16, K / 64, 32, 4] -> u int64 [N, K]."""
+    r, c = words.shape[:2]
+    row, kk = _fragment_index(words.device)
+    shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int64)
+    vals = (words.to(torch.int64).unsqueeze(-1) >> shifts) & 15  # [R, C, 32, 4, 8]
+    tiles = torch.empty(r, c, 16, CHUNK, dtype=torch.int64, device=words.device)
+    tiles[:, :, row, kk] = vals
+    return tiles.permute(0, 2, 1, 3).reshape(r * 16, c * CHUNK)
+
+
+def from_w4a16(w: W4A16Weight) -> W4A16MmaWeight:
+    """The kernel's weight from the Triton kernels' prepacked one (same values, scales, zeros)."""
+    if not mma_supported(w.N, w.K, w.group_size, w.scales.dtype):
+        raise ValueError(f"W4A16 weight N={w.N} K={w.K} group {w.group_size} scales {w.scales.dtype}: the "
+                         "tensor-core GEMV needs N % 16 == 0, K and the group a multiple of 64, bf16 scales")
+    words = w.packed.t() if w.n_major else w.packed
+    shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
+    u = ((words.unsqueeze(-1) >> shifts) & 15)[:, :, _K_NIBBLE].reshape(w.N, w.K)
+    return W4A16MmaWeight(mma_words(u), w.scales.contiguous(), None if w.zeros is None else w.zeros.contiguous(),
+                          w.N, w.K, w.group_size)
+
+
+def dequantize_mma(w: W4A16MmaWeight) -> torch.Tensor:
+    """float32 [N, K]: (u - 8 - zero) * scale, from the kernel's own words (a torch reference)."""
+    u = mma_nibbles(w.words).float()
+    z = 0.0 if w.zeros is None else w.zeros.t().float().repeat_interleave(w.group_size, dim=1)
+    return (u - 8.0 - z) * w.scales.t().float().repeat_interleave(w.group_size, dim=1)
+
+
+def w4a16_mma_ref(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    y = x.float() @ dequantize_mma(w).t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct __align__(16) W4 { u32 a, b, c, d; };
+
+__device__ __forceinline__ W4 ld_stream(const W4* p) {
+  W4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ W4 ld_cached(const W4* p) {
+  W4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 pair(u32 w) {  // nibbles j, j + 4 (bits 0-3, 16-19) -> bf16x2 128 + u
+  u32 r;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(r) : "r"(w));
+  return r;
+}
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float bf16f(u16 v) { return __uint_as_float(((u32)v) << 16); }
+__device__ __forceinline__ u16 f2bf(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ void word_mma(float* acc, float* sx, u32 w, u32 b0, u32 b1) {
+  const u32 one = 0x3F803F80u;
+  mma(acc, pair(w), pair(w >> 4), pair(w >> 8), pair(w >> 12), b0, b1);
+  mma(sx, one, one, one, one, b0, b1);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
+               const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
+               int M, int N, int K, int ldx, int ldy) {
+  __shared__ float red[WARPS][32][4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6, groups = chunks / CPG;
+  const int c0 = ((warp * groups) / WARPS) * CPG, c1 = (((warp + 1) * groups) / WARPS) * CPG;
+  const W4* wp = wq + (size_t)blockIdx.x * chunks * 32 + lane;
+  const W4* xp = (const W4*)(x + (size_t)(g < M ? g : M - 1) * ldx) + 2 * t;
+  const int n0 = blockIdx.x * 16 + g, n1 = n0 + 8;
+  float yv[4] = {0.f, 0.f, 0.f, 0.f}, acc[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
+  float s0 = 0.f, s1 = 0.f, o0 = 136.f, o1 = 136.f;
+  W4 buf[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+    if (c0 + u < c1) buf[u] = ld_stream(wp + (size_t)(c0 + u) * 32);
+  for (int cb = c0; cb < c1; cb += UNROLL) {
+    W4 cur[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) cur[u] = buf[u];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (cb + UNROLL + u < c1) buf[u] = ld_stream(wp + (size_t)(cb + UNROLL + u) * 32);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int c = cb + u;
+      if (c < c1) {
+        if (c % CPG == 0) {  // a group starts: its scales (and zeros) load while its chunks compute
+          const size_t gi = (size_t)(c / CPG) * N;
+          s0 = bf16f(scales[gi + n0]);
+          s1 = bf16f(scales[gi + n1]);
+#if HAS_ZEROS
+          o0 = 136.f + (float)zeros[gi + n0];
+          o1 = 136.f + (float)zeros[gi + n1];
+#endif
+        }
+        const W4 xa = ld_cached(xp + (size_t)c * 8), xb = ld_cached(xp + (size_t)c * 8 + 1);
+        word_mma(acc, sx, cur[u].a, xa.a, xa.b);
+        word_mma(acc, sx, cur[u].b, xa.c, xa.d);
+        word_mma(acc, sx, cur[u].c, xb.a, xb.b);
+        word_mma(acc, sx, cur[u].d, xb.c, xb.d);
+        if ((c + 1) % CPG == 0) {  // the group ends: scale it into the running sums
+          yv[0] += s0 * (acc[0] - o0 * sx[0]);
+          yv[1] += s0 * (acc[1] - o0 * sx[1]);
+          yv[2] += s1 * (acc[2] - o1 * sx[2]);
+          yv[3] += s1 * (acc[3] - o1 * sx[3]);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) { acc[q] = 0.f; sx[q] = 0.f; }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) red[warp][lane][q] = yv[q];
+  __syncthreads();
+  if (warp == 0) {
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int w = 0; w < WARPS; ++w)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v[q] += red[w][lane][q];
+    float b0 = 0.f, b1 = 0.f;
+#if HAS_BIAS
+    b0 = bf16f(bias[n0]);
+    b1 = bf16f(bias[n1]);
+#endif
+    const int m0 = 2 * t, m1 = 2 * t + 1;  // accumulator columns: x rows
+    if (m0 < M) { y[(size_t)m0 * ldy + n0] = f2bf(v[0] + b0); y[(size_t)m0 * ldy + n1] = f2bf(v[2] + b1); }
+    if (m1 < M) { y[(size_t)m1 * ldy + n0] = f2bf(v[1] + b0); y[(size_t)m1 * ldy + n1] = f2bf(v[3] + b1); }
+  }
+}
+"""
+
+_KERNELS: dict = {}
+_UNAVAILABLE: list = []  # the reason NVRTC could not build the kernel, once known
+
+
+def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool):
+    key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
+    kern = _KERNELS.get(key)
+    if kern is None:
+        head = (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n"
+                f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n")
+        kern = _KERNELS[key] = torch.cuda._compile_kernel(head + _SOURCE, "w4a16_mma_gemv")
+    return kern
+
+
+def available() -> bool:
+    """Whether the kernel compiles here (a CUDA device of compute capability >= 8.0, and torch's
+    NVRTC wrapper); the first call compiles one variant and remembers a failure."""
+    if _UNAVAILABLE:
+        return False
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0) \
+            or not hasattr(torch.cuda, "_compile_kernel"):
+        _UNAVAILABLE.append("needs a CUDA device of compute capability >= 8.0 and torch.cuda._compile_kernel")
+        return False
+    try:
+        _kernel(MmaConfig(), 1, False, False)
+    except Exception as e:  # no NVRTC, no CUDA headers: the Triton kernels serve
+        _UNAVAILABLE.append(f"{type(e).__name__}: {e}")
+        return False
+    return True
+
+
+def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
+                   config: Optional[MmaConfig] = None) -> torch.Tensor:
+    """y = x @ W^T + bias: x bf16 [M, K] (M <= 8, unit stride along K, rows 16-byte aligned), bias
+    bf16 [N] or None -> y bf16 [M, N]."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cuda or x.stride(1) != 1:
+        raise ValueError(f"x: must be a CUDA bf16 [M, K] tensor with unit stride, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_M or k != w.K:
+        raise ValueError(f"x: must be [M, {w.K}] with 1 <= M <= {MAX_M}, got {tuple(x.shape)}")
+    if x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("x: rows must start on 16-byte boundaries (row stride a multiple of 8)")
+    if bias is not None and (bias.shape != (w.N,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        raise ValueError(f"bias: must be a contiguous bf16 tensor of shape ({w.N},), got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    cfg = config or MmaConfig()
+    y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
+    kern = _kernel(cfg, w.group_size // CHUNK, w.zeros is not None, bias is not None)
+    kern(grid=(w.N // 16, 1, 1), block=(32 * cfg.warps, 1, 1),
+         args=[w.words, x, w.scales, w.scales if w.zeros is None else w.zeros, y if bias is None else bias, y,
+               m, w.N, w.K, x.stride(0), w.N])
+    return y

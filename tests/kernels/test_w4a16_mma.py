@@ -1,0 +1,146 @@
+"""kernels/w4a16_mma: the tensor-core GEMV's weight layout, checked on the CPU against an emulation of
+the mma fragments written from the PTX ISA's tables (m16n8k16, .bf16: A row g / g + 8, columns
+2t, 2t + 1 (+ 8); B rows 2t, 2t + 1 (+ 8), column g; D rows g / g + 8, columns 2t, 2t + 1), and the
+kernel itself on the GPU against the float32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optllm.kernels import w4a16 as w4k
+from optllm.kernels import w4a16_mma as mk
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _quantized(n, k, group, asym, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    s = (0.01 + 0.02 * torch.rand(n, k // group, generator=g)).to(torch.bfloat16)
+    z = torch.randint(-3, 4, (n, k // group), generator=g, dtype=torch.int8) if asym else None
+    return q.to(device), s.to(device), None if z is None else z.to(device)
+
+
+def test_words_round_trip():
+    u = torch.randint(0, 16, (48, 192), generator=torch.Generator().manual_seed(0))
+    words = mk.mma_words(u)
+    assert words.shape == (3, 3, 32, 4) and words.dtype == torch.int32
+    assert torch.equal(mk.mma_nibbles(words), u)
+    # one nibble moved is one nibble changed
+    u2 = u.clone()
+    u2[17, 70] = (u2[17, 70] + 1) % 16
+    assert (mk.mma_words(u2) != words).sum() == 1
+
+
+def _emulate(x, w):
+    """The kernel's arithmetic, fragment by fragment, in float64: for each row tile and chunk, the
+    lanes' registers as the kernel forms them, placed where the PTX tables say the mma reads them."""
+    m, k = x.shape
+    words = w.words.to(torch.int64)
+    r_tiles, chunks = words.shape[:2]
+    xs = x.double()
+    y = torch.zeros(m, w.N, dtype=torch.float64)
+    cpg = w.group_size // mk.CHUNK
+    for r in range(r_tiles):
+        acc = torch.zeros(16, 8, dtype=torch.float64)
+        sx = torch.zeros(16, 8, dtype=torch.float64)
+        for c in range(chunks):
+            for i in range(4):
+                a = torch.empty(16, 16, dtype=torch.float64)
+                b = torch.empty(16, 8, dtype=torch.float64)
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    wd = int(words[r, c, lane, i])
+                    regs = [((128 + ((wd >> (4 * j)) & 15)), (128 + ((wd >> (4 * j + 16)) & 15))) for j in range(4)]
+                    # A fragment: reg 0 = (g, 2t..), reg 1 = (g + 8, 2t..), reg 2 = (g, 2t + 8..), reg 3 = (g + 8, ..)
+                    for j, (lo, hi) in enumerate(regs):
+                        row, col = g + 8 * (j & 1), 2 * t + 8 * (j >> 1)
+                        a[row, col], a[row, col + 1] = lo, hi
+                    # B fragment: lane t's x[16t .. 16t + 15] of row g (clamped to M - 1); regs 2i, 2i + 1
+                    xr = xs[min(g, m - 1), c * 64 + 16 * t: c * 64 + 16 * t + 16]
+                    b[2 * t, g], b[2 * t + 1, g] = xr[4 * i], xr[4 * i + 1]
+                    b[2 * t + 8, g], b[2 * t + 9, g] = xr[4 * i + 2], xr[4 * i + 3]
+                acc += a @ b
+                sx += torch.ones(16, 16, dtype=torch.float64) @ b
+            if (c + 1) % cpg == 0:
+                grp = c // cpg
+                rows = torch.arange(r * 16, r * 16 + 16)
+                s = w.scales[grp, rows].double()[:, None]
+                o = 136.0 + (0.0 if w.zeros is None else w.zeros[grp, rows].double()[:, None])
+                part = s * (acc - o * sx)  # [16 rows, 8 columns = x rows]
+                y[:, rows] += part[:, :m].t()
+                acc.zero_()
+                sx.zero_()
+    return y
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("group,m", [(64, 1), (128, 3), (192, 8)])
+def test_fragments_compute_the_linear(asym, group, m):
+    n, k = 32, 192 if group != 128 else 256
+    q, s, z = _quantized(n, k, group, asym, seed=group + m)
+    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    ref = w4k.w4a16_linear_ref(x, q, s, z, group).double()
+    got = _emulate(x, w)
+    # the reference sums in float32 (about 1e-7 relative); one misplaced nibble or x pair is O(1)
+    assert (got - ref).norm() <= 1e-6 * ref.norm()
+    assert torch.allclose(mk.dequantize_mma(w), w4k.dequantize_w4a16(w4k.prepack_w4a16(q, s, z, group)), atol=0)
+
+
+def test_from_w4a16_n_major_and_bad_shapes():
+    q, s, z = _quantized(32, 128, 64, True, seed=5)
+    a = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 64, dtype=torch.bfloat16))
+    b = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 64, dtype=torch.bfloat16, n_major=True))
+    assert torch.equal(a.words, b.words)
+    q, s, z = _quantized(32, 96, 32, False, seed=6)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="shape must be"):
+        mk.mma_words(torch.zeros(20, 64, dtype=torch.int64))
+    assert not mk.mma_supported(576, 576, 64, torch.float16)
+    assert mk.mma_supported(576, 576, 64, torch.bfloat16) and not mk.mma_supported(576, 576, 576 // 2, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(8, 4), mk.MmaConfig(4, 2), mk.MmaConfig(16, 8), mk.MmaConfig(1, 1)])
+@pytest.mark.parametrize("asym", [False, True])
+def test_kernel_gpu(cfg, asym):
+    assert mk.available(), mk._UNAVAILABLE
+    for n, k, group in ((64, 256, 64), (960, 576, 64), (256, 1024, 128), (128, 512, 512), (48, 320, 64)):
+        q, s, z = _quantized(n, k, group, asym, seed=n + k, device="cuda")
+        w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        for m in (1, 2, 5, 8):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            for b in (None, bias):
+                ref = w4k.w4a16_linear_ref(x, q, s, z, group, b)
+                y = mk.w4a16_mma_gemv(x, w, b, cfg)
+                # fp32 sums, one bf16 rounding of y: 2^-8 relative per element at most
+                assert (y.float() - ref).norm() <= 3e-3 * ref.norm(), (n, k, group, m, b is None)
+                assert torch.equal(y, mk.w4a16_mma_gemv(x, w, b, cfg))  # deterministic
+        # a strided x (rows of a wider buffer) reads the same
+        xb = torch.randn(3, k + 64, device="cuda").to(torch.bfloat16)
+        assert torch.equal(mk.w4a16_mma_gemv(xb[:, :k], w, None, cfg),
+                           mk.w4a16_mma_gemv(xb[:, :k].contiguous(), w, None, cfg))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernel_gpu_graph_and_errors():
+    q, s, z = _quantized(256, 512, 128, False, seed=1, device="cuda")
+    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 128, dtype=torch.bfloat16))
+    x = torch.randn(1, 512, device="cuda").to(torch.bfloat16)
+    eager = mk.w4a16_mma_gemv(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mk.w4a16_mma_gemv(x, w)
+    x.copy_(torch.randn(1, 512, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    assert torch.equal(out, mk.w4a16_mma_gemv(x, w)) and not torch.equal(out, eager)
+    with pytest.raises(ValueError, match="1 <= M <= 8"):
+        mk.w4a16_mma_gemv(torch.zeros(9, 512, device="cuda", dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="bf16"):
+        mk.w4a16_mma_gemv(torch.zeros(1, 512, device="cuda"), w)
