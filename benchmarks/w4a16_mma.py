@@ -34,6 +34,17 @@ from optllm.kernels import w4a16 as w4k
 from optllm.kernels import w4a16_mma as mk
 
 
+def parse_config(text: str) -> mk.MmaConfig:
+    warps, rest = text.split("x")
+    digits = rest.rstrip("spa")
+    flags = rest[len(digits):]
+    return mk.MmaConfig(int(warps), int(digits), offset_mma="s" not in flags, xpre="p" in flags, ablate="a" in flags)
+
+
+def cname(c: mk.MmaConfig) -> str:
+    return f"{c.warps}x{c.unroll}" + ("" if c.offset_mma else "s") + ("p" if c.xpre else "") + ("a" if c.ablate else "")
+
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -42,12 +53,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head")
     ap.add_argument("--ms", default="1,2,4,8")
-    ap.add_argument("--configs", default="4x2,4x4,8x2,8x4,8x8,16x4")
+    ap.add_argument("--configs", default="4x2,4x4,8x2,8x4,8x8,16x4",
+                    help="WARPSxUNROLL[s][p][a]: s the offset by a bf16x2 fma before each mma (no all-ones mma), "
+                         "p x prefetched with the weights, a no dequantization (timing only)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
     if not mk.available():
         raise SystemExit(f"the tensor-core GEMV does not build here: {mk._UNAVAILABLE}")
-    configs = [mk.MmaConfig(*(int(v) for v in c.split("x"))) for c in a.configs.split(",")]
+    configs = [parse_config(c) for c in a.configs.split(",")]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
@@ -82,7 +95,7 @@ def main():
             if len(tg) == rot:
                 ops["tinygemm"] = lambda i: torch.ops.aten._weight_int4pack_mm(x, tg[i][0], G, tg[i][1])
             for cfg in configs:
-                name = f"mma_{cfg.warps}x{cfg.unroll}"
+                name = "mma_" + cname(cfg)
                 r["err_" + name] = rel(mk.w4a16_mma_gemv(x, mma[0], None, cfg), ref)
                 ops[name] = lambda i, cfg=cfg: mk.w4a16_mma_gemv(x, mma[i], None, cfg)
             for name, op in ops.items():
@@ -94,7 +107,8 @@ def main():
                 except Exception as e:
                     r[name] = None
                     r[name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-            best = min((c for c in ops if c.startswith("mma_") and r[c] is not None), key=lambda c: r[c])
+            best = min((c for c in ops if c.startswith("mma_") and not c.endswith("a") and r[c] is not None),
+                       key=lambda c: r[c])
             r["mma_best"], r["mma_best_config"] = r[best], best
             if m == 1:
                 def eager(fn):
@@ -116,7 +130,7 @@ def render(rows, configs):
         return "–" if v is None else f"{v:.1f}"
 
     head = ("| shape | M | cuBLAS bf16 | tinygemm | Triton W4A16 | tensor-core GEMV (best config) | ×bf16 | ×Triton "
-            "| % int4 floor | err (tensor core) | " + " | ".join(f"{c.warps}x{c.unroll}" for c in configs) + " |")
+            "| % int4 floor | err (tensor core) | " + " | ".join(cname(c) for c in configs) + " |")
     lines = [head, "|" + "---|" * (10 + len(configs))]
     for r in rows:
         b = r["mma_best"]
@@ -124,7 +138,7 @@ def render(rows, configs):
             f"| {r['shape']} | {r['M']} | {f(r['cublas_bf16'])} | {f(r.get('tinygemm'))} | {f(r['triton_w4a16'])} "
             f"| {f(b)} ({r['mma_best_config'][4:]}) | {r['cublas_bf16'] / b:.2f} | {r['triton_w4a16'] / b:.2f} "
             f"| {100 * r['floor_int4'] / b:.0f}% | {r['err_' + r['mma_best_config']]:.1e} | "
-            + " | ".join(f(r.get(f"mma_{c.warps}x{c.unroll}")) for c in configs) + " |")
+            + " | ".join(f(r.get("mma_" + cname(c))) for c in configs) + " |")
     eager = [r for r in rows if "mma_eager" in r]
     if eager:
         lines += ["", "| shape | M = 1 eager µs: tensor-core GEMV | Triton W4A16 | graph µs (tensor core, best) |",

@@ -50,6 +50,9 @@ CHUNK = 64  # k per chunk: four m16n8k16 mmas, one 16-byte weight load per lane
 class MmaConfig:
     warps: int = 8  # warps per CTA (the CTA's split of K)
     unroll: int = 4  # chunks a warp loads ahead
+    offset_mma: bool = True  # sum(x) from an all-ones mma (else: u - 8 - zero formed before the mma)
+    xpre: bool = False  # x loaded with the weights, unroll chunks ahead
+    ablate: bool = False  # timing only: no dequantization (wrong numbers)
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8, 16):
@@ -137,9 +140,18 @@ def w4a16_mma_ref(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tenso
 
 
 _SOURCE = r"""
+// OFFSET_MMA 1: the weights enter the mma as 128 + u and sum(x) comes from a second mma with an
+// all-ones A; 0: each nibble pair is brought to u - 8 - zero (one exact bf16x2 fma) before its mma.
+// XPRE 1: the x pairs of a chunk are loaded with its weights, UNROLL chunks ahead.
+// ABLATE 1 (timing only, wrong numbers): the raw words are the A operand, no dequantization.
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) W4 { u32 a, b, c, d; };
+struct Chunk { W4 w;
+#if XPRE
+  W4 xa, xb;
+#endif
+};
 
 __device__ __forceinline__ W4 ld_stream(const W4* p) {
   W4 v;
@@ -153,9 +165,22 @@ __device__ __forceinline__ W4 ld_cached(const W4* p) {
   return v;
 }
 __device__ __forceinline__ u32 pair(u32 w) {  // nibbles j, j + 4 (bits 0-3, 16-19) -> bf16x2 128 + u
+#if ABLATE
+  return w;
+#else
   u32 r;
   asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(r) : "r"(w));
   return r;
+#endif
+}
+__device__ __forceinline__ u32 pair_sub(u32 w, u32 nz) {  // (128 + u) - (136 + zero): exact in bf16
+#if ABLATE
+  return w;
+#else
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(pair(w)), "r"(0x3F803F80u), "r"(nz));
+  return r;
+#endif
 }
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -169,10 +194,18 @@ __device__ __forceinline__ u16 f2bf(float v) {
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
   return r;
 }
-__device__ __forceinline__ void word_mma(float* acc, float* sx, u32 w, u32 b0, u32 b1) {
+__device__ __forceinline__ u32 neg_pair(float o) {  // -o as bf16x2 (o = 136 + zero: exact)
+  const u32 h = f2bf(-o);
+  return h | (h << 16);
+}
+__device__ __forceinline__ void word_mma(float* acc, float* sx, u32 w, u32 b0, u32 b1, u32 nz0, u32 nz1) {
+#if OFFSET_MMA
   const u32 one = 0x3F803F80u;
   mma(acc, pair(w), pair(w >> 4), pair(w >> 8), pair(w >> 12), b0, b1);
   mma(sx, one, one, one, one, b0, b1);
+#else
+  mma(acc, pair_sub(w, nz0), pair_sub(w >> 4, nz1), pair_sub(w >> 8, nz0), pair_sub(w >> 12, nz1), b0, b1);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -189,17 +222,30 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
   const int n0 = blockIdx.x * 16 + g, n1 = n0 + 8;
   float yv[4] = {0.f, 0.f, 0.f, 0.f}, acc[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
   float s0 = 0.f, s1 = 0.f, o0 = 136.f, o1 = 136.f;
-  W4 buf[UNROLL];
+  u32 nz0 = neg_pair(136.f), nz1 = nz0;
+  Chunk buf[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
-    if (c0 + u < c1) buf[u] = ld_stream(wp + (size_t)(c0 + u) * 32);
+    if (c0 + u < c1) {
+      buf[u].w = ld_stream(wp + (size_t)(c0 + u) * 32);
+#if XPRE
+      buf[u].xa = ld_cached(xp + (size_t)(c0 + u) * 8);
+      buf[u].xb = ld_cached(xp + (size_t)(c0 + u) * 8 + 1);
+#endif
+    }
   for (int cb = c0; cb < c1; cb += UNROLL) {
-    W4 cur[UNROLL];
+    Chunk cur[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) cur[u] = buf[u];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-      if (cb + UNROLL + u < c1) buf[u] = ld_stream(wp + (size_t)(cb + UNROLL + u) * 32);
+      if (cb + UNROLL + u < c1) {
+        buf[u].w = ld_stream(wp + (size_t)(cb + UNROLL + u) * 32);
+#if XPRE
+        buf[u].xa = ld_cached(xp + (size_t)(cb + UNROLL + u) * 8);
+        buf[u].xb = ld_cached(xp + (size_t)(cb + UNROLL + u) * 8 + 1);
+#endif
+      }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int c = cb + u;
@@ -211,18 +257,31 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
 #if HAS_ZEROS
           o0 = 136.f + (float)zeros[gi + n0];
           o1 = 136.f + (float)zeros[gi + n1];
+          nz0 = neg_pair(o0);
+          nz1 = neg_pair(o1);
 #endif
         }
+#if XPRE
+        const W4 xa = cur[u].xa, xb = cur[u].xb;
+#else
         const W4 xa = ld_cached(xp + (size_t)c * 8), xb = ld_cached(xp + (size_t)c * 8 + 1);
-        word_mma(acc, sx, cur[u].a, xa.a, xa.b);
-        word_mma(acc, sx, cur[u].b, xa.c, xa.d);
-        word_mma(acc, sx, cur[u].c, xb.a, xb.b);
-        word_mma(acc, sx, cur[u].d, xb.c, xb.d);
+#endif
+        word_mma(acc, sx, cur[u].w.a, xa.a, xa.b, nz0, nz1);
+        word_mma(acc, sx, cur[u].w.b, xa.c, xa.d, nz0, nz1);
+        word_mma(acc, sx, cur[u].w.c, xb.a, xb.b, nz0, nz1);
+        word_mma(acc, sx, cur[u].w.d, xb.c, xb.d, nz0, nz1);
         if ((c + 1) % CPG == 0) {  // the group ends: scale it into the running sums
+#if OFFSET_MMA
           yv[0] += s0 * (acc[0] - o0 * sx[0]);
           yv[1] += s0 * (acc[1] - o0 * sx[1]);
           yv[2] += s1 * (acc[2] - o1 * sx[2]);
           yv[3] += s1 * (acc[3] - o1 * sx[3]);
+#else
+          yv[0] += s0 * acc[0];
+          yv[1] += s0 * acc[1];
+          yv[2] += s1 * acc[2];
+          yv[3] += s1 * acc[3];
+#endif
 #pragma unroll
           for (int q = 0; q < 4; ++q) { acc[q] = 0.f; sx[q] = 0.f; }
         }
@@ -258,7 +317,9 @@ def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool):
     kern = _KERNELS.get(key)
     if kern is None:
         head = (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n"
-                f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n")
+                f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
+                f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre)}\n"
+                f"#define ABLATE {int(cfg.ablate)}\n")
         kern = _KERNELS[key] = torch.cuda._compile_kernel(head + _SOURCE, "w4a16_mma_gemv")
     return kern
 

@@ -105,7 +105,9 @@ def test_from_w4a16_n_major_and_bad_shapes():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [mk.MmaConfig(8, 4), mk.MmaConfig(4, 2), mk.MmaConfig(16, 8), mk.MmaConfig(1, 1)])
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(8, 4), mk.MmaConfig(4, 2), mk.MmaConfig(16, 8), mk.MmaConfig(1, 1),
+                                 mk.MmaConfig(8, 2, offset_mma=False), mk.MmaConfig(8, 4, xpre=True),
+                                 mk.MmaConfig(4, 2, offset_mma=False, xpre=True)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
