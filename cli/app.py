@@ -261,8 +261,8 @@ def eval_cmd(
                                     "step at most"),
     spec_load: str = typer.Option("waves", "--spec-load", help="--draft: waves (each batch's requests together) | "
                                   "continuous (all requests at once, at most batch size running: a busy server)"),
-    admit_group: int = typer.Option(1, "--admit-group", help="--draft: both engines admit waiting requests in groups "
-                                    "of this many while others decode (the scheduler's admit_group; 1: at once)"),
+    admit_group: int = typer.Option(8, "--admit-group", help="--draft: both engines admit waiting requests in groups "
+                                    "of this many while others decode (the engine's admit_group; 1: at once)"),
     compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
                                            "thresholds are marked as regressions"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),

@@ -161,7 +161,7 @@ def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
 def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], output_len: int, device: str = "cpu",
                         dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0), reps: int = 1,
                         policy: str = "auto", spec_options: dict | None = None, progress: bool = False,
-                        both_orders: bool | None = None, load: str = "waves", admit_group: int = 1) -> list[dict]:
+                        both_orders: bool | None = None, load: str = "waves", admit_group: int = 8) -> list[dict]:
     """One row per (temperature, batch size): plain_tok_s, spec_tok_s, speedup, tau, histogram,
     accept_at_depth, identical (greedy) and the counts behind them (see the module docstring).
     load: "waves" (each batch's requests together, the next batch after) or "continuous" (all
@@ -327,7 +327,7 @@ def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequenc
                          device: str = "cpu", dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0),
                          reps: int = 1, policy: str = "auto", spec_options: dict | None = None,
                          progress: bool = True, on_model: Callable[[list[dict]], None] | None = None,
-                         load: str = "waves", admit_group: int = 1) -> list[dict]:
+                         load: str = "waves", admit_group: int = 8) -> list[dict]:
     """measure_speculation for each model with the one draft: [{"speculation": rows, "scheme",
     "seconds"}], as eval's other measurements return them. on_model(results so far) runs after
     each model but the last (eval rewrites its partial report there)."""

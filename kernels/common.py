@@ -54,12 +54,13 @@ def pow2(n: int) -> int:
 # Launching through Triton's compiled launcher (set False to time JITFunction.run's path)
 DIRECT_LAUNCH = True
 # The runtime's own kernels (RMSNorm, rotary + KV store, extend attention, SiLU-and-mul) take the
-# same path only when this is True: off until tests/kernels/test_direct_launch.py has passed on a
-# GPU (written in the nineteenth session, when no device time was left). An eager step launches
-# about 151 of them (benchmarks/eager_step_launches.py), 38-68 µs of host time each through
-# JITFunction.run on the H200's host. OPTLLM_RUNTIME_DIRECT_LAUNCH=1 (read once, here) turns it on
-# for a measurement.
-RUNTIME_DIRECT_LAUNCH = os.environ.get("OPTLLM_RUNTIME_DIRECT_LAUNCH") == "1"
+# same path only when this is True. An eager step launches about 151 of them
+# (benchmarks/eager_step_launches.py), 38-68 µs of host time each through JITFunction.run on the
+# H200's host. On since the twentieth session: tests/kernels/test_direct_launch.py passed on the
+# H200 (bit-equal to JITFunction.run), and the plain engine under a continuous load ran 1.10x (batch
+# 32) and 1.25x (batch 64) faster with it (docs/BENCHMARKS.md). OPTLLM_RUNTIME_DIRECT_LAUNCH=0 (read
+# once, here) turns it off for a comparison.
+RUNTIME_DIRECT_LAUNCH = os.environ.get("OPTLLM_RUNTIME_DIRECT_LAUNCH", "1") != "0"
 
 
 class CompiledLaunch:
