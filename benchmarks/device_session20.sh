@@ -19,14 +19,28 @@
 #            (only if the awq call's GPU tests passed)
 #   gemv  (issue 13; no model, no staging) the tensor-core W4A16 GEMV's GPU tests, then
 #         benchmarks/w4a16_mma.py (SHAPES, MS, CONFIGS) beside the Triton path, cuBLAS and tinygemm
+#   gemv2 (issue 13) the GPU tests of the GEMV inside the runtime, then benchmarks/decode.py's W4A16
+#         cases (SmolLM2 g64, 8B g128, random weights) with the GEMV (OPTLLM_W4A16_MMA=1) and
+#         without, then w4a16_mma.py as in gemv
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 mkdir -p "$OUT/logs" /root/d
-if [ "${PART:-awq}" = gemv ]; then
+if [ "${PART:-awq}" = gemv ] || [ "${PART:-awq}" = gemv2 ]; then
   export PYTHONPATH=$(dirname "$PWD") OPTLLM_COMMIT=${OPTLLM_COMMIT:-?}
   ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
     | tee "$OUT/versions.txt"
+  if [ "$PART" = gemv2 ]; then
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_linear.py tests/runtime/test_llm_gpu.py \
+      -k "w4a16 or tensor_core" > "$OUT/logs/gpu_tests_runtime.log" 2>&1
+    tail -2 "$OUT/logs/gpu_tests_runtime.log"; grep -m 5 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests_runtime.log"
+    for mma in 1 0; do
+      OPTLLM_W4A16_MMA=$mma timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --cases "${CASES:-smol-w4a16,8b-w4a16}" \
+        --peers none --quick --tag "decode_mma$mma" --out "$OUT" > "$OUT/logs/decode_mma$mma.log" 2>&1 \
+        || { echo "decode mma=$mma exited $?"; tail -5 "$OUT/logs/decode_mma$mma.log"; }
+      grep "^|" "$OUT/decode_mma$mma.md" 2>/dev/null | head -8
+    done
+  fi
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels/test_w4a16_mma.py ${TESTS:-} \
     > "$OUT/logs/gpu_tests_mma.log" 2>&1
   tail -3 "$OUT/logs/gpu_tests_mma.log"; grep -m 5 -B 30 "^E " "$OUT/logs/gpu_tests_mma.log" | head -60

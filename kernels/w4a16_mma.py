@@ -312,7 +312,32 @@ _KERNELS: dict = {}
 _UNAVAILABLE: list = []  # the reason NVRTC could not build the kernel, once known
 
 
-def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool):
+class _Launch:
+    """One compiled variant and a cuLaunchKernel call whose ctypes argument slots are made once:
+    a call sets eleven values and launches (torch's _CudaKernel.__call__ builds them anew each time,
+    tens of µs of host time per call)."""
+
+    def __init__(self, kernel, warps: int) -> None:
+        import ctypes
+
+        from torch.cuda._utils import _get_gpu_runtime_library
+
+        self.lib = _get_gpu_runtime_library()
+        self.func = kernel.func
+        self.kernel = kernel  # keeps its module loaded
+        self.block = 32 * warps
+        self.slots = [ctypes.c_void_p() for _ in range(6)] + [ctypes.c_int() for _ in range(5)]
+        self.argv = (ctypes.c_void_p * 11)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in self.slots])
+
+    def __call__(self, grid: int, stream: int, values: tuple) -> None:
+        for slot, v in zip(self.slots, values):
+            slot.value = v
+        err = self.lib.cuLaunchKernel(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self.argv, None)
+        if err != 0:
+            raise RuntimeError(f"w4a16_mma_gemv: cuLaunchKernel failed with CUDA error {err}")
+
+
+def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool) -> _Launch:
     key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
     kern = _KERNELS.get(key)
     if kern is None:
@@ -320,7 +345,8 @@ def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool):
                 f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
                 f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre)}\n"
                 f"#define ABLATE {int(cfg.ablate)}\n")
-        kern = _KERNELS[key] = torch.cuda._compile_kernel(head + _SOURCE, "w4a16_mma_gemv")
+        compiled = torch.cuda._compile_kernel(head + _SOURCE, "w4a16_mma_gemv")
+        kern = _KERNELS[key] = _Launch(compiled, cfg.warps)
     return kern
 
 
@@ -341,6 +367,33 @@ def available() -> bool:
     return True
 
 
+# (N, K) -> config, from benchmarks/w4a16_mma.py on the H200 (twentieth session, weights from HBM):
+# the fastest variant per shape at M = 1 and 8
+MMA_CONFIGS: dict = {
+    (6144, 4096): MmaConfig(8, 2, offset_mma=False, xpre=True),
+    (4096, 4096): MmaConfig(8, 2, offset_mma=False, xpre=True),
+    (28672, 4096): MmaConfig(8, 2, offset_mma=False),
+    (4096, 14336): MmaConfig(8, 2, offset_mma=False, xpre=True),
+}
+DEFAULT_CONFIG = MmaConfig(8, 2, offset_mma=False)
+
+
+def config_for(n: int, k: int) -> MmaConfig:
+    return MMA_CONFIGS.get((n, k), DEFAULT_CONFIG)
+
+
+def prepare(w: W4A16MmaWeight, has_bias: bool, config: Optional[MmaConfig] = None) -> None:
+    """Compile the variant a weight's calls will use now (at load), not inside a graph capture."""
+    _kernel(config or config_for(w.N, w.K), w.group_size // CHUNK, w.zeros is not None, has_bias)
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether x can go to the kernel as it is: bf16 [M <= 8, K], unit stride along K, rows on 16-byte
+    boundaries (a caller falls back to kernels/w4a16.py otherwise)."""
+    return x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype == torch.bfloat16 and x.stride(1) == 1 \
+        and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+
+
 def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
                    config: Optional[MmaConfig] = None) -> torch.Tensor:
     """y = x @ W^T + bias: x bf16 [M, K] (M <= 8, unit stride along K, rows 16-byte aligned), bias
@@ -355,10 +408,19 @@ def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tens
     if bias is not None and (bias.shape != (w.N,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         raise ValueError(f"bias: must be a contiguous bf16 tensor of shape ({w.N},), got {bias.dtype} "
                          f"{tuple(bias.shape)}")
-    cfg = config or MmaConfig()
+    return _run(x, w, bias, config or config_for(w.N, w.K))
+
+
+def _run(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor], cfg: MmaConfig) -> torch.Tensor:
+    m = x.shape[0]
     y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
     kern = _kernel(cfg, w.group_size // CHUNK, w.zeros is not None, bias is not None)
-    kern(grid=(w.N // 16, 1, 1), block=(32 * cfg.warps, 1, 1),
-         args=[w.words, x, w.scales, w.scales if w.zeros is None else w.zeros, y if bias is None else bias, y,
-               m, w.N, w.K, x.stride(0), w.N])
+    kern(w.N // 16, torch._C._cuda_getCurrentRawStream(x.device.index),
+         (w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(), (w.scales if w.zeros is None else w.zeros).data_ptr(),
+          (y if bias is None else bias).data_ptr(), y.data_ptr(), m, w.N, w.K, x.stride(0), w.N))
     return y
+
+
+def w4a16_mma_linear(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The runtime's call: x already known to fit (fits(x)); no argument checks on the hot path."""
+    return _run(x, w, bias, config_for(w.N, w.K))

@@ -45,6 +45,7 @@ from ...formats.args import QuantArgs
 from ...formats.compressed_tensors import matches
 from ...formats.grid import dequantize
 from ...formats.int_quantized import quantize_static_int8
+from ...kernels import w4a16_mma
 from ...kernels.fp8 import FP8_DTYPE, FP8Weight, fp8_linear, quantize_fp8_ref
 from ...kernels.gemv import linear as dense_linear
 from ...kernels.nvfp4 import GROUP as NVFP4_GROUP
@@ -131,6 +132,9 @@ class W4A16Method(_QuantizedMethod):
         if self.layout not in ("auto", "n", "k"):
             raise ValueError(f"OPTLLM_W4A16_LAYOUT={self.layout!r}: allowed 'n' (N-major words), 'k' (K-major) "
                              "or 'auto' (per shape, the default)")
+        # decode rows (M <= 8) on the tensor-core GEMV (kernels/w4a16_mma.py) where it builds;
+        # OPTLLM_W4A16_MMA=0 keeps every call on the Triton kernels (to compare the two end to end)
+        self.mma = os.environ.get("OPTLLM_W4A16_MMA", "1") != "0"
 
     def _n_major(self, layer) -> bool:
         if self.layout == "auto":
@@ -147,6 +151,12 @@ class W4A16Method(_QuantizedMethod):
         layer.register_buffer("locks", w.locks, persistent=False)  # split-K counters, zero between calls
         if self.backend == "torch":  # the kernels' reference: the same dequantized bits, then a matmul
             layer.register_buffer("dense", dequantize_w4a16(w, layer.dtype), persistent=False)
+        layer.mma_weight = None
+        if self.backend == "triton" and self.mma and w.packed.is_cuda \
+                and w4a16_mma.mma_supported(w.N, w.K, w.group_size, w.scales.dtype) and w4a16_mma.available():
+            # a second copy of the int4 words in the fragment layout (0.5 byte a weight): M <= 8 reads it
+            layer.mma_weight = w4a16_mma.from_w4a16(w)
+            w4a16_mma.prepare(layer.mma_weight, getattr(layer, "bias", None) is not None)
 
     def weight_view(self, layer) -> W4A16Weight:
         return W4A16Weight(layer.packed, layer.packed_scales, layer.packed_zeros, layer.locks,
@@ -155,6 +165,8 @@ class W4A16Method(_QuantizedMethod):
     def apply(self, layer, x, bias):
         if self.backend == "torch":
             return F.linear(x, layer.dense, bias)
+        if layer.mma_weight is not None and w4a16_mma.fits(x) and (bias is None or bias.dtype == x.dtype):
+            return w4a16_mma.w4a16_mma_linear(x, layer.mma_weight, bias)
         return w4a16_linear(x, self.weight_view(layer), bias, backend="triton")
 
     def describe(self, layer) -> str:

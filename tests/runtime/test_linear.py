@@ -114,3 +114,40 @@ def test_kernel_takes_only_what_the_w4a16_kernels_run():
     assert not kernel_takes(QuantArgs(3, 64), 576)
     assert not kernel_takes(QuantArgs(4, 8), 64)  # groups must be multiples of 32 (or per channel)
     assert not kernel_takes(QuantArgs(8, 64), 576)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sym", (True, False))
+def test_w4a16_method_decode_rows_on_the_tensor_core_gemv(sym, monkeypatch):
+    """bf16, group 64: rows M <= 8 go to kernels/w4a16_mma.py, more rows to the Triton kernels; both
+    within bf16 rounding of the float64 reference. OPTLLM_W4A16_MMA=0 leaves the second copy out."""
+    from optllm.kernels import w4a16_mma
+
+    torch.manual_seed(sym)
+    args = QuantArgs(num_bits=4, group_size=64, symmetric=sym)
+    w = torch.randn(96, 256)
+    qw = rtn_quantize(w, args, scale_dtype=torch.bfloat16)
+    ref_w = qw.dequantize(torch.float64)
+    bias = torch.randn(96)
+
+    def build():
+        layer = MergedColumnParallelLinear(256, [32, 64], True, W4A16Method(args, torch.bfloat16, "triton"),
+                                           dtype=torch.bfloat16, device="cuda")
+        for i, sl in enumerate((slice(0, 32), slice(32, 96))):
+            layer.weight_loader("qweight", qw.q[sl], i)
+            layer.weight_loader("scales", qw.scale[sl], i)
+            if not sym:
+                layer.weight_loader("zeros", qw.zero[sl], i)
+            layer.weight_loader("bias", bias[sl].to(torch.bfloat16), i)
+        layer.process_weights_after_loading()
+        return layer
+
+    layer = build()
+    assert w4a16_mma.available() and layer.mma_weight is not None, w4a16_mma._UNAVAILABLE
+    for m in (1, 3, 8, 9, 40):
+        x = torch.randn(m, 256, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ ref_w.cuda().T + bias.to(torch.bfloat16).double().cuda()
+        assert rel(layer(x), ref) < 5e-3, m
+    monkeypatch.setenv("OPTLLM_W4A16_MMA", "0")
+    assert build().mma_weight is None
