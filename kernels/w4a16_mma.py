@@ -323,6 +323,7 @@ class _Launch:
         from torch.cuda._utils import _get_gpu_runtime_library
 
         self.lib = _get_gpu_runtime_library()
+        self.ctypes = ctypes  # a stream handle goes as a pointer, not as ctypes' default 32-bit int
         self.func = kernel.func
         self.kernel = kernel  # keeps its module loaded
         self.block = 32 * warps
@@ -332,7 +333,8 @@ class _Launch:
     def __call__(self, grid: int, stream: int, values: tuple) -> None:
         for slot, v in zip(self.slots, values):
             slot.value = v
-        err = self.lib.cuLaunchKernel(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self.argv, None)
+        err = self.lib.cuLaunchKernel(self.func, grid, 1, 1, self.block, 1, 1, 0, self.ctypes.c_void_p(stream),
+                                      self.argv, None)
         if err != 0:
             raise RuntimeError(f"w4a16_mma_gemv: cuLaunchKernel failed with CUDA error {err}")
 
