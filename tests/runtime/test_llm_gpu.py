@@ -158,7 +158,7 @@ def test_w4a16_tensor_core_gemv_in_the_engine(w4a16_g64_checkpoint):
 
     from optllm.kernels import w4a16_mma
 
-    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=0)
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=0, ignore_eos=True)
     llm = LLM(w4a16_g64_checkpoint, device="cuda", max_num_seqs=8, **SMALL)
     layers = [m for m in llm.engine.runner.model.modules() if getattr(m, "mma_weight", None) is not None]
     assert w4a16_mma.available() and len(layers) >= 4, w4a16_mma._UNAVAILABLE
