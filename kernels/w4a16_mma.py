@@ -339,15 +339,19 @@ class _Launch:
             raise RuntimeError(f"w4a16_mma_gemv: cuLaunchKernel failed with CUDA error {err}")
 
 
+def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool) -> str:
+    """The CUDA source of one variant (cpg: 64-k chunks per quantization group)."""
+    return (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n"
+            f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
+            f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre)}\n"
+            f"#define ABLATE {int(cfg.ablate)}\n") + _SOURCE
+
+
 def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool) -> _Launch:
     key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
     kern = _KERNELS.get(key)
     if kern is None:
-        head = (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n"
-                f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
-                f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre)}\n"
-                f"#define ABLATE {int(cfg.ablate)}\n")
-        compiled = torch.cuda._compile_kernel(head + _SOURCE, "w4a16_mma_gemv")
+        compiled = torch.cuda._compile_kernel(cuda_source(cfg, cpg, has_zeros, has_bias), "w4a16_mma_gemv")
         kern = _KERNELS[key] = _Launch(compiled, cfg.warps)
     return kern
 

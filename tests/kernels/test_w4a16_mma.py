@@ -146,3 +146,62 @@ def test_kernel_gpu_graph_and_errors():
         mk.w4a16_mma_gemv(torch.zeros(9, 512, device="cuda", dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="bf16"):
         mk.w4a16_mma_gemv(torch.zeros(1, 512, device="cuda"), w)
+
+
+def _nvrtc():
+    """libnvrtc from NVIDIA's wheel (the dev extra installs it; CI has no GPU and no CUDA toolkit)."""
+    import ctypes
+    from pathlib import Path
+
+    try:
+        import nvidia.cuda_nvrtc as pkg
+    except ImportError:
+        pytest.skip("nvidia-cuda-nvrtc-cu12 is not installed")
+    libs = sorted(Path(next(iter(pkg.__path__))).glob("lib/libnvrtc.so.*"))
+    if not libs:
+        pytest.skip("no libnvrtc.so in nvidia-cuda-nvrtc-cu12")
+    return ctypes.CDLL(str(libs[0]))
+
+
+def _ptx(lib, source: str) -> str:
+    import ctypes
+
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"w4a16_mma.cu", 0, None, None) == 0
+    opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
+    ok = lib.nvrtcCompileProgram(prog, 1, opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert ok == 0, log.value.decode()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return ptx.value.decode()
+
+
+@pytest.mark.parametrize("cfg", sorted({*mk.MMA_CONFIGS.values(), mk.DEFAULT_CONFIG, mk.MmaConfig(),
+                                        mk.MmaConfig(4, 4, offset_mma=False)}, key=repr))
+def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
+    """Every variant the runtime uses, compiled on the CPU as the GPU would (NVRTC to PTX, then
+    Triton's sm_90 ptxas): it builds, spills nothing, and fits 3+ CTAs of its warps per SM."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's ptxas is not in this installation")
+    lib = _nvrtc()
+    for cpg, zeros, bias in ((1, False, False), (2, True, True)):
+        src = tmp_path / f"k{cpg}.ptx"
+        src.write_text(_ptx(lib, mk.cuda_source(cfg, cpg, zeros, bias)))
+        out = subprocess.run([str(ptxas), "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+        assert "0 bytes spill stores" in out and "0 bytes spill loads" in out, out
+        regs = int(re.search(r"Used (\d+) registers", out).group(1))
+        assert regs * 32 * cfg.warps * 3 <= 65536, (cfg, regs)  # 3 CTAs of WARPS warps per SM at least
