@@ -35,6 +35,7 @@ M <= 8. Everything else (and the CPU, where nothing is compiled) stays on kernel
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,18 +54,22 @@ class MmaConfig:
     offset_mma: bool = True  # sum(x) from an all-ones mma (else: u - 8 - zero formed before the mma)
     xpre: bool = False  # x loaded with the weights, unroll chunks ahead
     ablate: bool = False  # timing only: no dequantization (wrong numbers)
+    persist: int = 0  # CTAs per SM of the persistent form (0: one CTA per 16-row tile)
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"warps={self.warps}: allowed 1, 2, 4, 8, 16")
         if self.unroll not in (1, 2, 4, 8):
             raise ValueError(f"unroll={self.unroll}: allowed 1, 2, 4, 8")
+        if self.persist not in range(9):
+            raise ValueError(f"persist={self.persist}: allowed 0 (one CTA per row tile) to 8 CTAs per SM")
 
 
 @dataclass(frozen=True)
 class W4A16MmaWeight:
     """words int32 [N / 16, K / 64, 32, 4] (module docstring); scales bf16 [K / G, N]; zeros int8
-    [K / G, N] or None (symmetric)."""
+    [K / G, N] or None (symmetric); counters int32 [N / 16], zero between calls (the persistent
+    form's per-tile arrivals; one weight must not run on two streams at once)."""
 
     words: torch.Tensor
     scales: torch.Tensor
@@ -72,6 +77,7 @@ class W4A16MmaWeight:
     N: int
     K: int
     group_size: int
+    counters: Optional[torch.Tensor] = None
 
 
 def mma_supported(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
@@ -124,7 +130,7 @@ def from_w4a16(w: W4A16Weight) -> W4A16MmaWeight:
     shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
     u = ((words.unsqueeze(-1) >> shifts) & 15)[:, :, _K_NIBBLE].reshape(w.N, w.K)
     return W4A16MmaWeight(mma_words(u), w.scales.contiguous(), None if w.zeros is None else w.zeros.contiguous(),
-                          w.N, w.K, w.group_size)
+                          w.N, w.K, w.group_size, torch.zeros(w.N // 16, dtype=torch.int32, device=words.device))
 
 
 def dequantize_mma(w: W4A16MmaWeight) -> torch.Tensor:
@@ -306,6 +312,150 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
     if (m1 < M) { y[(size_t)m1 * ldy + n0] = f2bf(v[1] + b0); y[(size_t)m1 * ldy + n1] = f2bf(v[3] + b1); }
   }
 }
+
+#if PERSIST
+// The persistent form: gridDim.x * WARPS warps in all (W <= R * GPT, the groups), warp gw streams
+// the groups [gw * TG / W, (gw + 1) * TG / W) of the flattened (tile, group) order, which is the
+// weights' memory order, with its prefetch carried across tile boundaries. A tile that one warp
+// covers alone is written directly; a tile shared by warps lo..hi gets their partials through the
+// workspace (slot 0: the warp's first tile, 1: its last), and the last to arrive (a per-tile
+// counter, reset by it) sums them in warp order: deterministic, no CTA-wide barrier.
+__device__ __forceinline__ float ld_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void store_y(u16* y, const u16* bias, const float* v, int n0, int n1, int t, int M,
+                                        int ldy) {
+  float b0 = 0.f, b1 = 0.f;
+#if HAS_BIAS
+  b0 = bf16f(bias[n0]);
+  b1 = bf16f(bias[n1]);
+#endif
+  const int m0 = 2 * t, m1 = 2 * t + 1;
+  if (m0 < M) { y[(size_t)m0 * ldy + n0] = f2bf(v[0] + b0); y[(size_t)m0 * ldy + n1] = f2bf(v[2] + b1); }
+  if (m1 < M) { y[(size_t)m1 * ldy + n0] = f2bf(v[1] + b0); y[(size_t)m1 * ldy + n1] = f2bf(v[3] + b1); }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
+                       const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
+                       float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int ldy) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int C = K >> 6, GPT = C / CPG;
+  const long long TG = (long long)(N >> 4) * GPT;
+  const long long W = (long long)gridDim.x * WARPS;
+  const long long gw = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+  const long long f0 = (gw * TG / W) * CPG, f1 = ((gw + 1) * TG / W) * CPG;  // my chunks, flattened
+  const W4* wp = wq + lane;
+  const W4* xp = (const W4*)(x + (size_t)(g < M ? g : M - 1) * ldx) + 2 * t;
+  int tile = (int)(f0 / C), c = (int)(f0 % C);  // the next chunk to compute
+  const int first_tile = tile;
+  int lc = c;  // the chunk-in-tile of the next chunk to load
+  float yv[4] = {0.f, 0.f, 0.f, 0.f}, acc[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
+  float s0 = 0.f, s1 = 0.f, o0 = 136.f, o1 = 136.f;
+  u32 nz0 = neg_pair(136.f), nz1 = nz0;
+  Chunk buf[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+    if (f0 + u < f1) {
+      buf[u].w = ld_stream(wp + (f0 + u) * 32);
+#if XPRE
+      buf[u].xa = ld_cached(xp + (size_t)lc * 8);
+      buf[u].xb = ld_cached(xp + (size_t)lc * 8 + 1);
+#endif
+      lc = lc + 1 == C ? 0 : lc + 1;
+    }
+  for (long long fb = f0; fb < f1; fb += UNROLL) {
+    Chunk cur[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) cur[u] = buf[u];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (fb + UNROLL + u < f1) {
+        buf[u].w = ld_stream(wp + (fb + UNROLL + u) * 32);
+#if XPRE
+        buf[u].xa = ld_cached(xp + (size_t)lc * 8);
+        buf[u].xb = ld_cached(xp + (size_t)lc * 8 + 1);
+#endif
+        lc = lc + 1 == C ? 0 : lc + 1;
+      }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (fb + u < f1) {
+        const int n0 = tile * 16 + g, n1 = n0 + 8;
+        if (c % CPG == 0) {
+          const size_t gi = (size_t)(c / CPG) * N;
+          s0 = bf16f(scales[gi + n0]);
+          s1 = bf16f(scales[gi + n1]);
+#if HAS_ZEROS
+          o0 = 136.f + (float)zeros[gi + n0];
+          o1 = 136.f + (float)zeros[gi + n1];
+          nz0 = neg_pair(o0);
+          nz1 = neg_pair(o1);
+#endif
+        }
+#if XPRE
+        const W4 xa = cur[u].xa, xb = cur[u].xb;
+#else
+        const W4 xa = ld_cached(xp + (size_t)c * 8), xb = ld_cached(xp + (size_t)c * 8 + 1);
+#endif
+        word_mma(acc, sx, cur[u].w.a, xa.a, xa.b, nz0, nz1);
+        word_mma(acc, sx, cur[u].w.b, xa.c, xa.d, nz0, nz1);
+        word_mma(acc, sx, cur[u].w.c, xb.a, xb.b, nz0, nz1);
+        word_mma(acc, sx, cur[u].w.d, xb.c, xb.d, nz0, nz1);
+        if ((c + 1) % CPG == 0) {
+#if OFFSET_MMA
+          yv[0] += s0 * (acc[0] - o0 * sx[0]);
+          yv[1] += s0 * (acc[1] - o0 * sx[1]);
+          yv[2] += s1 * (acc[2] - o1 * sx[2]);
+          yv[3] += s1 * (acc[3] - o1 * sx[3]);
+#else
+          yv[0] += s0 * acc[0];
+          yv[1] += s0 * acc[1];
+          yv[2] += s1 * acc[2];
+          yv[3] += s1 * acc[3];
+#endif
+#pragma unroll
+          for (int q = 0; q < 4; ++q) { acc[q] = 0.f; sx[q] = 0.f; }
+        }
+        if (c + 1 == C || fb + u + 1 == f1) {  // the tile, or my range, ends: flush this tile
+          const long long a = (long long)tile * GPT, b = a + GPT;
+          const int lo = (int)(((a + 1) * W + TG - 1) / TG) - 1, hi = (int)((b * W + TG - 1) / TG) - 1;
+          if (lo == hi) {
+            store_y(y, bias, yv, n0, n1, t, M, ldy);
+          } else {
+            float* mine = ws + ((gw * 2 + (tile == first_tile ? 0 : 1)) * 32 + lane) * 4;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) mine[q] = yv[q];
+            __threadfence();
+            __syncwarp();
+            int old = 0;
+            if (lane == 0) old = atomicAdd(cnt + tile, 1);
+            old = __shfl_sync(0xffffffffu, old, 0);
+            if (old == hi - lo) {  // the last of hi - lo + 1 to arrive: sum all in warp order
+              __threadfence();
+              float v[4] = {0.f, 0.f, 0.f, 0.f};
+              for (int j = lo; j <= hi; ++j) {
+                const int fj = (int)(((long long)j * TG / W) / GPT);
+                const float* p = ws + (((long long)j * 2 + (tile == fj ? 0 : 1)) * 32 + lane) * 4;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) v[q] += ld_cg(p + q);
+              }
+              store_y(y, bias, v, n0, n1, t, M, ldy);
+              if (lane == 0) cnt[tile] = 0;
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < 4; ++q) yv[q] = 0.f;
+        }
+        if (++c == C) { c = 0; ++tile; }
+      }
+    }
+  }
+}
+#endif
 """
 
 _KERNELS: dict = {}
@@ -317,7 +467,7 @@ class _Launch:
     a call sets eleven values and launches (torch's _CudaKernel.__call__ builds them anew each time,
     tens of µs of host time per call)."""
 
-    def __init__(self, kernel, warps: int) -> None:
+    def __init__(self, kernel, warps: int, pointers: int) -> None:
         import ctypes
 
         from torch.cuda._utils import _get_gpu_runtime_library
@@ -327,8 +477,9 @@ class _Launch:
         self.func = kernel.func
         self.kernel = kernel  # keeps its module loaded
         self.block = 32 * warps
-        self.slots = [ctypes.c_void_p() for _ in range(6)] + [ctypes.c_int() for _ in range(5)]
-        self.argv = (ctypes.c_void_p * 11)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in self.slots])
+        self.slots = [ctypes.c_void_p() for _ in range(pointers)] + [ctypes.c_int() for _ in range(5)]
+        self.argv = (ctypes.c_void_p * len(self.slots))(
+            *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in self.slots])
 
     def __call__(self, grid: int, stream: int, values: tuple) -> None:
         for slot, v in zip(self.slots, values):
@@ -344,15 +495,16 @@ def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool) -> st
     return (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n"
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
             f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre)}\n"
-            f"#define ABLATE {int(cfg.ablate)}\n") + _SOURCE
+            f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n") + _SOURCE
 
 
 def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool) -> _Launch:
     key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
     kern = _KERNELS.get(key)
     if kern is None:
-        compiled = torch.cuda._compile_kernel(cuda_source(cfg, cpg, has_zeros, has_bias), "w4a16_mma_gemv")
-        kern = _KERNELS[key] = _Launch(compiled, cfg.warps)
+        name = "w4a16_mma_gemv_persist" if cfg.persist else "w4a16_mma_gemv"
+        compiled = torch.cuda._compile_kernel(cuda_source(cfg, cpg, has_zeros, has_bias), name)
+        kern = _KERNELS[key] = _Launch(compiled, cfg.warps, pointers=8 if cfg.persist else 6)
     return kern
 
 
@@ -389,8 +541,14 @@ def config_for(n: int, k: int) -> MmaConfig:
 
 
 def prepare(w: W4A16MmaWeight, has_bias: bool, config: Optional[MmaConfig] = None) -> None:
-    """Compile the variant a weight's calls will use now (at load), not inside a graph capture."""
-    _kernel(config or config_for(w.N, w.K), w.group_size // CHUNK, w.zeros is not None, has_bias)
+    """Compile the variant a weight's calls will use, and make its workspace, now (at load), not
+    inside a graph capture."""
+    cfg = config or config_for(w.N, w.K)
+    grid = persistent_grid(w, cfg, w.words.device)
+    if grid:
+        _workspace(w.words.device, grid * cfg.warps)
+    _kernel(cfg if grid or not cfg.persist else dataclasses.replace(cfg, persist=0), w.group_size // CHUNK,
+            w.zeros is not None, has_bias)
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -417,13 +575,45 @@ def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tens
     return _run(x, w, bias, config or config_for(w.N, w.K))
 
 
+_SMS: dict = {}
+_WORKSPACES: dict = {}  # (device, warps in the grid) -> fp32 partials; kept for the process's life
+
+
+def persistent_grid(w: W4A16MmaWeight, cfg: MmaConfig, device: torch.device) -> int:
+    """CTAs of the persistent form for this weight (0: the per-tile form): cfg.persist a SM, no
+    more warps than quantization groups (every warp's range then holds at least one)."""
+    if not cfg.persist:
+        return 0
+    sms = _SMS.get(device.index)
+    if sms is None:
+        sms = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    groups = (w.N // 16) * (w.K // w.group_size)
+    return min(sms * cfg.persist, groups // cfg.warps)
+
+
+def _workspace(device: torch.device, warps: int) -> torch.Tensor:
+    """Two 16 x 8 fp32 partial tiles per warp of the grid, one buffer per (device, grid size), never
+    freed: captured graphs keep its address. Kernels of one stream run in order, so weights share it."""
+    key = (device.index, warps)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = torch.empty(warps * 2 * 128, dtype=torch.float32, device=device)
+    return ws
+
+
 def _run(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor], cfg: MmaConfig) -> torch.Tensor:
     m = x.shape[0]
     y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
+    grid = persistent_grid(w, cfg, x.device)
+    if cfg.persist and not grid:
+        cfg = dataclasses.replace(cfg, persist=0)
     kern = _kernel(cfg, w.group_size // CHUNK, w.zeros is not None, bias is not None)
-    kern(w.N // 16, torch._C._cuda_getCurrentRawStream(x.device.index),
-         (w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(), (w.scales if w.zeros is None else w.zeros).data_ptr(),
-          (y if bias is None else bias).data_ptr(), y.data_ptr(), m, w.N, w.K, x.stride(0), w.N))
+    zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
+    head = (w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(), zeros.data_ptr(),
+            (y if bias is None else bias).data_ptr(), y.data_ptr())
+    if grid:
+        head += (_workspace(x.device, grid * cfg.warps).data_ptr(), w.counters.data_ptr())
+    kern(grid or w.N // 16, torch._C._cuda_getCurrentRawStream(x.device.index), head + (m, w.N, w.K, x.stride(0), w.N))
     return y
 
 

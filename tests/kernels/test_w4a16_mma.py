@@ -107,7 +107,10 @@ def test_from_w4a16_n_major_and_bad_shapes():
 @needs_cuda
 @pytest.mark.parametrize("cfg", [mk.MmaConfig(8, 4), mk.MmaConfig(4, 2), mk.MmaConfig(16, 8), mk.MmaConfig(1, 1),
                                  mk.MmaConfig(8, 2, offset_mma=False), mk.MmaConfig(8, 4, xpre=True),
-                                 mk.MmaConfig(4, 2, offset_mma=False, xpre=True)])
+                                 mk.MmaConfig(4, 2, offset_mma=False, xpre=True),
+                                 mk.MmaConfig(8, 2, offset_mma=False, persist=3),
+                                 mk.MmaConfig(4, 2, offset_mma=False, xpre=True, persist=2),
+                                 mk.MmaConfig(8, 4, persist=1)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
@@ -131,17 +134,22 @@ def test_kernel_gpu(cfg, asym):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_kernel_gpu_graph_and_errors():
+@pytest.mark.parametrize("cfg", [None, mk.MmaConfig(8, 2, offset_mma=False, persist=3)])
+def test_kernel_gpu_graph_and_errors(cfg):
+    """Replays of a captured call follow x (the persistent form's counters are back at zero after
+    every call, or a replay would wait on arrivals that never come)."""
     q, s, z = _quantized(256, 512, 128, False, seed=1, device="cuda")
     w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 128, dtype=torch.bfloat16))
     x = torch.randn(1, 512, device="cuda").to(torch.bfloat16)
-    eager = mk.w4a16_mma_gemv(x, w)
+    eager = mk.w4a16_mma_gemv(x, w, None, cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mk.w4a16_mma_gemv(x, w)
-    x.copy_(torch.randn(1, 512, device="cuda").to(torch.bfloat16))
-    graph.replay()
-    assert torch.equal(out, mk.w4a16_mma_gemv(x, w)) and not torch.equal(out, eager)
+        out = mk.w4a16_mma_gemv(x, w, None, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 512, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, mk.w4a16_mma_gemv(x, w, None, cfg)) and not torch.equal(out, eager)
+    assert int(w.counters.abs().sum()) == 0
     with pytest.raises(ValueError, match="1 <= M <= 8"):
         mk.w4a16_mma_gemv(torch.zeros(9, 512, device="cuda", dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="bf16"):
@@ -183,10 +191,13 @@ def _ptx(lib, source: str) -> str:
 
 
 @pytest.mark.parametrize("cfg", sorted({*mk.MMA_CONFIGS.values(), mk.DEFAULT_CONFIG, mk.MmaConfig(),
-                                        mk.MmaConfig(4, 4, offset_mma=False)}, key=repr))
+                                        mk.MmaConfig(4, 4, offset_mma=False),
+                                        mk.MmaConfig(8, 2, offset_mma=False, persist=3),
+                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, persist=2)}, key=repr))
 def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
     """Every variant the runtime uses, compiled on the CPU as the GPU would (NVRTC to PTX, then
-    Triton's sm_90 ptxas): it builds, spills nothing, and fits 3+ CTAs of its warps per SM."""
+    Triton's sm_90 ptxas): it builds, spills nothing, and fits 3+ CTAs of its warps per SM (the
+    persistent form: its grid's CTAs a SM)."""
     import re
     import subprocess
     from pathlib import Path
@@ -202,6 +213,43 @@ def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
         src.write_text(_ptx(lib, mk.cuda_source(cfg, cpg, zeros, bias)))
         out = subprocess.run([str(ptxas), "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
-        assert "0 bytes spill stores" in out and "0 bytes spill loads" in out, out
-        regs = int(re.search(r"Used (\d+) registers", out).group(1))
-        assert regs * 32 * cfg.warps * 3 <= 65536, (cfg, regs)  # 3 CTAs of WARPS warps per SM at least
+        spills = [int(v) for v in re.findall(r"(\d+) bytes spill", out)]
+        assert spills and not any(spills), out
+        regs = max(int(v) for v in re.findall(r"Used (\d+) registers", out))
+        # 3 CTAs of WARPS warps a SM at least; the persistent form's cfg.persist, all resident at once
+        assert regs * 32 * cfg.warps * (cfg.persist or 3) <= 65536, (cfg, regs)
+
+
+def _persistent_plan(tiles, gpt, warps):
+    """The persistent form's index arithmetic, as the kernel writes it: warp gw's groups
+    [gw * TG / W, (gw + 1) * TG / W) and, per tile, the first and last warp meeting it."""
+    tg = tiles * gpt
+    ranges = [(gw * tg // warps, (gw + 1) * tg // warps) for gw in range(warps)]
+    lohi = []
+    for tile in range(tiles):
+        a, b = tile * gpt, tile * gpt + gpt
+        lohi.append((-(-(a + 1) * warps // tg) - 1, -(-b * warps // tg) - 1))
+    return ranges, lohi
+
+
+@pytest.mark.parametrize("tiles,gpt,warps", [(1, 1, 1), (4, 4, 16), (256, 112, 3168), (1792, 32, 3168),
+                                              (60, 9, 7), (3, 5, 15), (384, 32, 3168), (36, 9, 324)])
+def test_persistent_split_covers_every_group_once(tiles, gpt, warps):
+    """Every group belongs to exactly one warp; each tile's (lo, hi) are exactly the warps whose
+    ranges meet it; a tile shared by several warps is the first or the last tile of each of them
+    (two workspace slots a warp suffice), and a warp's middle tiles are its alone."""
+    ranges, lohi = _persistent_plan(tiles, gpt, warps)
+    owner = [None] * (tiles * gpt)
+    for gw, (s0, s1) in enumerate(ranges):
+        assert s1 > s0  # W <= TG: no empty range
+        for grp in range(s0, s1):
+            assert owner[grp] is None
+            owner[grp] = gw
+    assert None not in owner
+    for tile, (lo, hi) in enumerate(lohi):
+        meet = sorted({owner[grp] for grp in range(tile * gpt, tile * gpt + gpt)})
+        assert meet == list(range(lo, hi + 1))
+        if lo != hi:
+            for gw in meet:
+                first, last = ranges[gw][0] // gpt, (ranges[gw][1] - 1) // gpt
+                assert tile in (first, last)
