@@ -1,13 +1,14 @@
 """W4A16 decode GEMV on the tensor cores: hand-written CUDA, compiled at first use through NVRTC.
 
-    y [M, N] = x [M, K] @ W^T,   W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G],   M = 1..8
+    y [M, N] = x [M, K] @ W^T,   W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G],   M = 1..32
 
 Why: the Triton GEMV (kernels/w4a16.py) spends about 22 instructions per 32-bit word of weights
 (eight products and their sums on the CUDA cores, docs/BENCHMARKS.md "GEMV instruction budget"),
 close to the ~31 a word the H200 allows at its memory floor, and runs at 46-58% of that floor.
 Here the products go to the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) with the
 weight tile as the MMA's A operand (its 16 rows are 16 output features, "swap-AB") and the x rows
-as its 8 columns. A word costs 4 lop3 + 3 shifts + 1 mma (1/8 of a warp's), under 10 instructions.
+as its 8 columns (M > 8: NT = ceil(M / 8) mmas share each dequantized fragment). A word costs 4 lop3
++ 3 shifts + NT mma, about 10 instructions at M <= 8.
 
 Weight layout (``mma_words``, built once at load from the checkpoint's nibbles)
     int32 [N / 16, K / 64, 32, 4]: row tile r (16 features), k64 chunk c, lane L, word i. Lane
@@ -30,7 +31,9 @@ Work split
     no host sync: CUDA-graph safe.
 
 Limits: bf16 activations, N % 16 == 0, K % 64 == 0, G % 64 == 0 (G = K allowed when K % 64 == 0),
-M <= 8. Everything else (and the CPU, where nothing is compiled) stays on kernels/w4a16.py.
+M <= 32 (the runtime sends M <= 8, the rows measured so far). Everything else (and the CPU, where
+nothing is compiled) stays on kernels/w4a16.py. A persistent form (MmaConfig.persist) streams a
+contiguous range of the weights per warp instead of one CTA per row tile.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ import torch
 
 from .w4a16 import _K_NIBBLE, W4A16Weight
 
-MAX_M = 8
+MAX_M = 32  # the kernel: M <= 8 NT, NT column tiles of 8 x rows sharing each dequantized fragment
+RUNTIME_MAX_M = 8  # rows the runtime sends it: measured on the H200 up to 8 (twentieth session)
 CHUNK = 64  # k per chunk: four m16n8k16 mmas, one 16-byte weight load per lane
 
 
@@ -148,8 +152,9 @@ def w4a16_mma_ref(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tenso
 _SOURCE = r"""
 // OFFSET_MMA 1: the weights enter the mma as 128 + u and sum(x) comes from a second mma with an
 // all-ones A; 0: each nibble pair is brought to u - 8 - zero (one exact bf16x2 fma) before its mma.
-// XPRE 1: the x pairs of a chunk are loaded with its weights, UNROLL chunks ahead.
+// XPRE 1 (NT == 1 only): the x pairs of a chunk are loaded with its weights, UNROLL chunks ahead.
 // ABLATE 1 (timing only, wrong numbers): the raw words are the A operand, no dequantization.
+// NT: x column tiles of 8 rows (M <= 8 NT); each dequantized fragment feeds NT mmas.
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) W4 { u32 a, b, c, d; };
@@ -170,6 +175,11 @@ __device__ __forceinline__ W4 ld_cached(const W4* p) {
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
   return v;
 }
+__device__ __forceinline__ float ld_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ u32 pair(u32 w) {  // nibbles j, j + 4 (bits 0-3, 16-19) -> bf16x2 128 + u
 #if ABLATE
   return w;
@@ -188,11 +198,11 @@ __device__ __forceinline__ u32 pair_sub(u32 w, u32 nz) {  // (128 + u) - (136 + 
   return r;
 #endif
 }
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+__device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                "{%8, %9}, {%0, %1, %2, %3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ float bf16f(u16 v) { return __uint_as_float(((u32)v) << 16); }
 __device__ __forceinline__ u16 f2bf(float v) {
@@ -204,39 +214,139 @@ __device__ __forceinline__ u32 neg_pair(float o) {  // -o as bf16x2 (o = 136 + z
   const u32 h = f2bf(-o);
   return h | (h << 16);
 }
-__device__ __forceinline__ void word_mma(float* acc, float* sx, u32 w, u32 b0, u32 b1, u32 nz0, u32 nz1) {
+// One word's A fragment: registers j = 0..3 are nibble pairs (j, j + 4) of word >> 4j; rows g, g + 8,
+// g, g + 8.
+__device__ __forceinline__ void fragment(u32* a, u32 w, u32 nz0, u32 nz1) {
 #if OFFSET_MMA
-  const u32 one = 0x3F803F80u;
-  mma(acc, pair(w), pair(w >> 4), pair(w >> 8), pair(w >> 12), b0, b1);
-  mma(sx, one, one, one, one, b0, b1);
+  a[0] = pair(w); a[1] = pair(w >> 4); a[2] = pair(w >> 8); a[3] = pair(w >> 12);
 #else
-  mma(acc, pair_sub(w, nz0), pair_sub(w >> 4, nz1), pair_sub(w >> 8, nz0), pair_sub(w >> 12, nz1), b0, b1);
+  a[0] = pair_sub(w, nz0); a[1] = pair_sub(w >> 4, nz1); a[2] = pair_sub(w >> 8, nz0); a[3] = pair_sub(w >> 12, nz1);
 #endif
 }
 
+// What a warp holds while it walks its chunks: the group's sums, sum(x) (OFFSET_MMA), the running
+// y of its current tile, the group's scales and offsets; one column tile of 8 x rows per j.
+struct State {
+  float acc[NT][4], sx[NT][4], yv[NT][4];
+  float s0, s1, o0, o1;
+  u32 nz0, nz1;
+};
+__device__ __forceinline__ void state_init(State& st) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) { st.acc[j][q] = 0.f; st.sx[j][q] = 0.f; st.yv[j][q] = 0.f; }
+  st.s0 = st.s1 = 0.f;
+  st.o0 = st.o1 = 136.f;
+  st.nz0 = st.nz1 = neg_pair(136.f);
+}
+// Chunk c (0 .. K / 64 - 1) of the tile whose rows g, g + 8 are n0, n1: group start, four words, group end.
+__device__ __forceinline__ void chunk_step(State& st, const Chunk& ch, const W4* const* xp, int c, int n0, int n1,
+                                           int N, const u16* __restrict__ scales,
+                                           const signed char* __restrict__ zeros) {
+  if (c % CPG == 0) {  // a group starts: its scales (and zeros) load while its chunks compute
+    const size_t gi = (size_t)(c / CPG) * N;
+    st.s0 = bf16f(scales[gi + n0]);
+    st.s1 = bf16f(scales[gi + n1]);
+#if HAS_ZEROS
+    st.o0 = 136.f + (float)zeros[gi + n0];
+    st.o1 = 136.f + (float)zeros[gi + n1];
+    st.nz0 = neg_pair(st.o0);
+    st.nz1 = neg_pair(st.o1);
+#endif
+  }
+  u32 a[4][4];
+  fragment(a[0], ch.w.a, st.nz0, st.nz1);
+  fragment(a[1], ch.w.b, st.nz0, st.nz1);
+  fragment(a[2], ch.w.c, st.nz0, st.nz1);
+  fragment(a[3], ch.w.d, st.nz0, st.nz1);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#if XPRE
+    const W4 xa = ch.xa, xb = ch.xb;
+#else
+    const W4 xa = ld_cached(xp[j] + (size_t)c * 8), xb = ld_cached(xp[j] + (size_t)c * 8 + 1);
+#endif
+    mma(st.acc[j], a[0], xa.a, xa.b);
+    mma(st.acc[j], a[1], xa.c, xa.d);
+    mma(st.acc[j], a[2], xb.a, xb.b);
+    mma(st.acc[j], a[3], xb.c, xb.d);
+#if OFFSET_MMA
+    const u32 one[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+    mma(st.sx[j], one, xa.a, xa.b);
+    mma(st.sx[j], one, xa.c, xa.d);
+    mma(st.sx[j], one, xb.a, xb.b);
+    mma(st.sx[j], one, xb.c, xb.d);
+#endif
+  }
+  if ((c + 1) % CPG == 0) {  // the group ends: scale it into the running sums
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#if OFFSET_MMA
+      st.yv[j][0] += st.s0 * (st.acc[j][0] - st.o0 * st.sx[j][0]);
+      st.yv[j][1] += st.s0 * (st.acc[j][1] - st.o0 * st.sx[j][1]);
+      st.yv[j][2] += st.s1 * (st.acc[j][2] - st.o1 * st.sx[j][2]);
+      st.yv[j][3] += st.s1 * (st.acc[j][3] - st.o1 * st.sx[j][3]);
+#else
+      st.yv[j][0] += st.s0 * st.acc[j][0];
+      st.yv[j][1] += st.s0 * st.acc[j][1];
+      st.yv[j][2] += st.s1 * st.acc[j][2];
+      st.yv[j][3] += st.s1 * st.acc[j][3];
+#endif
+#pragma unroll
+      for (int q = 0; q < 4; ++q) { st.acc[j][q] = 0.f; st.sx[j][q] = 0.f; }
+    }
+  }
+}
+// y for one lane's accumulator entries: column tile j's (row g, m 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+__device__ __forceinline__ void store_y(u16* y, const u16* bias, const float (*v)[4], int n0, int n1, int t, int M,
+                                        int ldy) {
+  float b0 = 0.f, b1 = 0.f;
+#if HAS_BIAS
+  b0 = bf16f(bias[n0]);
+  b1 = bf16f(bias[n1]);
+#endif
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int m0 = 8 * j + 2 * t, m1 = m0 + 1;
+    if (m0 < M) { y[(size_t)m0 * ldy + n0] = f2bf(v[j][0] + b0); y[(size_t)m0 * ldy + n1] = f2bf(v[j][2] + b1); }
+    if (m1 < M) { y[(size_t)m1 * ldy + n0] = f2bf(v[j][1] + b0); y[(size_t)m1 * ldy + n1] = f2bf(v[j][3] + b1); }
+  }
+}
+__device__ __forceinline__ void x_rows(const W4** xp, const u16* x, int g, int t, int M, int ldx) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int row = 8 * j + g < M ? 8 * j + g : M - 1;  // columns past M: a copy of the last row, not stored
+    xp[j] = (const W4*)(x + (size_t)row * ldx) + 2 * t;
+  }
+}
+
+#if !PERSIST
+// One CTA per 16-row tile; its warps take contiguous runs of groups, prefetch UNROLL chunks ahead,
+// and sum their partials in warp order through shared memory.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
                const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
                int M, int N, int K, int ldx, int ldy) {
-  __shared__ float red[WARPS][32][4];
+  __shared__ float red[WARPS][32][NT * 4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = K >> 6, groups = chunks / CPG;
   const int c0 = ((warp * groups) / WARPS) * CPG, c1 = (((warp + 1) * groups) / WARPS) * CPG;
   const W4* wp = wq + (size_t)blockIdx.x * chunks * 32 + lane;
-  const W4* xp = (const W4*)(x + (size_t)(g < M ? g : M - 1) * ldx) + 2 * t;
+  const W4* xp[NT];
+  x_rows(xp, x, g, t, M, ldx);
   const int n0 = blockIdx.x * 16 + g, n1 = n0 + 8;
-  float yv[4] = {0.f, 0.f, 0.f, 0.f}, acc[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
-  float s0 = 0.f, s1 = 0.f, o0 = 136.f, o1 = 136.f;
-  u32 nz0 = neg_pair(136.f), nz1 = nz0;
+  State st;
+  state_init(st);
   Chunk buf[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
     if (c0 + u < c1) {
       buf[u].w = ld_stream(wp + (size_t)(c0 + u) * 32);
 #if XPRE
-      buf[u].xa = ld_cached(xp + (size_t)(c0 + u) * 8);
-      buf[u].xb = ld_cached(xp + (size_t)(c0 + u) * 8 + 1);
+      buf[u].xa = ld_cached(xp[0] + (size_t)(c0 + u) * 8);
+      buf[u].xb = ld_cached(xp[0] + (size_t)(c0 + u) * 8 + 1);
 #endif
     }
   for (int cb = c0; cb < c1; cb += UNROLL) {
@@ -248,95 +358,40 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
       if (cb + UNROLL + u < c1) {
         buf[u].w = ld_stream(wp + (size_t)(cb + UNROLL + u) * 32);
 #if XPRE
-        buf[u].xa = ld_cached(xp + (size_t)(cb + UNROLL + u) * 8);
-        buf[u].xb = ld_cached(xp + (size_t)(cb + UNROLL + u) * 8 + 1);
+        buf[u].xa = ld_cached(xp[0] + (size_t)(cb + UNROLL + u) * 8);
+        buf[u].xb = ld_cached(xp[0] + (size_t)(cb + UNROLL + u) * 8 + 1);
 #endif
       }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int c = cb + u;
-      if (c < c1) {
-        if (c % CPG == 0) {  // a group starts: its scales (and zeros) load while its chunks compute
-          const size_t gi = (size_t)(c / CPG) * N;
-          s0 = bf16f(scales[gi + n0]);
-          s1 = bf16f(scales[gi + n1]);
-#if HAS_ZEROS
-          o0 = 136.f + (float)zeros[gi + n0];
-          o1 = 136.f + (float)zeros[gi + n1];
-          nz0 = neg_pair(o0);
-          nz1 = neg_pair(o1);
-#endif
-        }
-#if XPRE
-        const W4 xa = cur[u].xa, xb = cur[u].xb;
-#else
-        const W4 xa = ld_cached(xp + (size_t)c * 8), xb = ld_cached(xp + (size_t)c * 8 + 1);
-#endif
-        word_mma(acc, sx, cur[u].w.a, xa.a, xa.b, nz0, nz1);
-        word_mma(acc, sx, cur[u].w.b, xa.c, xa.d, nz0, nz1);
-        word_mma(acc, sx, cur[u].w.c, xb.a, xb.b, nz0, nz1);
-        word_mma(acc, sx, cur[u].w.d, xb.c, xb.d, nz0, nz1);
-        if ((c + 1) % CPG == 0) {  // the group ends: scale it into the running sums
-#if OFFSET_MMA
-          yv[0] += s0 * (acc[0] - o0 * sx[0]);
-          yv[1] += s0 * (acc[1] - o0 * sx[1]);
-          yv[2] += s1 * (acc[2] - o1 * sx[2]);
-          yv[3] += s1 * (acc[3] - o1 * sx[3]);
-#else
-          yv[0] += s0 * acc[0];
-          yv[1] += s0 * acc[1];
-          yv[2] += s1 * acc[2];
-          yv[3] += s1 * acc[3];
-#endif
-#pragma unroll
-          for (int q = 0; q < 4; ++q) { acc[q] = 0.f; sx[q] = 0.f; }
-        }
-      }
-    }
+    for (int u = 0; u < UNROLL; ++u)
+      if (cb + u < c1) chunk_step(st, cur[u], xp, cb + u, n0, n1, N, scales, zeros);
   }
 #pragma unroll
-  for (int q = 0; q < 4; ++q) red[warp][lane][q] = yv[q];
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) red[warp][lane][4 * j + q] = st.yv[j][q];
   __syncthreads();
   if (warp == 0) {
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    float v[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v[j][q] = 0.f;
     for (int w = 0; w < WARPS; ++w)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) v[q] += red[w][lane][q];
-    float b0 = 0.f, b1 = 0.f;
-#if HAS_BIAS
-    b0 = bf16f(bias[n0]);
-    b1 = bf16f(bias[n1]);
-#endif
-    const int m0 = 2 * t, m1 = 2 * t + 1;  // accumulator columns: x rows
-    if (m0 < M) { y[(size_t)m0 * ldy + n0] = f2bf(v[0] + b0); y[(size_t)m0 * ldy + n1] = f2bf(v[2] + b1); }
-    if (m1 < M) { y[(size_t)m1 * ldy + n0] = f2bf(v[1] + b0); y[(size_t)m1 * ldy + n1] = f2bf(v[3] + b1); }
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[j][q] += red[w][lane][4 * j + q];
+    store_y(y, bias, v, n0, n1, t, M, ldy);
   }
 }
-
-#if PERSIST
+#else
 // The persistent form: gridDim.x * WARPS warps in all (W <= R * GPT, the groups), warp gw streams
 // the groups [gw * TG / W, (gw + 1) * TG / W) of the flattened (tile, group) order, which is the
 // weights' memory order, with its prefetch carried across tile boundaries. A tile that one warp
 // covers alone is written directly; a tile shared by warps lo..hi gets their partials through the
 // workspace (slot 0: the warp's first tile, 1: its last), and the last to arrive (a per-tile
-// counter, reset by it) sums them in warp order: deterministic, no CTA-wide barrier.
-__device__ __forceinline__ float ld_cg(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void store_y(u16* y, const u16* bias, const float* v, int n0, int n1, int t, int M,
-                                        int ldy) {
-  float b0 = 0.f, b1 = 0.f;
-#if HAS_BIAS
-  b0 = bf16f(bias[n0]);
-  b1 = bf16f(bias[n1]);
-#endif
-  const int m0 = 2 * t, m1 = 2 * t + 1;
-  if (m0 < M) { y[(size_t)m0 * ldy + n0] = f2bf(v[0] + b0); y[(size_t)m0 * ldy + n1] = f2bf(v[2] + b1); }
-  if (m1 < M) { y[(size_t)m1 * ldy + n0] = f2bf(v[1] + b0); y[(size_t)m1 * ldy + n1] = f2bf(v[3] + b1); }
-}
-
+// counter, reset by it) sums them in warp order: deterministic, no CTA-wide barrier, no spin.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
                        const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
@@ -349,21 +404,21 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
   const long long gw = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
   const long long f0 = (gw * TG / W) * CPG, f1 = ((gw + 1) * TG / W) * CPG;  // my chunks, flattened
   const W4* wp = wq + lane;
-  const W4* xp = (const W4*)(x + (size_t)(g < M ? g : M - 1) * ldx) + 2 * t;
+  const W4* xp[NT];
+  x_rows(xp, x, g, t, M, ldx);
   int tile = (int)(f0 / C), c = (int)(f0 % C);  // the next chunk to compute
   const int first_tile = tile;
   int lc = c;  // the chunk-in-tile of the next chunk to load
-  float yv[4] = {0.f, 0.f, 0.f, 0.f}, acc[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
-  float s0 = 0.f, s1 = 0.f, o0 = 136.f, o1 = 136.f;
-  u32 nz0 = neg_pair(136.f), nz1 = nz0;
+  State st;
+  state_init(st);
   Chunk buf[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
     if (f0 + u < f1) {
       buf[u].w = ld_stream(wp + (f0 + u) * 32);
 #if XPRE
-      buf[u].xa = ld_cached(xp + (size_t)lc * 8);
-      buf[u].xb = ld_cached(xp + (size_t)lc * 8 + 1);
+      buf[u].xa = ld_cached(xp[0] + (size_t)lc * 8);
+      buf[u].xb = ld_cached(xp[0] + (size_t)lc * 8 + 1);
 #endif
       lc = lc + 1 == C ? 0 : lc + 1;
     }
@@ -376,8 +431,8 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
       if (fb + UNROLL + u < f1) {
         buf[u].w = ld_stream(wp + (fb + UNROLL + u) * 32);
 #if XPRE
-        buf[u].xa = ld_cached(xp + (size_t)lc * 8);
-        buf[u].xb = ld_cached(xp + (size_t)lc * 8 + 1);
+        buf[u].xa = ld_cached(xp[0] + (size_t)lc * 8);
+        buf[u].xb = ld_cached(xp[0] + (size_t)lc * 8 + 1);
 #endif
         lc = lc + 1 == C ? 0 : lc + 1;
       }
@@ -385,50 +440,18 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
     for (int u = 0; u < UNROLL; ++u) {
       if (fb + u < f1) {
         const int n0 = tile * 16 + g, n1 = n0 + 8;
-        if (c % CPG == 0) {
-          const size_t gi = (size_t)(c / CPG) * N;
-          s0 = bf16f(scales[gi + n0]);
-          s1 = bf16f(scales[gi + n1]);
-#if HAS_ZEROS
-          o0 = 136.f + (float)zeros[gi + n0];
-          o1 = 136.f + (float)zeros[gi + n1];
-          nz0 = neg_pair(o0);
-          nz1 = neg_pair(o1);
-#endif
-        }
-#if XPRE
-        const W4 xa = cur[u].xa, xb = cur[u].xb;
-#else
-        const W4 xa = ld_cached(xp + (size_t)c * 8), xb = ld_cached(xp + (size_t)c * 8 + 1);
-#endif
-        word_mma(acc, sx, cur[u].w.a, xa.a, xa.b, nz0, nz1);
-        word_mma(acc, sx, cur[u].w.b, xa.c, xa.d, nz0, nz1);
-        word_mma(acc, sx, cur[u].w.c, xb.a, xb.b, nz0, nz1);
-        word_mma(acc, sx, cur[u].w.d, xb.c, xb.d, nz0, nz1);
-        if ((c + 1) % CPG == 0) {
-#if OFFSET_MMA
-          yv[0] += s0 * (acc[0] - o0 * sx[0]);
-          yv[1] += s0 * (acc[1] - o0 * sx[1]);
-          yv[2] += s1 * (acc[2] - o1 * sx[2]);
-          yv[3] += s1 * (acc[3] - o1 * sx[3]);
-#else
-          yv[0] += s0 * acc[0];
-          yv[1] += s0 * acc[1];
-          yv[2] += s1 * acc[2];
-          yv[3] += s1 * acc[3];
-#endif
-#pragma unroll
-          for (int q = 0; q < 4; ++q) { acc[q] = 0.f; sx[q] = 0.f; }
-        }
+        chunk_step(st, cur[u], xp, c, n0, n1, N, scales, zeros);
         if (c + 1 == C || fb + u + 1 == f1) {  // the tile, or my range, ends: flush this tile
           const long long a = (long long)tile * GPT, b = a + GPT;
           const int lo = (int)(((a + 1) * W + TG - 1) / TG) - 1, hi = (int)((b * W + TG - 1) / TG) - 1;
           if (lo == hi) {
-            store_y(y, bias, yv, n0, n1, t, M, ldy);
+            store_y(y, bias, st.yv, n0, n1, t, M, ldy);
           } else {
-            float* mine = ws + ((gw * 2 + (tile == first_tile ? 0 : 1)) * 32 + lane) * 4;
+            float* mine = ws + ((gw * 2 + (tile == first_tile ? 0 : 1)) * 32 + lane) * (4 * NT);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) mine[q] = yv[q];
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int q = 0; q < 4; ++q) mine[4 * j + q] = st.yv[j][q];
             __threadfence();
             __syncwarp();
             int old = 0;
@@ -436,19 +459,27 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
             old = __shfl_sync(0xffffffffu, old, 0);
             if (old == hi - lo) {  // the last of hi - lo + 1 to arrive: sum all in warp order
               __threadfence();
-              float v[4] = {0.f, 0.f, 0.f, 0.f};
-              for (int j = lo; j <= hi; ++j) {
-                const int fj = (int)(((long long)j * TG / W) / GPT);
-                const float* p = ws + (((long long)j * 2 + (tile == fj ? 0 : 1)) * 32 + lane) * 4;
+              float v[NT][4];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) v[q] += ld_cg(p + q);
+              for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) v[j][q] = 0.f;
+              for (int k = lo; k <= hi; ++k) {
+                const int fk = (int)(((long long)k * TG / W) / GPT);
+                const float* p = ws + (((long long)k * 2 + (tile == fk ? 0 : 1)) * 32 + lane) * (4 * NT);
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                  for (int q = 0; q < 4; ++q) v[j][q] += ld_cg(p + 4 * j + q);
               }
               store_y(y, bias, v, n0, n1, t, M, ldy);
               if (lane == 0) cnt[tile] = 0;
             }
           }
 #pragma unroll
-          for (int q = 0; q < 4; ++q) yv[q] = 0.f;
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) st.yv[j][q] = 0.f;
         }
         if (++c == C) { c = 0; ++tile; }
       }
@@ -490,20 +521,21 @@ class _Launch:
             raise RuntimeError(f"w4a16_mma_gemv: cuLaunchKernel failed with CUDA error {err}")
 
 
-def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool) -> str:
-    """The CUDA source of one variant (cpg: 64-k chunks per quantization group)."""
-    return (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n"
+def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: int = 1) -> str:
+    """The CUDA source of one variant (cpg: 64-k chunks per quantization group; nt: column tiles of
+    8 x rows, M <= 8 nt)."""
+    return (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n#define NT {nt}\n"
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
-            f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre)}\n"
+            f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre and nt == 1)}\n"
             f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n") + _SOURCE
 
 
-def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool) -> _Launch:
-    key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
+def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: int = 1) -> _Launch:
+    key = (cfg, cpg, has_zeros, has_bias, nt, torch.cuda.current_device())
     kern = _KERNELS.get(key)
     if kern is None:
         name = "w4a16_mma_gemv_persist" if cfg.persist else "w4a16_mma_gemv"
-        compiled = torch.cuda._compile_kernel(cuda_source(cfg, cpg, has_zeros, has_bias), name)
+        compiled = torch.cuda._compile_kernel(cuda_source(cfg, cpg, has_zeros, has_bias, nt), name)
         kern = _KERNELS[key] = _Launch(compiled, cfg.warps, pointers=8 if cfg.persist else 6)
     return kern
 
@@ -546,21 +578,21 @@ def prepare(w: W4A16MmaWeight, has_bias: bool, config: Optional[MmaConfig] = Non
     cfg = config or config_for(w.N, w.K)
     grid = persistent_grid(w, cfg, w.words.device)
     if grid:
-        _workspace(w.words.device, grid * cfg.warps)
+        _workspace(w.words.device, grid * cfg.warps, 1)
     _kernel(cfg if grid or not cfg.persist else dataclasses.replace(cfg, persist=0), w.group_size // CHUNK,
             w.zeros is not None, has_bias)
 
 
 def fits(x: torch.Tensor) -> bool:
-    """Whether x can go to the kernel as it is: bf16 [M <= 8, K], unit stride along K, rows on 16-byte
-    boundaries (a caller falls back to kernels/w4a16.py otherwise)."""
-    return x.dim() == 2 and x.shape[0] <= MAX_M and x.dtype == torch.bfloat16 and x.stride(1) == 1 \
+    """Whether the runtime sends x to the kernel: bf16 [M <= RUNTIME_MAX_M, K], unit stride along K,
+    rows on 16-byte boundaries (it falls back to kernels/w4a16.py otherwise)."""
+    return x.dim() == 2 and x.shape[0] <= RUNTIME_MAX_M and x.dtype == torch.bfloat16 and x.stride(1) == 1 \
         and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
 
 
 def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
                    config: Optional[MmaConfig] = None) -> torch.Tensor:
-    """y = x @ W^T + bias: x bf16 [M, K] (M <= 8, unit stride along K, rows 16-byte aligned), bias
+    """y = x @ W^T + bias: x bf16 [M, K] (M <= 32, unit stride along K, rows 16-byte aligned), bias
     bf16 [N] or None -> y bf16 [M, N]."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cuda or x.stride(1) != 1:
         raise ValueError(f"x: must be a CUDA bf16 [M, K] tensor with unit stride, got {x.dtype} {tuple(x.shape)}")
@@ -591,28 +623,30 @@ def persistent_grid(w: W4A16MmaWeight, cfg: MmaConfig, device: torch.device) -> 
     return min(sms * cfg.persist, groups // cfg.warps)
 
 
-def _workspace(device: torch.device, warps: int) -> torch.Tensor:
-    """Two 16 x 8 fp32 partial tiles per warp of the grid, one buffer per (device, grid size), never
-    freed: captured graphs keep its address. Kernels of one stream run in order, so weights share it."""
-    key = (device.index, warps)
+def _workspace(device: torch.device, warps: int, nt: int) -> torch.Tensor:
+    """Two 16 x 8 nt fp32 partial tiles per warp of the grid, one buffer per (device, grid size, nt),
+    never freed: captured graphs keep its address. Kernels of one stream run in order, so weights
+    share it."""
+    key = (device.index, warps, nt)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = _WORKSPACES[key] = torch.empty(warps * 2 * 128, dtype=torch.float32, device=device)
+        ws = _WORKSPACES[key] = torch.empty(warps * 2 * 128 * nt, dtype=torch.float32, device=device)
     return ws
 
 
 def _run(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor], cfg: MmaConfig) -> torch.Tensor:
     m = x.shape[0]
+    nt = (m + 7) // 8
     y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
     grid = persistent_grid(w, cfg, x.device)
     if cfg.persist and not grid:
         cfg = dataclasses.replace(cfg, persist=0)
-    kern = _kernel(cfg, w.group_size // CHUNK, w.zeros is not None, bias is not None)
+    kern = _kernel(cfg, w.group_size // CHUNK, w.zeros is not None, bias is not None, nt)
     zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
     head = (w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(), zeros.data_ptr(),
             (y if bias is None else bias).data_ptr(), y.data_ptr())
     if grid:
-        head += (_workspace(x.device, grid * cfg.warps).data_ptr(), w.counters.data_ptr())
+        head += (_workspace(x.device, grid * cfg.warps, nt).data_ptr(), w.counters.data_ptr())
     kern(grid or w.N // 16, torch._C._cuda_getCurrentRawStream(x.device.index), head + (m, w.N, w.K, x.stride(0), w.N))
     return y
 
