@@ -45,6 +45,29 @@ def parse_shapes(csv: str) -> list[str]:
     return names
 
 
+def sym_int4(w, group: int):
+    """Symmetric int4 codes of w [N, K] by groups of `group` along K (scale = absmax / 7.5, codes
+    clamped to [-8, 7]): q int8 [N, K], scales float32 [N, K / group]."""
+    import torch
+
+    n, k = w.shape
+    s = (w.float().reshape(n, k // group, group).abs().amax(-1) / 7.5).clamp_min(1e-8)
+    q = torch.clamp(torch.round(w.float() / s.repeat_interleave(group, 1)), -8, 7).to(torch.int8)
+    return q, s
+
+
+def rel(a, b) -> float:
+    """Relative error of a against the reference b (Frobenius norms, in float32)."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def shape_plan(csv: str):
+    """(name, K, N, int4 group size) of each shape in the comma list."""
+    for name in parse_shapes(csv):
+        k, n = SHAPES[name]
+        yield name, k, n, group_size(name)
+
+
 def graph_us(fn, rep: int = 20) -> float:
     """Median µs of one replay of fn captured in a CUDA graph."""
     return 1000 * triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import triton
 
-from optllm.benchmarks.common import ROT, SHAPES, flush_copies, graph_us, group_size, parse_shapes
+from optllm.benchmarks.common import ROT, flush_copies, graph_us, rel, shape_plan, sym_int4
 from optllm.kernels import fp8 as fp8k
 from optllm.kernels import nvfp4 as nvfp4k
 from optllm.kernels import w4a16 as w4k
@@ -48,10 +48,6 @@ def bench(fn, copies, graph=True):
     return 1000 * triton.testing.do_bench(fn, warmup=20, rep=60, return_mode="median") / copies
 
 
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
@@ -69,16 +65,13 @@ def main():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
-    for sname in parse_shapes(a.shapes):
-        k, n = SHAPES[sname]
-        G = group_size(sname)
+    for sname, k, n, G in shape_plan(a.shapes):
         rot = flush_copies(n * k // 2) if a.l2 == "flush" else ROT  # int4 bytes: every format moves as many or more
         wf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(rot)]
         # int4 sym, group G
         w4 = []
         for w in wf:
-            s = (w.float().reshape(n, k // G, G).abs().amax(-1) / 7.5).clamp_min(1e-8)
-            q = torch.clamp(torch.round(w.float() / s.repeat_interleave(G, 1)), -8, 7).to(torch.int8)
+            q, s = sym_int4(w, G)
             w4.append((q, s.to(torch.bfloat16)))
         n_major = a.w4_layout == "n"
         w4p = [w4k.prepack_w4a16(q, s, None, G, dtype=torch.bfloat16, n_major=n_major) for q, s in w4]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from optllm.benchmarks.common import ROT, SHAPES, group_size, provenance, rotated_us
+from optllm.benchmarks.common import ROT, SHAPES, group_size, provenance, rotated_us, sym_int4
 from optllm.kernels import common as kcommon
 from optllm.kernels import fp8 as fp8k
 from optllm.kernels import w4a16 as w4k
@@ -71,8 +71,7 @@ def main() -> None:
         wf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
         w4, f8, i8 = [], [], []
         for w in wf:
-            s = (w.float().reshape(n, k // g, g).abs().amax(-1) / 7.5).clamp_min(1e-8)
-            q = torch.clamp(torch.round(w.float() / s.repeat_interleave(g, 1)), -8, 7).to(torch.int8)
+            q, s = sym_int4(w, g)
             w4.append(w4k.prepack_w4a16(q, s.to(torch.bfloat16), None, g, dtype=torch.bfloat16))
             sf = w.float().abs().amax(1) / 448
             f8.append(fp8k.prepack_fp8((w.float() / sf[:, None]).to(torch.float8_e4m3fn), sf))

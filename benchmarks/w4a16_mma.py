@@ -22,12 +22,12 @@ import triton
 
 from optllm.benchmarks.common import (
     BW,
-    SHAPES,
     flush_copies,
     graph_us,
-    group_size,
-    parse_shapes,
     provenance,
+    rel,
+    shape_plan,
+    sym_int4,
     write_results,
 )
 from optllm.kernels import w4a16 as w4k
@@ -50,10 +50,6 @@ def cname(c: mk.MmaConfig) -> str:
             + ("a" if c.ablate else "") + (f"c{c.persist}" if c.persist else ""))
 
 
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head")
@@ -70,15 +66,12 @@ def main():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
-    for sname in parse_shapes(a.shapes):
-        k, n = SHAPES[sname]
-        G = group_size(sname)
+    for sname, k, n, G in shape_plan(a.shapes):
         rot = flush_copies(n * k // 2)
         wf, tri, mma, tg = [], [], [], []
         for _ in range(rot):
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-            s = (w.float().reshape(n, k // G, G).abs().amax(-1) / 7.5).clamp_min(1e-8)
-            q = torch.clamp(torch.round(w.float() / s.repeat_interleave(G, 1)), -8, 7).to(torch.int8)
+            q, s = sym_int4(w, G)
             p = w4k.prepack_w4a16(q, s.to(torch.bfloat16), None, G, dtype=torch.bfloat16)
             wf.append(w)
             tri.append(p)

@@ -99,27 +99,25 @@ def test_greedy_equals_hf_on_cuda_float32(arch, tiny_models):
         assert float((lp - ref).abs().max()) < 1e-4
 
 
-@pytest.fixture(scope="module")
-def w4a16_checkpoint(tiny_models, tmp_path_factory):
+def _w4a16_tiny(tiny_models, tmp_path_factory, group):
     from optllm.quant.config import QuantizeConfig
     from optllm.quant.pipeline import quantize
 
-    out = tmp_path_factory.mktemp("w4") / "q"
-    quantize(str(tiny_models["llama"]), out, QuantizeConfig(group_size=32, num_samples=4, seq_len=32, device="cpu"),
+    out = tmp_path_factory.mktemp(f"w4g{group}") / "q"
+    quantize(str(tiny_models["llama"]), out, QuantizeConfig(group_size=group, num_samples=4, seq_len=32, device="cpu"),
              progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def w4a16_checkpoint(tiny_models, tmp_path_factory):
+    return _w4a16_tiny(tiny_models, tmp_path_factory, 32)
 
 
 @pytest.fixture(scope="module")
 def w4a16_g64_checkpoint(tiny_models, tmp_path_factory):
     """Group 64: every linear of the tiny llama also on the tensor-core GEMV at M <= 8."""
-    from optllm.quant.config import QuantizeConfig
-    from optllm.quant.pipeline import quantize
-
-    out = tmp_path_factory.mktemp("w4g64") / "q"
-    quantize(str(tiny_models["llama"]), out, QuantizeConfig(group_size=64, num_samples=4, seq_len=32, device="cpu"),
-             progress=False)
-    return out
+    return _w4a16_tiny(tiny_models, tmp_path_factory, 64)
 
 
 @pytest.mark.parametrize("which", ("dense", "w4a16", "w4a16_g64"))
