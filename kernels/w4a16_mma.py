@@ -49,6 +49,7 @@ from .w4a16 import _K_NIBBLE, W4A16Weight
 MAX_M = 32  # the kernel: M <= 8 NT, NT column tiles of 8 x rows sharing each dequantized fragment
 RUNTIME_MAX_M = 8  # rows the runtime sends it: measured on the H200 up to 8 (twentieth session)
 CHUNK = 64  # k per chunk: four m16n8k16 mmas, one 16-byte weight load per lane
+_REPACK_ELEMENTS = 1 << 24  # weights repacked at once at load (int64 temporaries: 128 MiB each)
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,13 @@ def from_w4a16(w: W4A16Weight) -> W4A16MmaWeight:
                          "tensor-core GEMV needs N % 16 == 0, K and the group a multiple of 64, bf16 scales")
     words = w.packed.t() if w.n_major else w.packed
     shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
-    u = ((words.unsqueeze(-1) >> shifts) & 15)[:, :, _K_NIBBLE].reshape(w.N, w.K)
-    return W4A16MmaWeight(mma_words(u), w.scales.contiguous(), None if w.zeros is None else w.zeros.contiguous(),
+    out = torch.empty(w.N // 16, w.K // CHUNK, 32, 4, dtype=torch.int32, device=words.device)
+    rows = max(16, (_REPACK_ELEMENTS // w.K) // 16 * 16)  # bounded temporaries: ~16 bytes a weight of a block
+    for r0 in range(0, w.N, rows):
+        block = words[r0:r0 + rows]
+        u = ((block.unsqueeze(-1) >> shifts) & 15)[:, :, _K_NIBBLE].reshape(block.shape[0], w.K)
+        out[r0 // 16:(r0 + block.shape[0]) // 16] = mma_words(u)
+    return W4A16MmaWeight(out, w.scales.contiguous(), None if w.zeros is None else w.zeros.contiguous(),
                           w.N, w.K, w.group_size, torch.zeros(w.N // 16, dtype=torch.int32, device=words.device))
 
 
