@@ -98,7 +98,7 @@ def test_from_w4a16_n_major_blocks_and_bad_shapes(monkeypatch):
     a = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 64, dtype=torch.bfloat16))
     b = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 64, dtype=torch.bfloat16, n_major=True))
     assert torch.equal(a.words, b.words) and torch.equal(mk.mma_nibbles(a.words), q.to(torch.int64) + 8)
-    monkeypatch.setattr(mk, "_REPACK_ELEMENTS", 3 * 128)  # repacked 16 rows at a time, a short last block
+    monkeypatch.setattr(mk, "_REPACK_ELEMENTS", 3 * 128)  # repacked 16 rows at a time, five blocks
     assert torch.equal(mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 64, dtype=torch.bfloat16)).words, a.words)
     q, s, z = _quantized(32, 96, 32, False, seed=6)
     with pytest.raises(ValueError, match="multiple of 64"):
