@@ -614,7 +614,7 @@ def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tens
 
 
 _SMS: dict = {}
-_WORKSPACES: dict = {}  # (device, warps in the grid) -> fp32 partials; kept for the process's life
+_WORKSPACES: dict = {}  # (device, warps in the grid, nt) -> fp32 partials; kept for the process's life
 
 
 def persistent_grid(w: W4A16MmaWeight, cfg: MmaConfig, device: torch.device) -> int:
