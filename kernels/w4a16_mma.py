@@ -536,24 +536,65 @@ def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: i
             f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n") + _SOURCE
 
 
+def nvrtc_ptx(lib, source: str, arch: str) -> str:
+    """PTX of `source` from the NVRTC library `lib` (a ctypes.CDLL) for `arch` (e.g. compute_90). The
+    source includes no header, so no CUDA toolkit is needed: the NVRTC that torch's CUDA build
+    loads is enough."""
+    import ctypes
+
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"w4a16_mma.cu", 0, None, None) != 0:
+        raise RuntimeError("nvrtcCreateProgram failed")
+    try:
+        opts = (ctypes.c_char_p * 1)(f"--gpu-architecture={arch}".encode())
+        ok = lib.nvrtcCompileProgram(prog, 1, opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if ok != 0:
+            raise RuntimeError(f"NVRTC could not compile the tensor-core GEMV for {arch}: {log.value.decode()}")
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, ptx)
+        return ptx.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _compile(source: str, name: str):
+    """The kernel `name` of `source`, loaded on the current device. NVRTC through torch's own library
+    first: torch.cuda._compile_kernel also wants CUDA_HOME's headers, which a pip-installed torch
+    machine may lack; it is the fallback."""
+    from torch.cuda import _utils
+
+    try:
+        major, minor = torch.cuda.get_device_capability()
+        ptx = nvrtc_ptx(_utils._get_gpu_rtc_library(), source, f"compute_{major}{minor}")
+        return _utils._cuda_load_module(ptx, [name])[name]
+    except Exception:
+        if not hasattr(torch.cuda, "_compile_kernel"):
+            raise
+        return torch.cuda._compile_kernel(source, name)
+
+
 def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: int = 1) -> _Launch:
     key = (cfg, cpg, has_zeros, has_bias, nt, torch.cuda.current_device())
     kern = _KERNELS.get(key)
     if kern is None:
         name = "w4a16_mma_gemv_persist" if cfg.persist else "w4a16_mma_gemv"
-        compiled = torch.cuda._compile_kernel(cuda_source(cfg, cpg, has_zeros, has_bias, nt), name)
+        compiled = _compile(cuda_source(cfg, cpg, has_zeros, has_bias, nt), name)
         kern = _KERNELS[key] = _Launch(compiled, cfg.warps, pointers=8 if cfg.persist else 6)
     return kern
 
 
 def available() -> bool:
-    """Whether the kernel compiles here (a CUDA device of compute capability >= 8.0, and torch's
-    NVRTC wrapper); the first call compiles one variant and remembers a failure."""
+    """Whether the kernel compiles here (a CUDA device of compute capability >= 8.0, and NVRTC); the
+    first call compiles one variant and remembers a failure."""
     if _UNAVAILABLE:
         return False
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0) \
-            or not hasattr(torch.cuda, "_compile_kernel"):
-        _UNAVAILABLE.append("needs a CUDA device of compute capability >= 8.0 and torch.cuda._compile_kernel")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        _UNAVAILABLE.append("needs a CUDA device of compute capability >= 8.0")
         return False
     try:
         _kernel(MmaConfig(), 1, False, False)

@@ -177,25 +177,6 @@ def _nvrtc():
     return ctypes.CDLL(str(libs[0]))
 
 
-def _ptx(lib, source: str) -> str:
-    import ctypes
-
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"w4a16_mma.cu", 0, None, None) == 0
-    opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
-    ok = lib.nvrtcCompileProgram(prog, 1, opts)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    assert ok == 0, log.value.decode()
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(prog, ptx)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return ptx.value.decode()
-
-
 @pytest.mark.parametrize("cfg", sorted({*mk.MMA_CONFIGS.values(), mk.DEFAULT_CONFIG, mk.MmaConfig(),
                                         mk.MmaConfig(4, 4, offset_mma=False),
                                         mk.MmaConfig(8, 2, offset_mma=False, persist=3),
@@ -216,7 +197,7 @@ def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
     lib = _nvrtc()
     for cpg, zeros, bias, nt in ((1, False, False, 1), (2, True, True, 1), (2, False, True, 4)):
         src = tmp_path / f"k{cpg}_{nt}.ptx"
-        src.write_text(_ptx(lib, mk.cuda_source(cfg, cpg, zeros, bias, nt)))
+        src.write_text(mk.nvrtc_ptx(lib, mk.cuda_source(cfg, cpg, zeros, bias, nt), "compute_90"))
         out = subprocess.run([str(ptxas), "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
         spills = [int(v) for v in re.findall(r"(\d+) bytes spill", out)]
