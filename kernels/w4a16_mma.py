@@ -497,6 +497,7 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
 
 _KERNELS: dict = {}
 _UNAVAILABLE: list = []  # the reason NVRTC could not build the kernel, once known
+COMPILED_BY: list = []  # how each variant was built: "nvrtc", or the fallback and why
 
 
 class _Launch:
@@ -571,10 +572,13 @@ def _compile(source: str, name: str):
     try:
         major, minor = torch.cuda.get_device_capability()
         ptx = nvrtc_ptx(_utils._get_gpu_rtc_library(), source, f"compute_{major}{minor}")
-        return _utils._cuda_load_module(ptx, [name])[name]
-    except Exception:
+        kernel = _utils._cuda_load_module(ptx, [name])[name]
+        COMPILED_BY.append("nvrtc")
+        return kernel
+    except Exception as e:
         if not hasattr(torch.cuda, "_compile_kernel"):
             raise
+        COMPILED_BY.append(f"torch.cuda._compile_kernel (nvrtc: {type(e).__name__}: {e})")
         return torch.cuda._compile_kernel(source, name)
 
 

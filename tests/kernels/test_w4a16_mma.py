@@ -120,6 +120,7 @@ def test_from_w4a16_n_major_blocks_and_bad_shapes(monkeypatch):
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
+    assert set(mk.COMPILED_BY) == {"nvrtc"}, mk.COMPILED_BY  # torch's NVRTC, no CUDA toolkit needed
     for n, k, group in ((64, 256, 64), (960, 576, 64), (256, 1024, 128), (128, 512, 512), (48, 320, 64)):
         q, s, z = _quantized(n, k, group, asym, seed=n + k, device="cuda")
         w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
