@@ -340,13 +340,14 @@ def _dtype_of(name: str) -> torch.dtype:
 # --------------------------------------------------------------------------- transformers model
 
 
-def transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+def transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32, loaded: tuple | None = None):
     """A transformers causal LM of FOLDER on the CPU, in eval mode: a plain HF folder as
     transformers loads it; a quantized checkpoint (``optllm quantize``) with every quantized
     linear's weight dequantized through formats/ (the values vLLM's and HF's dequantization
     give), so no compressed-tensors package is needed. Weight-only schemes (W4A16) then compute
     what the kernels do; schemes that also quantize activations keep their weights' error only.
-    Used where a checkpoint's hidden states are read by plain torch code (train-draft's target)."""
+    Used where a checkpoint's hidden states are read by plain torch code (train-draft's target).
+    loaded: the quantized folder's load_quantized_weights(folder), when the caller has it already."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..formats.compressed_tensors import load_quantized_weights
@@ -354,7 +355,7 @@ def transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     folder = Path(folder)
     if not is_quantized_folder(folder):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    qweights, rest, cfg_dict = load_quantized_weights(folder)
+    qweights, rest, cfg_dict = loaded if loaded is not None else load_quantized_weights(folder)
     cfg_dict = {k: v for k, v in cfg_dict.items() if k != "quantization_config"}
     config = AutoConfig.for_model(**cfg_dict)
     check_architecture(config)
@@ -372,14 +373,14 @@ def transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32):
                         f"unexpected {unexpected[:3]}")
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _rebuild_meta_buffers(model, dtype)
+    _rebuild_meta_buffers(model)
     return model.eval()
 
 
 _KV_SCALE_SUFFIXES = tuple(f".{n}" for n in KV_SCALE_NAMES)
 
 
-def _rebuild_meta_buffers(model, dtype) -> None:
+def _rebuild_meta_buffers(model) -> None:
     """Non-persistent buffers (rotary inv_freq) were made on the meta device: rebuild their
     modules on the CPU from their config."""
     for mod_name, mod in list(model.named_modules()):

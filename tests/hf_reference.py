@@ -21,6 +21,6 @@ def load_quantized(
     """(HF model in eval mode with the dequantized weights, tokenizer, quantized weights by
     module name) of a checkpoint: the values vLLM's / HF's dequantization gives."""
     folder = Path(folder)
-    model = transformers_model(folder, parse_dtype(dtype)).to(device)
-    qweights, _, _ = load_quantized_weights(folder)
-    return model, load_tokenizer(folder), qweights
+    loaded = load_quantized_weights(folder)  # read once: the model's weights and the codes returned
+    model = transformers_model(folder, parse_dtype(dtype), loaded).to(device)
+    return model, load_tokenizer(folder), loaded[0]
