@@ -220,6 +220,15 @@ __device__ __forceinline__ u32 neg_pair(float o) {  // -o as bf16x2 (o = 136 + z
   const u32 h = f2bf(-o);
   return h | (h << 16);
 }
+// A chunk's weight words (w: this lane's 16 bytes of it) and, with XPRE, its x pairs (chunk-in-tile
+// c of the first column tile's rows).
+__device__ __forceinline__ void load_chunk(Chunk& ch, const W4* w, const W4* x0, int c) {
+  ch.w = ld_stream(w);
+#if XPRE
+  ch.xa = ld_cached(x0 + (size_t)c * 8);
+  ch.xb = ld_cached(x0 + (size_t)c * 8 + 1);
+#endif
+}
 // One word's A fragment: registers j = 0..3 are nibble pairs (j, j + 4) of word >> 4j; rows g, g + 8,
 // g, g + 8.
 __device__ __forceinline__ void fragment(u32* a, u32 w, u32 nz0, u32 nz1) {
@@ -348,26 +357,14 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
   Chunk buf[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
-    if (c0 + u < c1) {
-      buf[u].w = ld_stream(wp + (size_t)(c0 + u) * 32);
-#if XPRE
-      buf[u].xa = ld_cached(xp[0] + (size_t)(c0 + u) * 8);
-      buf[u].xb = ld_cached(xp[0] + (size_t)(c0 + u) * 8 + 1);
-#endif
-    }
+    if (c0 + u < c1) load_chunk(buf[u], wp + (size_t)(c0 + u) * 32, xp[0], c0 + u);
   for (int cb = c0; cb < c1; cb += UNROLL) {
     Chunk cur[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) cur[u] = buf[u];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-      if (cb + UNROLL + u < c1) {
-        buf[u].w = ld_stream(wp + (size_t)(cb + UNROLL + u) * 32);
-#if XPRE
-        buf[u].xa = ld_cached(xp[0] + (size_t)(cb + UNROLL + u) * 8);
-        buf[u].xb = ld_cached(xp[0] + (size_t)(cb + UNROLL + u) * 8 + 1);
-#endif
-      }
+      if (cb + UNROLL + u < c1) load_chunk(buf[u], wp + (size_t)(cb + UNROLL + u) * 32, xp[0], cb + UNROLL + u);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (cb + u < c1) chunk_step(st, cur[u], xp, cb + u, n0, n1, N, scales, zeros);
@@ -421,11 +418,7 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
     if (f0 + u < f1) {
-      buf[u].w = ld_stream(wp + (f0 + u) * 32);
-#if XPRE
-      buf[u].xa = ld_cached(xp[0] + (size_t)lc * 8);
-      buf[u].xb = ld_cached(xp[0] + (size_t)lc * 8 + 1);
-#endif
+      load_chunk(buf[u], wp + (f0 + u) * 32, xp[0], lc);
       lc = lc + 1 == C ? 0 : lc + 1;
     }
   for (long long fb = f0; fb < f1; fb += UNROLL) {
@@ -435,11 +428,7 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (fb + UNROLL + u < f1) {
-        buf[u].w = ld_stream(wp + (fb + UNROLL + u) * 32);
-#if XPRE
-        buf[u].xa = ld_cached(xp[0] + (size_t)lc * 8);
-        buf[u].xb = ld_cached(xp[0] + (size_t)lc * 8 + 1);
-#endif
+        load_chunk(buf[u], wp + (fb + UNROLL + u) * 32, xp[0], lc);
         lc = lc + 1 == C ? 0 : lc + 1;
       }
 #pragma unroll
