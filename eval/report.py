@@ -125,12 +125,13 @@ def speculation_table(rows: list) -> str:
 def speculation_time_table(rows: list) -> str:
     """Where each speculation row's time went, per engine (milliseconds over the timed batches):
     steps, time in the model runner, the rest on the host; the speculative engine's speculative
-    parts of steps and how many of them first caught the draft up (rows); "" without the data."""
+    parts of steps, its plain parts, its fused steps (plain rows in the verify forward) and how
+    many speculative steps first caught the draft up (rows); "" without the data."""
     items = [(r, s) for r in rows for s in getattr(r, "speculation", None) or [] if s.get("time")]
     if not items:
         return ""
     head = ["model", "temp", "batch", "plain: steps", "runner ms", "host ms", "spec: steps", "runner ms", "host ms",
-            "spec parts (ms)", "plain parts (ms)", "caught up (rows, ms)"]
+            "spec parts (ms)", "plain parts (ms)", "fused steps (ms)", "caught up (rows, ms)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, s in items:
         p, q = s["time"]["plain"], s["time"]["spec"]
@@ -138,6 +139,7 @@ def speculation_time_table(rows: list) -> str:
             r.model, f"{s['temperature']:g}", _batch_cell(s), str(p["steps"]), f"{p['runner_ms']:.1f}",
             f"{p['host_ms']:.1f}", str(q["steps"]), f"{q['runner_ms']:.1f}", f"{q['host_ms']:.1f}",
             f"{q['spec_steps']} ({q['spec_part_ms']:.1f})", f"{q['plain_parts']} ({q['plain_part_ms']:.1f})",
+            f"{q.get('fused_steps', 0)} ({q.get('fused_ms', 0.0):.1f})",
             f"{q['caught_up_steps']} ({q['catch_up_rows']}, {q.get('catch_up_ms', 0.0):.1f})"]) + " |")
     return "\n".join(lines) + "\n"
 

@@ -101,8 +101,8 @@ def _batch(llm: LLM, prompts, params) -> tuple[float, int, list[list[int]]]:
 
 
 # counters summed over a case's batches: the speculative engine's, and where each engine's time went
-_SUMMED = ("seq_steps", "drafted", "accepted", "steps", "spec_ms", "plain_ms", "plain_parts", "caught_up_steps",
-           "catch_up_rows", "catch_up_ms")
+_SUMMED = ("seq_steps", "drafted", "accepted", "steps", "spec_ms", "plain_ms", "plain_parts", "fused_steps",
+           "fused_ms", "caught_up_steps", "catch_up_rows", "catch_up_ms")
 
 
 def _spec_counts(llm: LLM) -> dict:
@@ -229,14 +229,16 @@ def _time_split(r: dict, c: dict) -> dict:
     """Where each engine's measured seconds went (milliseconds summed over the timed batches):
     steps, their time in the model runner (host sync included) and the rest (scheduling, output
     bookkeeping: the host's); for the speculative engine also its speculative parts of steps
-    (catch-ups of the draft included), its plain parts, and the catch-ups' counts."""
+    (catch-ups of the draft included), its plain parts, its fused steps (plain rows verified in
+    the speculative rows' forward: whole steps), and the catch-ups' counts."""
     out = {}
     for label in ("plain", "spec"):
         total = 1e3 * r[f"{label}_seconds"]
         out[label] = {"steps": r.get(f"{label}_steps", 0), "total_ms": total,
                       "runner_ms": r.get(f"{label}_exec_ms", 0.0), "host_ms": total - r.get(f"{label}_exec_ms", 0.0)}
     out["spec"] |= {"spec_steps": c["steps"], "spec_part_ms": c["spec_ms"], "plain_parts": c["plain_parts"],
-                    "plain_part_ms": c["plain_ms"], "caught_up_steps": c["caught_up_steps"],
+                    "plain_part_ms": c["plain_ms"], "fused_steps": c["fused_steps"], "fused_ms": c["fused_ms"],
+                    "caught_up_steps": c["caught_up_steps"],
                     "catch_up_rows": c["catch_up_rows"], "catch_up_ms": c["catch_up_ms"]}
     return out
 

@@ -9,7 +9,9 @@ cached before; new token i sits at position prefix_b + i. Visibility of key j to
 (position p = prefix_b + i):
     causal (default): j <= p
     mask (token tree): j < prefix_b, or mask_b[i, j - prefix_b] (mask_b = the [q_len_b, q_len_b]
-        row-major bool block at mask_offsets[b] of the flat ``mask``; the caller sets the diagonal)
+        row-major bool block at mask_offsets[b] of the flat ``mask``; the caller sets the diagonal);
+        a sequence whose mask_offsets[b] < 0 is causal (a speculative step's verify forward
+        carries prefill chunks beside its trees)
     sliding_window > 0, also: p - j < sliding_window
 Kernel: grid (cdiv(max_seqlen_q, QPT), B, num_kv_heads). GQA is packed into the tile: its
 BLOCK_M rows are (query, head) pairs, row r = query q0 + r // G, head kvh * G + r % G, QPT =
@@ -79,9 +81,12 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
                 mask=io_mask, other=0.0)
 
     if HAS_MASK:
-        full_hi = prefix
-        hi = seq_len
-        mask_row = mask_ptr + tl.load(moff_ptr + b) + qi.to(tl.int64) * q_len
+        moff = tl.load(moff_ptr + b)
+        is_tree = moff >= 0  # else causal
+        tree_hi = tl.where(is_tree, seq_len, prefix)  # the keys read through the mask: none when causal
+        full_hi = tl.where(is_tree, prefix, prefix + q0)
+        hi = tl.where(is_tree, seq_len, prefix + tl.minimum(q0 + QPT, q_len))
+        mask_row = mask_ptr + tl.maximum(moff, 0) + qi.to(tl.int64) * q_len
     else:
         full_hi = prefix + q0
         hi = prefix + tl.minimum(q0 + QPT, q_len)
@@ -109,10 +114,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
         k, v, k_s, v_s = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, keys, key_ok, kvh, stride_cb,
                                  stride_ch, stride_ct, stride_sb, stride_sh, offs_d, d_mask, BS, FP8)
         if HAS_MASK:
-            new = keys >= prefix
+            new = (keys >= prefix) & (keys < tree_hi)
             tree = tl.load(mask_row[:, None] + (keys - prefix)[None, :],
-                           mask=row_ok[:, None] & (new & key_ok)[None, :], other=0)
-            visible = key_ok[None, :] & ((keys < prefix)[None, :] | (tree != 0))
+                           mask=row_ok[:, None] & new[None, :], other=0)
+            seen = tl.where(is_tree, (keys < prefix)[None, :] | (tree != 0), keys[None, :] <= pos[:, None])
+            visible = key_ok[None, :] & seen
         else:
             visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         if SLIDING:
@@ -160,10 +166,10 @@ def paged_extend_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_s
         prefix = n - (e - s)
         pos = prefix + torch.arange(e - s, device=q.device)[:, None]
         j = torch.arange(n, device=q.device)[None, :]
-        if mask is None:
+        off = -1 if mask is None else int(mask_offsets[b])
+        if off < 0:
             vis = j <= pos
         else:
-            off = int(mask_offsets[b])
             tree = mask[off:off + (e - s) ** 2].view(e - s, e - s)
             vis = torch.cat([torch.ones(e - s, prefix, dtype=torch.bool, device=q.device), tree], dim=1)
         if sliding_window > 0:
@@ -186,7 +192,8 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables int32 [B, max_blocks]; seq_lens int32 [B] keys per sequence, new tokens
     included; cu_seqlens_q int32 [B + 1]; max_seqlen_q: host int >= every q_len_b (sizes the
     grid only); scale: softmax scale; mask: flat bool tree masks with mask_offsets int64 [B]
-    (element offsets of each [q_len_b, q_len_b] block), or None for causal.
+    (element offsets of each [q_len_b, q_len_b] block; negative: that sequence is causal), or
+    None for causal.
     Returns out [T, num_q_heads, head_dim] in q's dtype; only rows of the B sequences are
     written. No host sync on the Triton path.
     """

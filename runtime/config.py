@@ -69,6 +69,10 @@ class EngineConfig:
     static tree of a Medusa draft (paths of top-k ranks; None: the built-in one). spec_policy:
     "adaptive" (a tree size per step, down to none, from acceptance and a start-up cost
     profile), "fixed" (the whole tree at every eligible decode), "auto" (adaptive on CUDA).
+    spec_fuse: a step whose speculating sequences share it with rows that run eager anyway
+    (prefill chunks: admissions) verifies the trees in the same target forward as those rows
+    (one forward instead of two); False: the plain rows' forward first, then the speculative
+    step's (OPTLLM_SPEC_FUSE=0 also turns it off, to compare the two end to end).
     """
 
     model: str
@@ -95,6 +99,7 @@ class EngineConfig:
     spec_num_draft: int = 40
     medusa_choices: tuple | None = None
     spec_policy: str = "auto"
+    spec_fuse: bool = True
     admit_group: int = 8
 
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import time
 
 import torch
@@ -21,10 +22,12 @@ from .block_table import BlockTables
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, VerifyGraphs
 from .kv_cache import KVCache, KVCacheSpec, cache_dtype
+from .layers.attention import AttentionMetadata
 from .loader import ModelSource, build_model, init_random_weights, load_weights
 from .models.llama import BuildOptions, head_dim_of
 from .sampler import Sampler, token_logprobs
-from .step_inputs import host_batch, to_device
+from .spec.tree import const_arange, const_full
+from .step_inputs import host_batch, packed_to, to_device
 
 _VERIFY_GRAPH_TOKENS = 2048  # the most tree tokens a verify graph takes
 _LOGPROB_ROWS = 1024  # prompt-logprob rows whose logits are formed at once
@@ -87,6 +90,8 @@ class ModelRunner:
                                                max_blocks=self.max_blocks_per_seq, block_size=self.block_size,
                                                block_n=self.kv_spec.head_dim, device=self.device)
         self.spec = None
+        # a speculative step's eager plain rows ride in its verify forward (config.spec_fuse)
+        self.fuse = config.spec_fuse and os.environ.get("OPTLLM_SPEC_FUSE", "1") != "0"
         self.exec_steps, self.exec_ms = 0, 0.0  # steps run and their wall milliseconds (host sync included)
         if draft is not None:
             from .spec_runner import SpecDecoder, SpecOptions
@@ -225,6 +230,8 @@ class ModelRunner:
             seqs = [batch.seqs[i] for i in plain]
             counts = [batch.num_new_tokens[i] for i in plain]
             decode = all(k == 1 for k in counts) and all(batch.sampling[i] for i in plain)
+            if self.fuse and not self._graphed(seqs, decode):
+                return self._execute_fused(batch, plain, spec)
             for i, tok in zip(plain, self._plain_part(seqs, counts, decode)):
                 result[i] = tok
         t0 = time.perf_counter()
@@ -236,6 +243,58 @@ class ModelRunner:
         # catch_up; an exploring step after a plain stretch would look like a slow step)
         if self.spec.policy is not None and not plain and not self.spec.last_step_caught_up:
             self.spec.pending_cost = (self.spec.n, len(spec))
+        return result
+
+    def _graphed(self, seqs, decode: bool) -> bool:
+        """Whether these rows' plain step replays a decode graph (else it runs eager)."""
+        return decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch
+
+    def _execute_fused(self, batch, plain: list[int], spec: list[int]) -> list:
+        """A step whose plain rows (prefill chunks; plain decodes without a graph) run eager: the
+        speculating sequences' trees are drafted first, then verified in the same target forward
+        as the plain rows (their K/V, features and samples as ``_execute`` makes them; the trees'
+        rows under their masks, the plain sequences causal), then accepted. One forward where
+        the unfused step runs two, the second of them a whole speculative step."""
+        t0 = time.perf_counter()
+        sp, dev = self.spec, self.device
+        pseqs = [batch.seqs[i] for i in plain]
+        sseqs = [batch.seqs[i] for i in spec]
+        p, b = len(pseqs), len(sseqs)
+        hb = host_batch(pseqs, [batch.num_new_tokens[i] for i in plain], self.block_size, self.block_tables,
+                        also=sseqs)
+        ids, pos, slots, rows, ctx = packed_to(dev, "q", hb.ids, hb.positions, hb.slots, hb.logits_rows,
+                                               [s.num_computed_tokens for s in sseqs])
+        seq_lens, cu, tables = packed_to(dev, "i", hb.seq_lens, hb.cu_seqlens, hb.table.reshape(-1))
+        tables = tables.view(p + b, hb.table.shape[1])
+        prop = sp.propose(sseqs, ctx, tables[p:])
+        tree, n, tp = prop.tree, prop.tree.num_nodes, len(hb.ids)
+        max_q = max(n, *(hb.cu_seqlens[j + 1] - hb.cu_seqlens[j] for j in range(p)))
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat([slots, prop.slots]), block_tables=tables,
+            seq_lens=torch.cat([seq_lens, (ctx + n).to(torch.int32)]), decode=False,
+            cu_seqlens_q=torch.cat([cu, const_arange(b, dev, torch.int32, start=n, step=n) + tp]), max_seqlen_q=max_q,
+            mask=tree.mask.reshape(-1),  # the plain sequences' offsets -1: causal
+            mask_offsets=torch.cat([const_full((p,), -1, torch.int64, dev), const_arange(b, dev, step=n * n)]))
+        hidden = self.model(torch.cat([ids, tree.tokens.reshape(-1)]),
+                            torch.cat([pos, tree.positions(ctx).reshape(-1)]), meta)
+        aux = self.model.model.aux_hidden
+        sp.store.store(hidden[:tp], None if aux is None else aux[:tp], slots)  # the plain rows' draft inputs
+        if hb.prompt_lp:
+            self._prompt_logprobs(pseqs, hidden, hb.prompt_lp, rows)
+        k = len(hb.sample)
+        sample_rows = rows[[r for _, r in hb.sample]] if hb.prompt_lp else rows[:k]
+        # one LM-head GEMM: the plain rows that sample, then every tree node
+        logits = self.model.compute_logits(hidden[torch.cat([sample_rows, const_arange(b * n, dev) + tp])])
+        tree_logits = logits[k:].view(b, n, -1)
+        res = sp.accept(prop, hidden[tp:], None if aux is None else aux[tp:], tree_logits)
+        result: list = [None] * len(batch.seqs)
+        for i, tok in zip(plain, self._sample(pseqs, hb, logits[:k])):  # its host sync
+            result[i] = tok
+        for i, toks in zip(spec, sp.emit(prop, res, tree_logits)):
+            result[i] = toks
+        st = sp.stats
+        st.fused_steps += 1
+        st.fused_ms += (time.perf_counter() - t0) * 1e3
         return result
 
     def _plain_part(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:
@@ -258,9 +317,14 @@ class ModelRunner:
             if self.spec is not None:  # the draft's inputs for every row computed
                 self.spec.store.store(hidden, self.model.model.aux_hidden, inputs.meta.slot_mapping)
             if hb.prompt_lp:
-                self._prompt_logprobs(seqs, hidden, inputs)
+                self._prompt_logprobs(seqs, hidden, hb.prompt_lp, inputs.logits_rows)
             rows = inputs.logits_rows[[r for _, r in hb.sample]] if hb.prompt_lp else inputs.logits_rows
             logits = self.model.compute_logits(hidden[rows]) if hb.sample else None
+        return self._sample(seqs, hb, logits)
+
+    def _sample(self, seqs, hb, logits) -> list[int | None]:
+        """Each sequence's sampled token (None where it does not sample) from the logits of the
+        rows that sample (hb.sample's order); the host sync of the step."""
         if not hb.sample:
             return [None] * len(seqs)
         sampling = [seqs[i] for i, _ in hb.sample]
@@ -284,8 +348,8 @@ class ModelRunner:
                 entry.setdefault(t, v)
             seq.output_logprobs.append(entry)
 
-    def _prompt_logprobs(self, seqs, hidden, inputs) -> None:
-        for i, row0, n, first in inputs.prompt_lp:
+    def _prompt_logprobs(self, seqs, hidden, prompt_lp, logits_rows) -> None:
+        for i, row0, n, first in prompt_lp:
             seq = seqs[i]
             k = seq.params.prompt_logprobs
             if len(seq.prompt_logprobs) != first + 1:  # a hole or a repeat: the prefix cache's rule broke
@@ -293,7 +357,7 @@ class ModelRunner:
                                    f"scores prompt token {first + 1} on")
             for c in range(0, n, _LOGPROB_ROWS):
                 m = min(_LOGPROB_ROWS, n - c)
-                rows = inputs.logits_rows[row0 + c: row0 + c + m]
+                rows = logits_rows[row0 + c: row0 + c + m]
                 targets = seq.token_ids[first + c + 1: first + c + 1 + m]
                 lp, _rank, tids, tlp = token_logprobs(self.model.compute_logits(hidden[rows]),
                                                       torch.tensor(targets, device=hidden.device), k)

@@ -110,6 +110,10 @@ class SpecStats:
     spec_ms: float = 0.0
     plain_ms: float = 0.0
     plain_parts: int = 0
+    # steps whose plain rows (prefill chunks, plain decodes) rode in the speculative rows' verify
+    # forward (one target forward instead of two), and their whole time
+    fused_steps: int = 0
+    fused_ms: float = 0.0
     caught_up_steps: int = 0  # speculative steps that first ran the draft over earlier plain steps' rows
     catch_up_rows: int = 0  # the rows those catch-ups ran over (outside a graphed step's own window)
     catch_up_ms: float = 0.0  # their time (synchronised)
@@ -123,11 +127,26 @@ class SpecStats:
         return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted, "accepted": self.accepted,
                 "mean_accepted_length": self.mean_accepted_length, "histogram": list(self.histogram),
                 "steps_by_size": dict(self.steps_by_size), "spec_ms": self.spec_ms, "plain_ms": self.plain_ms,
-                "plain_parts": self.plain_parts, "caught_up_steps": self.caught_up_steps,
+                "plain_parts": self.plain_parts, "fused_steps": self.fused_steps, "fused_ms": self.fused_ms,
+                "caught_up_steps": self.caught_up_steps,
                 "catch_up_rows": self.catch_up_rows, "catch_up_ms": self.catch_up_ms}
 
 
 _GREEDY = SamplingParams(temperature=0)
+
+
+@dataclass
+class Proposal:
+    """A speculative step's first half (``SpecDecoder.propose``) for seqs: their trees (N nodes
+    each) and each node's rank int64 [B, N], context lengths ctx int64 [B], block tables int32
+    [B, W], and the nodes' cache slots int64 [B * N] (where the verify forward writes their K/V)."""
+
+    seqs: list
+    tree: TreeBatch
+    ranks: torch.Tensor
+    ctx: torch.Tensor
+    tables: torch.Tensor
+    slots: torch.Tensor
 
 
 class FeatureStore:
@@ -532,44 +551,92 @@ class SpecDecoder:
     def step(self, seqs) -> list[list[int]]:
         """One speculative step for sequences that are all eligible decodes (their blocks cover
         num_computed_tokens + lookahead); returns each one's new tokens (accepted + 1)."""
-        dev = self.device
         bsz = len(seqs)
         params = [s.params for s in seqs]
-        g = self.catch_rows
         greedy = all(p.temperature < GREEDY_EPS and p.logprobs is None for p in params)
         # sampled rows whose only parameter is a temperature have graphs too (temperature_probs)
         sampled = not greedy and all(p.logprobs is None and temperature_only(p, self.runner.vocab_size) for p in params)
         key = self.graphs.bucket(bsz, self.n, sampled) if self.graphs is not None and (greedy or sampled) else None
-        # a step that first runs the draft over the rows of earlier plain steps (eager) pays a cost
-        # that steady speculation does not: its wall time says little of a step's
+        behind = self._count_behind(seqs)
+        if key is not None:
+            self._catch_up_before_window(seqs, behind)
+            res, ranks = self.graphs.run_seqs(seqs, self.n, [p.temperature for p in params] if sampled else None)
+            return self._emit(seqs, res, ranks, self.n, None)
+        ctx, tables = self._context(seqs)
+        states = self._eager_states(seqs, ctx, tables, behind)
+        tree, _, logits, res, ranks = self._draft_and_verify(self._roots(seqs), states, ctx, tables, params, self.n)
+        return self._emit(seqs, res, ranks, tree.num_nodes, logits)
+
+    # ---- a speculative step whose verify forward carries other rows (the runner's fused step)
+    @torch.inference_mode()
+    def propose(self, seqs, ctx: torch.Tensor, tables: torch.Tensor) -> Proposal:
+        """The first half of a speculative step for eligible decodes whose trees the runner
+        verifies in one forward with the step's plain rows (prefill chunks, plain decodes): the
+        draft's states and trees, under a propose graph where one fits. ctx int64 [B] and tables
+        int32 [B, W] on the device, as ``_context`` gives them."""
+        behind = self._count_behind(seqs)
+        if self.graphs is not None and self.graphs.propose_bucket(len(seqs), self.n) is not None:
+            self._catch_up_before_window(seqs, behind)
+            tree, ranks = self.graphs.run_propose_seqs(seqs, ctx, tables, self.n)
+        else:
+            tree, ranks = self._propose(self._roots(seqs), self._eager_states(seqs, ctx, tables, behind), ctx,
+                                        tables, self.n)
+        return Proposal(seqs, tree, ranks, ctx, tables, self._node_slots(ctx, tables, tree.num_nodes))
+
+    def accept(self, prop: Proposal, hidden: torch.Tensor, aux: torch.Tensor | None,
+               logits: torch.Tensor) -> AcceptResult:
+        """The second half, up to its host sync: acceptance over the proposal's trees from the
+        target's rows of the nodes (hidden [B * N, H], EAGLE-3's aux, logits [B, N, V]), the
+        accepted KV moved into place and its features stored."""
+        return self._accept(prop.tree, hidden, aux, logits, prop.ctx, prop.tables, prop.slots,
+                            [s.params for s in prop.seqs])
+
+    def emit(self, prop: Proposal, res: AcceptResult, logits: torch.Tensor) -> list[list[int]]:
+        """The host sync that ends a fused step's speculative half: each sequence's new tokens."""
+        return self._emit(prop.seqs, res, prop.ranks, prop.tree.num_nodes, logits)
+
+    # ---- the step's parts
+    def _roots(self, seqs) -> torch.Tensor:
+        return torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=self.device)
+
+    def _count_behind(self, seqs) -> int:
+        """The rows the draft must first run over (earlier plain steps'), counted in the stats. A
+        step that first catches up pays a cost that steady speculation does not: its wall time
+        says little of a step's."""
         behind = self.rows_behind(seqs)
         self.last_step_caught_up = behind > 0
         if behind:
             self.stats.caught_up_steps += 1
             self.stats.catch_up_rows += behind
-        if key is not None:
-            if self.eagle:  # the rows before the graph's catch-up window, eager
-                if self.last_step_caught_up:
-                    t0 = time.perf_counter()
-                    self.states(seqs, stop=[s.num_computed_tokens - g for s in seqs])
-                    self._caught_up(behind, t0)
-                for s in seqs:
-                    s.spec_state = (s.num_preemptions, s.num_computed_tokens)
-            res, ranks = self.graphs.run_seqs(seqs, self.n, [p.temperature for p in params] if sampled else None)
-            n = self.n
-            logits = None
-        else:
-            ctx, tables = self._context(seqs)
-            roots = torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64, device=dev)
+        return behind
+
+    def _catch_up_before_window(self, seqs, behind: int) -> None:
+        """Before a graphed step: EAGLE's catch-up over the rows before the graph's own window, eager."""
+        if not self.eagle:
+            return
+        g = self.catch_rows
+        if behind:
             t0 = time.perf_counter()
-            states = self._catch_up(seqs, ctx, tables)
-            if behind:
-                self._caught_up(behind, t0)
-            tree, _, logits, res, ranks = self._draft_and_verify(roots, states, ctx, tables, params, self.n)
-            n = tree.num_nodes
-        # the step's one host sync: what the host needs, packed into one copy (a copy and a kernel
-        # launch per tensor, and the policy's per-size counts on the device, cost the H200's host
-        # ~0.3 ms a step at batch 1)
+            self.states(seqs, stop=[s.num_computed_tokens - g for s in seqs])
+            self._caught_up(behind, t0)
+        for s in seqs:
+            s.spec_state = (s.num_preemptions, s.num_computed_tokens)
+
+    def _eager_states(self, seqs, ctx, tables, behind: int) -> torch.Tensor:
+        """The draft states of an eager step (EAGLE: after its catch-up over every row it has not run over)."""
+        t0 = time.perf_counter()
+        states = self._catch_up(seqs, ctx, tables)
+        if behind:
+            self._caught_up(behind, t0)
+        return states
+
+    def _emit(self, seqs, res: AcceptResult, ranks: torch.Tensor, n: int, logits) -> list[list[int]]:
+        """The step's one host sync and its bookkeeping: each sequence's new tokens (accepted + 1),
+        the policy's per-size acceptance, log-probabilities (logits [B, n, V], None on a graphed
+        step: no row asked), the stats."""
+        bsz = len(seqs)
+        # what the host needs, packed into one copy (a copy and a kernel launch per tensor, and the
+        # policy's per-size counts on the device, cost the H200's host ~0.3 ms a step at batch 1)
         width = res.tokens.shape[1]
         parts = [res.num_accepted.view(bsz, 1), res.tokens, res.accepted]
         if self.policy is not None:
@@ -581,9 +648,9 @@ class SpecDecoder:
         if self.policy is not None:
             h = host.numpy()
             self._observe_sizes(seqs, h[:, 1 + width:1 + 2 * width], h[:, 1 + 2 * width:], n)
-        if logits is not None:
-            rows = torch.arange(bsz, device=dev)[:, None] * n + res.accepted.clamp_min(0)  # [B, N] rows on the path
-            self._record_logprobs(seqs, out, logits.view(bsz * n, -1), rows)
+        if logits is not None and any(s.params.logprobs is not None for s in seqs):
+            rows = torch.arange(bsz, device=self.device)[:, None] * n + res.accepted.clamp_min(0)  # on the path
+            self._record_logprobs(seqs, out, logits.reshape(bsz * n, -1), rows)
         st = self.stats
         st.steps += 1
         st.steps_by_size[n] = st.steps_by_size.get(n, 0) + 1
@@ -614,17 +681,12 @@ class SpecDecoder:
         verify forward runs in it, not in VerifyGraphs); temps float32 [B] (inner only): the rows
         sample at these temperatures (< GREEDY_EPS: greedy), by rejection sampling from the
         default generator (the one a CUDA graph may draw from), params unused."""
-        dev, bs = self.device, self.block_size
+        dev = self.device
         bsz = roots.shape[0]
-        if self.eagle:
-            tree, ranks = self._propose_eagle(roots, states, ctx, tables, n)
-        else:
-            tree = self._propose_medusa(roots, states, n)
-            ranks = const_arange(tree.num_nodes, dev).expand(bsz, -1)
+        tree, ranks = self._propose(roots, states, ctx, tables, n)
         n = tree.num_nodes
         # verify: every node at once, K/V to slots c + i, positions c + depth
-        pos = ctx[:, None] + const_arange(n, dev)[None, :]
-        slots = _slots(tables, pos, bs).reshape(-1)
+        slots = self._node_slots(ctx, tables, n)
         graphs = None if inner else self.runner.verify_graphs
         hidden = None if graphs is None else graphs.run(tree.tokens, tree.positions(ctx), slots, tables,
                                                          (ctx + n).to(torch.int32), tree.mask)
@@ -636,6 +698,26 @@ class SpecDecoder:
             hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
         aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
+        res = self._accept(tree, hidden, aux, logits, ctx, tables, slots, params, temps)
+        return tree, hidden, logits, res, ranks
+
+    def _propose(self, roots, states, ctx, tables, n):
+        """(tree of n nodes a sequence, each node's rank int64 [B, N])."""
+        if self.eagle:
+            return self._propose_eagle(roots, states, ctx, tables, n)
+        tree = self._propose_medusa(roots, states, n)
+        return tree, const_arange(tree.num_nodes, self.device).expand(roots.shape[0], -1)
+
+    def _node_slots(self, ctx: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
+        """int64 [B * n]: the cache slots c + i of the tree nodes (K/V written there, then moved)."""
+        pos = ctx[:, None] + const_arange(n, self.device)[None, :]
+        return _slots(tables, pos, self.block_size).reshape(-1)
+
+    def _accept(self, tree, hidden, aux, logits, ctx, tables, slots, params, temps=None) -> AcceptResult:
+        """Acceptance over the verified trees (hidden [B * N, H] and EAGLE-3's aux: the target's
+        rows of the nodes; logits [B, N, V]), the accepted path's KV moved to c .. c + k and its
+        features stored at those slots. temps: as _draft_and_verify's."""
+        bsz, n = tree.tokens.shape
         if temps is not None:
             res = rejection_accept(tree, temperature_probs(logits, temps), None)
         elif all(p.temperature < GREEDY_EPS for p in params):
@@ -643,13 +725,13 @@ class SpecDecoder:
         else:
             res = rejection_accept(tree, target_probs(logits, params), None, generator=self.generator)
         kv = self.runner.kv_cache
-        src, dst = accepted_kv_slots(tables, ctx, res.accepted, bs)
+        src, dst = accepted_kv_slots(tables, ctx, res.accepted, self.block_size)
         move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
         # the accepted rows' features at positions c .. c + k (the rest: the dump row)
-        rows = (const_arange(bsz, dev, step=n)[:, None] + res.accepted.clamp_min(0)).reshape(-1)
+        rows = (const_arange(bsz, self.device, step=n)[:, None] + res.accepted.clamp_min(0)).reshape(-1)
         self.store.store(hidden[rows], None if aux is None else aux[rows],
                          torch.where(res.accepted.reshape(-1) >= 0, slots, -1))
-        return tree, hidden, logits, res, ranks
+        return res
 
     def _observe_sizes(self, seqs, accepted, ranks, n) -> None:
         """The policy's per-size acceptance: under each menu size m <= n, the accepted path cut at
@@ -769,6 +851,9 @@ class SpecStepGraphs:
         self.spec, self.pad_block, self.width, self.g = spec, pad_block, width, spec.catch_rows
         self.keys = sorted({(b, n, k) for n in sizes for b in graph_buckets(max_batch) for k in (False, True)
                             if b * n <= max_tokens})
+        # the proposal alone (catch-up window, draft states, trees), for steps whose verify forward
+        # also carries plain rows (eager, ragged): keys (b, n)
+        self.propose_keys = sorted({(b, n) for b, n, _ in self.keys})
         big = max((b for b, _, _ in self.keys), default=1)
         self.ids = torch.zeros(big, self.g, dtype=torch.int64, device=dev)
         self.ctx = torch.full((big,), self.g, dtype=torch.int64, device=dev)
@@ -776,6 +861,8 @@ class SpecStepGraphs:
         self.temps = torch.zeros(big, dtype=torch.float32, device=dev)
         self.graphs: dict = {}
         runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: (-k[0] * k[1], k[2]))}
+        runs |= {("propose", *k): functools.partial(self._run_propose, *k)
+                 for k in sorted(self.propose_keys, key=lambda k: -k[0] * k[1])}
         self.outputs = capture_graphs(self.graphs, runs, dev, eager_stand_in)
 
     def _run(self, b: int, n: int, sampled: bool):
@@ -786,8 +873,17 @@ class SpecStepGraphs:
                                                      temps=self.temps[:b] if sampled else None)
         return res.accepted, res.num_accepted, res.tokens, ranks
 
+    def _run_propose(self, b: int, n: int):
+        spec = self.spec
+        ids, ctx, tables = self.ids[:b], self.ctx[:b], self.tables[:b]
+        tree, ranks = spec._propose(ids[:, -1], spec._states_fixed(ids, ctx, tables), ctx, tables, n)
+        return tree.tokens, tree.parents, tree.sizes, tree.depths, tree.mask, tree.paths, ranks
+
     def bucket(self, bsz: int, n: int, sampled: bool = False) -> int | None:
         return next((b for b, m, k in self.keys if m == n and k == sampled and b >= bsz), None)
+
+    def propose_bucket(self, bsz: int, n: int) -> int | None:
+        return next((b for b, m in self.propose_keys if m == n and b >= bsz), None)
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, n: int,
@@ -806,23 +902,50 @@ class SpecStepGraphs:
         if sampled:
             self.temps[:bsz].copy_(temps)
         if b > bsz:  # padding rows from an earlier, larger step
-            self.ids[bsz:b].zero_()
-            self.ctx[bsz:b].fill_(self.g)
-            self.tables[bsz:b].fill_(self.pad_block)
-            self.temps[bsz:b].zero_()
+            self._pad(bsz, b)
         self.graphs[(b, n, sampled)].replay()
         acc, num, tok, ranks = self.outputs[(b, n, sampled)]
         return AcceptResult(acc[:bsz], num[:bsz], tok[:bsz]), ranks[:bsz]
 
-    def run_seqs(self, seqs, n: int, temps: list[float] | None = None):
-        """``run`` for scheduled sequences; temps: each one's temperature (None: a greedy step)."""
-        g, dev = self.g, self.spec.device
+    @torch.inference_mode()
+    def run_propose_seqs(self, seqs, ctx: torch.Tensor, tables: torch.Tensor, n: int):
+        """(TreeBatch, ranks) of the scheduled sequences' proposal, trees of n nodes (the graph's
+        outputs: valid until its next replay); ctx int64 [B], tables int32 [B, w <= width] on the
+        device. Needs ``propose_bucket(B, n)``."""
+        bsz, w = len(seqs), tables.shape[1]
+        b = self.propose_bucket(bsz, n)
+        ids = host_tensor("q", *self._window(seqs)).view(bsz, self.g)
+        self.ids[:bsz].copy_(ids.to(self.spec.device, non_blocking=True))
+        self.ctx[:bsz].copy_(ctx)
+        self.tables[:bsz, :w].copy_(tables)
+        self.tables[:bsz, w:].fill_(self.pad_block)
+        if b > bsz:
+            self._pad(bsz, b)
+        self.graphs[("propose", b, n)].replay()
+        out = [t[:bsz] for t in self.outputs[("propose", b, n)]]
+        return TreeBatch(*out[:6]), out[6]
+
+    def _pad(self, bsz: int, b: int) -> None:
+        """Rows bsz .. b of the static inputs as padding (rows of an earlier, larger step)."""
+        self.ids[bsz:b].zero_()
+        self.ctx[bsz:b].fill_(self.g)
+        self.tables[bsz:b].fill_(self.pad_block)
+        self.temps[bsz:b].zero_()
+
+    def _window(self, seqs) -> list[list[int]]:
+        """Each sequence's tokens at c - G + 1 .. c (the root last), zeros before its first (rows
+        of no position)."""
+        g = self.g
         rows = []
         for s in seqs:
             c = s.num_computed_tokens
-            # the tokens at c - G + 1 .. c; zeros before the first (rows of no position)
             rows.append(s.token_ids[c - g + 1: c + 1] if c >= g else [0] * (g - 1 - c) + s.token_ids[:c + 1])
-        host = host_tensor("q", *rows, [s.num_computed_tokens for s in seqs]).to(dev, non_blocking=True)
+        return rows
+
+    def run_seqs(self, seqs, n: int, temps: list[float] | None = None):
+        """``run`` for scheduled sequences; temps: each one's temperature (None: a greedy step)."""
+        g, dev = self.g, self.spec.device
+        host = host_tensor("q", *self._window(seqs), [s.num_computed_tokens for s in seqs]).to(dev, non_blocking=True)
         bsz = len(seqs)
         width = max(len(s.block_table) for s in seqs)
         tables = torch.from_numpy(self.spec.runner.block_tables.gather(seqs, width)).to(dev, non_blocking=True)

@@ -52,7 +52,9 @@ class HostBatch:
     prompt_lp: list[tuple[int, int, int, int]]
 
 
-def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables) -> HostBatch:
+def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables, also=()) -> HostBatch:
+    """also: sequences whose block tables follow seqs' in the table (rows len(seqs) on; a fused
+    speculative step's), nothing else of them."""
     ids, pos, slots, seq_lens, cu = [], [], [], [], [0]
     rows, sample, prompt_lp = [], [], []
     width = 1
@@ -83,7 +85,10 @@ def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables) -> Ho
         if end == len(seq.token_ids):
             sample.append((i, len(rows)))
             rows.append(row0 + k - 1)
-    return HostBatch(ids, pos, slots, seq_lens, cu, tables.gather(seqs, width), rows, sample, prompt_lp)
+    for seq in also:
+        width = max(width, len(seq.block_table))
+    table = tables.gather([*seqs, *also] if also else seqs, width)
+    return HostBatch(ids, pos, slots, seq_lens, cu, table, rows, sample, prompt_lp)
 
 
 def host_tensor(code: str, *parts: list[int]) -> torch.Tensor:

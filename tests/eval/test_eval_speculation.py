@@ -63,7 +63,8 @@ def test_time_split_accounts_for_every_step(measured):
             assert e["total_ms"] == pytest.approx(1e3 * r["requests"] * r["output_len"] / r[f"{label}_tok_s"])
         q = t["spec"]
         assert q["spec_steps"] == sum(r["steps_by_size"].values()) > 0
-        assert q["spec_part_ms"] + q["plain_part_ms"] <= q["runner_ms"] + 1e-6
+        assert q["spec_part_ms"] + q["plain_part_ms"] + q["fused_ms"] <= q["runner_ms"] + 1e-6
+        assert q["fused_steps"] <= q["spec_steps"]
         # every request prefills in a plain part; medusa never catches up
         assert q["plain_parts"] >= 1 and q["caught_up_steps"] == q["catch_up_rows"] == 0
         # a plain engine decodes output_len - 1 steps after the prefill (batch arriving at once)

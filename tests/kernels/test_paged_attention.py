@@ -205,7 +205,7 @@ def _extend_dense(q, p, cu, scale, trees=None, window=0):
         pos = n - (e - s) + torch.arange(e - s)[:, None]
         j = torch.arange(n)[None, :]
         vis = j <= pos
-        if trees is not None:
+        if trees is not None and trees[b] is not None:  # None: that sequence causal
             vis = torch.cat([torch.ones(e - s, n - (e - s), dtype=torch.bool), trees[b]], 1)
         if window:
             vis &= pos - j < window
@@ -289,6 +289,34 @@ def test_extend_tree_mask(group, dtype, window):
     _close(ref, dense, BOUND[dtype])
     _close(out, ref, BOUND[dtype])
     _close(out, dense, BOUND[dtype])
+
+
+@pytest.mark.parametrize("group,dtype", [(1, torch.float32), (2, torch.bfloat16)])
+def test_extend_tree_masks_beside_causal_sequences(group, dtype):
+    """A speculative step's verify forward with prefill chunks folded in: sequences whose
+    mask offset is negative are causal, the others read their tree block; the long causal chunks
+    size the tiles (several query tiles a sequence), so a tree sequence's later tiles stay idle."""
+    g = torch.Generator().manual_seed(31)
+    pairs = [(0, 70), (20, 7), (9, 33), (40, 12), (64, 1), (5, 1)]
+    causal = [True, False, True, False, False, True]
+    p, q, cu = _extend_batch(pairs, 2, group, 32, 16, dtype, seed=31 + group)
+    trees = [None if c else _ancestor_mask(n, g) for (_, n), c in zip(pairs, causal)]
+    flat = [t.flatten() for t in trees if t is not None]
+    offsets, at = [], 0
+    for t in trees:
+        offsets.append(-1 if t is None else at)
+        at += 0 if t is None else t.numel()
+    mask = torch.cat(flat).to(DEVICE)
+    off = torch.tensor(offsets, dtype=torch.int64, device=DEVICE)
+    out, ref = _run_extend(p, q, cu, 70, 0.2, mask=mask, mask_offsets=off)
+    dense = _extend_dense(q, p, cu.cpu(), 0.2, trees=trees)
+    _close(ref, dense, BOUND[dtype])
+    _close(out, ref, BOUND[dtype])
+    _close(out, dense, BOUND[dtype])
+    # the causal sequences' rows equal a causal launch's (the trees' rows differ from one)
+    plain, _ = _run_extend(p, q, cu, 70, 0.2)
+    rows = [r for b, c in enumerate(causal) if c for r in range(int(cu[b]), int(cu[b + 1]))]
+    _close(out[rows], plain[rows], BOUND[dtype])
 
 
 def test_extend_fp8_cache():

@@ -93,3 +93,28 @@ def test_sampled_steps_run_their_cuda_graphs(tiny_llama, drafts, method):
         assert got[0] == want[0] and got[2] == want[2]
     assert first[1] != second[1] or first[3] != second[3]
     assert any(runs), runs
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+def test_fused_steps_equal_plain_greedy_on_cuda(tiny_llama, drafts, method):
+    """Admissions while others speculate (three at once, admitted one by one, prompts in chunks):
+    the fused steps replay a captured propose graph, then verify the trees in the plain rows'
+    eager forward (the extend kernel with causal and tree-masked sequences in one launch);
+    the tokens and acceptance equal the unfused steps', the tokens plain greedy decoding's."""
+    prompts = [p * 3 for p in PROMPTS] + PROMPTS
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 30, 14, 25, 11, 20, 7, 16)]
+    busy = dict(max_num_seqs=3, max_num_batched_tokens=48, admit_group=1, num_kv_blocks=512)
+    plain = LLM(str(tiny_llama), device="cuda", dtype="float32", **busy)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    del plain
+    stats = {}
+    for fuse in (True, False):
+        llm = LLM(str(tiny_llama), device="cuda", dtype="float32", draft=str(drafts[method]), spec_top_k=3,
+                  spec_depth=4, spec_num_draft=10, spec_policy="fixed", spec_fuse=fuse, **busy)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == want, f"spec_fuse={fuse}"
+        stats[fuse] = llm.engine.stats().speculation
+        del llm
+        gc.collect()
+    assert stats[True]["fused_steps"] >= 5 and stats[False]["fused_steps"] == 0
+    assert stats[True]["histogram"] == stats[False]["histogram"]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The twenty-first session's device work, after staging: call A carries .carry1 (`mkdir -p /root/m &&
+# cp .carry1/smollm2.gguf.part00 /root/m/`), call B carries .carry-d19 (`mkdir -p /root/d && tar xzf
+# .carry-d19/drafts.tgz -C /root/d`), then this script with .carry2 carried. Pass OPTLLM_COMMIT as a
+# literal hash (the device's .git is stale). PART picks the call:
+#   fuse  (issue 15) 1. GPU tests: the fused speculative step (tests/runtime/test_spec_gpu.py), the
+#            extend kernel with causal and tree-masked sequences in one launch
+#            (tests/kernels/test_paged_attention.py), the speculative engine's other GPU tests
+#         2. optllm eval of the float target with the nineteenth session's EAGLE-3 (/root/d/eagle3)
+#            under the continuous load at CBS (8,32,64), admit_group 8: fused steps on
+#            (OPTLLM_SPEC_FUSE=1, the default) and off, in that order
+#   ttt   (issue 15) an EAGLE-3 draft trained with TTT (7) training-time-test steps for SECS (420) on the
+#         nineteenth session's float data (.carry-draft, PROMPTS 4096), into /root/d/e3-ttt; then its
+#         eval at BS (1,8) beside the nineteenth session's /root/d/eagle3 (waves, temperature 0)
+# The GEMV work of issue 13 needs no staging: PART=gemv bash benchmarks/device_session20.sh (MS,
+# CONFIGS) runs its GPU tests (the persistent form, 9-32-row tiles, the NVRTC build) and benchmark.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+mkdir -p "$OUT/logs" /root/d
+source benchmarks/device_stage.sh
+[ -f /root/d/eagle3/config.json ] || [ ! -f .carry-d19/drafts.tgz ] || tar xzf .carry-d19/drafts.tgz -C /root/d
+
+evalspec() {  # evalspec NAME DRAFT ARGS...: optllm eval of the float SmolLM2 with DRAFT, greedy
+  local name=$1 draft=$2; shift 2
+  timeout "${SPEC_S:-160}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft "$draft" \
+    --temperatures 0 --spec-policy auto --out "/root/$name" "$@" > "$OUT/logs/$name.log" 2>&1 \
+    || echo "eval $name exited $?"
+  cp "/root/$name/report.md" "$OUT/$name.md" 2>/dev/null
+  cp "/root/$name/report.json" "$OUT/$name.json" 2>/dev/null
+}
+
+if [ "${PART:-fuse}" = fuse ]; then
+  timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
+    tests/kernels/test_paged_attention.py > "$OUT/logs/gpu_tests_fuse.log" 2>&1
+  tail -2 "$OUT/logs/gpu_tests_fuse.log"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests_fuse.log"
+  for f in 1 0; do
+    OPTLLM_SPEC_FUSE=$f evalspec "spec_cont_fuse$f" /root/d/eagle3 --batch-sizes "${CBS:-8,32,64}" \
+      --spec-load continuous --admit-group "${ADMIT:-8}"
+  done
+else
+  T0=$(date +%s)
+  gzip -dc .carry-draft/dataset_12288.jsonl.gz | head -n "${PROMPTS:-4096}" > /root/d/float_data.jsonl
+  timeout $(( ${SECS:-420} + 60 )) python3 -m optllm train-draft smollm2-135m --method eagle3 --out /root/d/e3-ttt \
+    --device cuda --ttt-steps "${TTT:-7}" --draft-vocab "${VOCAB:-16384}" --max-steps 40000 --batch-size 16 \
+    --time-limit "${SECS:-420}" --overwrite --dataset /root/d/float_data.jsonl > "$OUT/logs/train_e3-ttt.log" 2>&1
+  echo "trained in $(( $(date +%s) - T0 )) s"; grep -v "^step" "$OUT/logs/train_e3-ttt.log" | tail -4
+  [ -f /root/d/e3-ttt/config.json ] && evalspec spec_ttt /root/d/e3-ttt --batch-sizes "${BS:-1,8}"
+  [ -f /root/d/eagle3/config.json ] && evalspec spec_ttt_base /root/d/eagle3 --batch-sizes "${BS:-1,8}"
+fi
+for f in "$OUT"/spec_*.md; do [ -f "$f" ] && { echo "== $f"; grep "^|" "$f" | head -14; }; done
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
