@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.spec_accept import greedy_accept_move
 from ..kernels.topk import topk_logprobs
 from ..kernels.tree_struct import tree_struct
 from .cuda_graphs import capture_graphs, graph_buckets
@@ -718,13 +719,22 @@ class SpecDecoder:
         rows of the nodes; logits [B, N, V]), the accepted path's KV moved to c .. c + k and its
         features stored at those slots. temps: as _draft_and_verify's."""
         bsz, n = tree.tokens.shape
+        kv = self.runner.kv_cache
+        if temps is None and self.runner.backend == "triton" and all(p.temperature < GREEDY_EPS for p in params):
+            # greedy on the kernels: acceptance, the result, the KV move and the store's rows in one
+            # launch (the tensor-op path below is ~60 kernels of a step's graph)
+            acc, num, tokens, rows, stored = greedy_accept_move(
+                tree.tokens, tree.parents, tree.depths, tree.mask, tree.paths, tree.sizes, logits.argmax(dim=-1),
+                tables, ctx, kv.k, kv.v, kv.k_scale, kv.v_scale, backend="triton")
+            rows = rows.reshape(-1)
+            self.store.store(hidden[rows], None if aux is None else aux[rows], stored.reshape(-1))
+            return AcceptResult(acc, num, tokens)
         if temps is not None:
             res = rejection_accept(tree, temperature_probs(logits, temps), None)
         elif all(p.temperature < GREEDY_EPS for p in params):
             res = greedy_accept(tree, logits.argmax(dim=-1))
         else:
             res = rejection_accept(tree, target_probs(logits, params), None, generator=self.generator)
-        kv = self.runner.kv_cache
         src, dst = accepted_kv_slots(tables, ctx, res.accepted, self.block_size)
         move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
         # the accepted rows' features at positions c .. c + k (the rest: the dump row)

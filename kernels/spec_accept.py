@@ -1,0 +1,189 @@
+"""Greedy acceptance of B verified token trees and the accepted paths' KV move, in one launch.
+
+What runtime/spec/acceptance.py's ``greedy_accept`` and kv_compact.py's ``accepted_kv_slots`` /
+``move_kv_slots`` compute with tensor ops -- about 60 kernels inside a speculative step's CUDA
+graph, each a launch (~2-3 us of a graph replay on the H200 for kernels this small) -- here one:
+
+Inputs (runtime/spec/tree.py's TreeBatch): tokens, parents, depths int64 [B, N], mask bool
+[B, N, N] (ancestor-or-self), paths int64 [B, N, N], sizes int64 [B]; the target's greedy token
+at every node, target int64 [B, N] (logits.argmax(-1)); block tables int32 [B, W]; context
+lengths ctx int64 [B] (the root's position: node i's K/V sits at ctx + i); the caches
+[layers, num_blocks, Hkv, block_size, D] (and fp8 scales [layers, num_blocks, Hkv, block_size]).
+
+Program (b, l) recomputes sequence b's acceptance (N <= 128 nodes: a few vector ops): node i
+matched when its token is the target's at its parent (the root always), a node is on an
+accepted path when every node on its root path matched, the path kept is the deepest (ties: the
+lowest index). It then moves layer l's K/V of the path: node a_i's entry at ctx + a_i to ctx + i,
+i = 1 .. k, in increasing i (a_i >= i, so no move reads an entry an earlier one wrote). Program
+(b, 0) also writes the results: accepted [B, N] (path nodes, root first, -1 after), num [B] (k),
+out_tokens [B, N] (the k accepted draft tokens, the target's token at the path's end, then -1),
+and for the feature store rows [B, N] (b * N + a_i: the verify forward's row of path node i; 0
+past k) and slots [B, N] (the cache slot of ctx + i; -1 past k).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import pow2, use_triton
+
+MAX_NODES = 128
+
+
+@triton.jit
+def _accept_move_kernel(tok_ptr, par_ptr, dep_ptr, mask_ptr, path_ptr, size_ptr, tgt_ptr, bt_ptr, ctx_ptr,
+                        k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, num_ptr, out_ptr, row_ptr, slot_ptr,
+                        N, sb_par, sb_dep, sb_mask, sb_path, stride_bt, stride_cl, stride_cb, stride_ch, stride_ct,
+                        stride_sl, stride_sb, stride_sh,
+                        H, D, BS: tl.constexpr, HAS_SCALE: tl.constexpr, NP: tl.constexpr, BH: tl.constexpr,
+                        BD: tl.constexpr):
+    """grid (B, layers); see the module docstring."""
+    b = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, NP)
+    j = tl.arange(0, NP)
+    size = tl.load(size_ptr + b)
+    valid = i < size
+    in_n = i < N
+    base = b * N
+    tok = tl.load(tok_ptr + base + i, mask=in_n, other=0)
+    par = tl.load(par_ptr + b * sb_par + i, mask=in_n, other=-1)
+    at_par = tl.load(tgt_ptr + base + tl.maximum(par, 0), mask=in_n, other=-1)
+    matched = ((tok == at_par) | (i == 0)) & valid
+    anc = tl.load(mask_ptr + b * sb_mask + i[:, None] * N + j[None, :], mask=in_n[:, None] & (j < N)[None, :],
+                  other=0)
+    bad = (anc != 0) & (matched == 0)[None, :]
+    ok = (tl.max(bad.to(tl.int32), axis=1) == 0) & valid
+    dep = tl.load(dep_ptr + b * sb_dep + i, mask=in_n, other=0)
+    score = tl.where(ok, dep, -1)
+    k = tl.max(score, axis=0)  # the root is always ok: k >= 0
+    best = tl.min(tl.where(score == k, i, NP), axis=0).to(tl.int64)
+    path_row = path_ptr + b * sb_path + best * N
+    acc = tl.load(path_row + i, mask=in_n, other=-1)
+    ctx = tl.load(ctx_ptr + b)
+    bt_row = bt_ptr + b * stride_bt
+    if layer == 0:
+        final = tl.load(tgt_ptr + base + best)
+        nxt = tl.load(path_row + i + 1, mask=(i + 1) < N, other=-1)
+        nxt_tok = tl.load(tok_ptr + base + tl.maximum(nxt, 0), mask=in_n, other=0)
+        out = tl.where(i < k, nxt_tok, tl.where(i == k, final, -1))
+        tl.store(acc_ptr + base + i, acc, mask=in_n)
+        tl.store(out_ptr + base + i, out, mask=in_n)
+        tl.store(num_ptr + b, k)
+        pos = ctx + i
+        slot = tl.load(bt_row + pos // BS, mask=in_n & (i <= k), other=0).to(tl.int64) * BS + pos % BS
+        tl.store(row_ptr + base + i, tl.where(acc >= 0, base + acc, 0), mask=in_n)
+        tl.store(slot_ptr + base + i, tl.where(i <= k, slot, -1), mask=in_n)
+    # this layer's K/V (and scales) of path node a_c at ctx + a_c -> ctx + c, c = 1 .. k, in order
+    h = tl.arange(0, BH)
+    d = tl.arange(0, BD)
+    hd_ok = (h < H)[:, None] & (d < D)[None, :]
+    hd = h[:, None] * stride_ch + d[None, :]
+    for c in range(1, N):
+        a = tl.sum(tl.where(i == c, acc, 0), axis=0)
+        if (c <= k) & (a != c):
+            src = ctx + a
+            dst = ctx + c
+            sblk = tl.load(bt_row + src // BS).to(tl.int64)
+            dblk = tl.load(bt_row + dst // BS).to(tl.int64)
+            so = layer * stride_cl + sblk * stride_cb + (src % BS) * stride_ct
+            do = layer * stride_cl + dblk * stride_cb + (dst % BS) * stride_ct
+            kv = tl.load(k_ptr + so + hd, mask=hd_ok)
+            tl.store(k_ptr + do + hd, kv, mask=hd_ok)
+            vv = tl.load(v_ptr + so + hd, mask=hd_ok)
+            tl.store(v_ptr + do + hd, vv, mask=hd_ok)
+            if HAS_SCALE:
+                sso = layer * stride_sl + sblk * stride_sb + (src % BS)
+                sdo = layer * stride_sl + dblk * stride_sb + (dst % BS)
+                hs = h * stride_sh
+                ksv = tl.load(ks_ptr + sso + hs, mask=h < H)
+                tl.store(ks_ptr + sdo + hs, ksv, mask=h < H)
+                vsv = tl.load(vs_ptr + sso + hs, mask=h < H)
+                tl.store(vs_ptr + sdo + hs, vsv, mask=h < H)
+
+
+def greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target, block_tables, ctx, k_cache, v_cache,
+                           k_scale=None, v_scale=None):
+    """The same with tensor ops (runtime/spec's greedy acceptance and KV move, written out here so
+    kernels/ imports nothing of the runtime): (accepted, num, out_tokens, rows, slots)."""
+    bsz, n = tokens.shape
+    dev = tokens.device
+    idx = torch.arange(n, device=dev)
+    valid = idx[None, :] < sizes[:, None]
+    matched = (tokens == target.gather(1, parents.clamp_min(0))) | (idx[None, :] == 0)
+    matched &= valid
+    ok = valid & ~(mask & ~matched[:, None, :]).any(dim=-1)
+    best = torch.where(ok, depths, -1).argmax(dim=1)
+    rows = torch.arange(bsz, device=dev)
+    acc = paths[rows, best]
+    num = depths[rows, best]
+    final = target[rows, best]
+    nxt = torch.cat([acc[:, 1:], torch.full_like(acc[:, :1], -1)], dim=1)
+    out = torch.where(idx[None, :] < num[:, None], tokens.gather(1, nxt.clamp_min(0)),
+                      torch.where(idx[None, :] == num[:, None], final[:, None], -1))
+    bs = k_cache.shape[3]
+    pos = ctx[:, None] + idx[None, :]
+    table = block_tables.long()
+    slot_of = table.gather(1, (pos // bs).clamp_max(table.shape[1] - 1)) * bs + pos % bs
+    slots = torch.where(idx[None, :] <= num[:, None], slot_of, -1)
+    feat_rows = torch.where(acc >= 0, rows[:, None] * n + acc, 0)
+    moves = (acc >= 0) & (acc != idx[None, :])
+    src = torch.where(moves, ctx[:, None] + acc, ctx[:, None])
+    dst = torch.where(moves, pos, ctx[:, None])
+    s = (table.gather(1, src // bs) * bs + src % bs).reshape(-1)
+    t = (table.gather(1, dst // bs) * bs + dst % bs).reshape(-1)
+    for cache in (k_cache, v_cache, k_scale, v_scale):
+        if cache is None:
+            continue
+        x = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+        vals = x[:, s // bs, :, s % bs]
+        x[:, t // bs, :, t % bs] = vals
+    return acc, num, out, feat_rows, slots
+
+
+def greedy_accept_move(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,
+                       paths: torch.Tensor, sizes: torch.Tensor, target: torch.Tensor, block_tables: torch.Tensor,
+                       ctx: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                       backend: str = "auto"):
+    """(accepted int64 [B, N], num int64 [B], out_tokens int64 [B, N], rows int64 [B, N], slots
+    int64 [B, N]) as the module docstring says; the caches are moved in place. No host sync on the
+    Triton path (a speculative step's CUDA graph captures it)."""
+    bsz, n = tokens.shape
+    if n > MAX_NODES:
+        raise ValueError(f"trees of {n} nodes: at most {MAX_NODES} allowed")
+    if not use_triton(backend, tokens):
+        return greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target, block_tables, ctx,
+                                      k_cache, v_cache, k_scale, v_scale)
+    # one tree's structure may be shared over the batch (a Medusa tree: expanded, batch stride 0);
+    # within a sequence each tensor is read as contiguous
+    tokens, target = tokens.contiguous(), target.contiguous()
+    parents, depths, mask, paths = (t if t.stride()[1:] == t[0].contiguous().stride() else t.contiguous()
+                                    for t in (parents, depths, mask, paths))
+    dev = tokens.device
+    acc = torch.empty(bsz, n, dtype=torch.int64, device=dev)
+    out = torch.empty_like(acc)
+    rows = torch.empty_like(acc)
+    slots = torch.empty_like(acc)
+    num = torch.empty(bsz, dtype=torch.int64, device=dev)
+    if bsz == 0:
+        return acc, num, out, rows, slots
+    layers, _, h, bs, d = k_cache.shape
+    if k_cache.stride(4) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache, v_cache: must share strides, unit stride along head_dim")
+    kc = k_cache.view(torch.uint8) if k_cache.element_size() == 1 else k_cache
+    vc = v_cache.view(torch.uint8) if v_cache.element_size() == 1 else v_cache
+    scaled = k_scale is not None
+    ks, vs = (k_scale, v_scale) if scaled else (kc, vc)
+    sstr = k_scale.stride() if scaled else (0, 0, 0, 0)
+    _accept_move_kernel[(bsz, layers)](
+        tokens, parents, depths, mask.view(torch.uint8), paths, sizes, target, block_tables, ctx,
+        kc, vc, ks, vs, acc, num, out, rows, slots,
+        n, parents.stride(0), depths.stride(0), mask.stride(0), paths.stride(0), block_tables.stride(0),
+        *kc.stride()[:4], sstr[0], sstr[1], sstr[2], h, d,
+        BS=bs, HAS_SCALE=scaled, NP=max(16, pow2(n)), BH=max(2, pow2(h)), BD=max(16, pow2(d)), num_warps=4)
+    return acc, num, out, rows, slots
