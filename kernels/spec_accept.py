@@ -34,7 +34,9 @@ from .common import pow2, use_triton
 MAX_NODES = 128
 
 
-@triton.jit
+# sizes that change from step to step (the block tables' width above all) are not specialized on:
+# no compile in the middle of serving
+@triton.jit(do_not_specialize=["N", "sb_par", "sb_dep", "sb_mask", "sb_path", "stride_bt"])
 def _accept_move_kernel(tok_ptr, par_ptr, dep_ptr, mask_ptr, path_ptr, size_ptr, tgt_ptr, bt_ptr, ctx_ptr,
                         k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, num_ptr, out_ptr, row_ptr, slot_ptr,
                         N, sb_par, sb_dep, sb_mask, sb_path, stride_bt, stride_cl, stride_cb, stride_ch, stride_ct,
