@@ -4,7 +4,11 @@ accepted path's KV into place.
 
 The engine's step splits its decodes in two: sequences that can speculate (``eligible``) go
 through ``SpecDecoder.step``; the rest (prefill chunks, requests with penalties or a seed,
-those still inside min_tokens or too near max_model_len) run the ordinary step.
+those still inside min_tokens or too near max_model_len) run the ordinary step. Where those rows
+run eager anyway (prefill chunks; plain decodes without a graph), the runner fuses the two
+(``ModelRunner._execute_fused``): ``propose`` drafts the trees (a propose graph on CUDA), one target
+forward carries the plain rows and the trees' nodes, then ``accept`` and ``emit`` finish the
+speculative half.
 
 The draft's inputs live in a feature cache paged like the KV (``FeatureStore``: one row per
 cache slot): every target forward -- ordinary steps eager or under the decode graphs, and the
