@@ -121,6 +121,14 @@ def hf_float32(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
+def write_drafts(root: Path, target: Path) -> dict:
+    """write_draft's three methods under root: Medusa and EAGLE (pass-through: their tokens are
+    often accepted) and an EAGLE-3 with a 150-token draft vocabulary (random: it proposes noise)."""
+    out = {m: write_draft(root / m, target, m) for m in ("medusa", "eagle")}
+    out["eagle3"] = write_draft(root / "eagle3", target, "eagle3", seed=2, noise=0.3, draft_vocab=150)
+    return out
+
+
 def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: float = 0.02,
                 draft_vocab: int | None = None) -> Path:
     """A draft as `optllm train-draft` writes it (config.json + model.safetensors) that proposes,

@@ -10,7 +10,7 @@ the Triton kernels and through the propose graphs' CPU stand-ins."""
 from __future__ import annotations
 
 import pytest
-from conftest import write_draft
+from conftest import write_drafts
 
 from optllm.runtime.llm import LLM
 from optllm.runtime.sampling_params import SamplingParams
@@ -27,10 +27,7 @@ SPEC = dict(spec_top_k=3, spec_depth=4, spec_num_draft=10, spec_policy="fixed")
 
 @pytest.fixture(scope="module")
 def drafts(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("drafts")
-    out = {m: write_draft(root / m, tiny_llama, m) for m in ("medusa", "eagle")}
-    out["eagle3"] = write_draft(root / "eagle3", tiny_llama, "eagle3", seed=2, noise=0.3, draft_vocab=150)
-    return out
+    return write_drafts(tmp_path_factory.mktemp("drafts"), tiny_llama)
 
 
 def _tokens(llm: LLM, prompts, params) -> list[list[int]]:

@@ -9,7 +9,7 @@ import gc
 
 import pytest
 import torch
-from conftest import write_draft
+from conftest import write_drafts
 
 from optllm import LLM, SamplingParams
 
@@ -29,10 +29,7 @@ def _free_gpu():
 
 @pytest.fixture(scope="module")
 def drafts(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_drafts")
-    out = {m: write_draft(root / m, tiny_llama, m) for m in ("medusa", "eagle")}
-    out["eagle3"] = write_draft(root / "eagle3", tiny_llama, "eagle3", seed=2, noise=0.3, draft_vocab=150)
-    return out
+    return write_drafts(tmp_path_factory.mktemp("gpu_drafts"), tiny_llama)
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
