@@ -8,10 +8,12 @@ Sequence b has seq_lens[b] keys, of which the first prefix_b = seq_lens[b] - q_l
 cached before; new token i sits at position prefix_b + i. Visibility of key j to new token i
 (position p = prefix_b + i):
     causal (default): j <= p
-    mask (token tree): j < prefix_b, or mask_b[i, j - prefix_b] (mask_b = the [q_len_b, q_len_b]
-        row-major bool block at mask_offsets[b] of the flat ``mask``; the caller sets the diagonal);
-        a sequence whose mask_offsets[b] < 0 is causal (a speculative step's verify forward
-        carries prefill chunks beside its trees)
+    mask (token tree): j < seq_len_b - C, or mask_b[i, j - (seq_len_b - C)] (mask_b = the
+        [q_len_b, C] row-major bool block at mask_offsets[b] of the flat ``mask``, over the last C
+        keys; C = mask_cols, or q_len_b when mask_cols is 0: the new tokens themselves; the caller
+        sets the diagonal). C > q_len_b lets a draft's tree level attend its ancestors among the
+        rows earlier levels wrote, without computing them again. A sequence whose mask_offsets[b] < 0
+        is causal (a speculative step's verify forward carries prefill chunks beside its trees)
     sliding_window > 0, also: p - j < sliding_window
 Kernel: grid (cdiv(max_seqlen_q, QPT), B, num_kv_heads). GQA is packed into the tile: its
 BLOCK_M rows are (query, head) pairs, row r = query q0 + r // G, head kvh * G + r % G, QPT =
@@ -48,9 +50,9 @@ from .paged_attention import (
 
 
 # sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
-@triton.jit(do_not_specialize=["window", "stride_bt"])
+@triton.jit(do_not_specialize=["window", "mask_cols", "stride_bt"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, mask_ptr, moff_ptr,
-                   out_ptr, qk_scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
+                   out_ptr, qk_scale, window, mask_cols, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_bt,
                    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr,
                    HAS_MASK: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
@@ -83,10 +85,12 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
     if HAS_MASK:
         moff = tl.load(moff_ptr + b)
         is_tree = moff >= 0  # else causal
-        tree_hi = tl.where(is_tree, seq_len, prefix)  # the keys read through the mask: none when causal
-        full_hi = tl.where(is_tree, prefix, prefix + q0)
+        cols = tl.where(mask_cols > 0, mask_cols, q_len)
+        # the keys read through the mask, [tree_lo, seq_len): none when causal
+        tree_lo = tl.where(is_tree, seq_len - cols, seq_len)
+        full_hi = tl.where(is_tree, tree_lo, prefix + q0)
         hi = tl.where(is_tree, seq_len, prefix + tl.minimum(q0 + QPT, q_len))
-        mask_row = mask_ptr + tl.maximum(moff, 0) + qi.to(tl.int64) * q_len
+        mask_row = mask_ptr + tl.maximum(moff, 0) + qi.to(tl.int64) * cols
     else:
         full_hi = prefix + q0
         hi = prefix + tl.minimum(q0 + QPT, q_len)
@@ -114,10 +118,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
         k, v, k_s, v_s = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, keys, key_ok, kvh, stride_cb,
                                  stride_ch, stride_ct, stride_sb, stride_sh, offs_d, d_mask, BS, FP8)
         if HAS_MASK:
-            new = (keys >= prefix) & (keys < tree_hi)
-            tree = tl.load(mask_row[:, None] + (keys - prefix)[None, :],
-                           mask=row_ok[:, None] & new[None, :], other=0)
-            seen = tl.where(is_tree, (keys < prefix)[None, :] | (tree != 0), keys[None, :] <= pos[:, None])
+            new = keys >= tree_lo
+            tree = tl.load(mask_row[:, None] + (keys - tree_lo)[None, :],
+                           mask=row_ok[:, None] & (new & key_ok)[None, :], other=0)
+            seen = tl.where(is_tree, (keys < tree_lo)[None, :] | (tree != 0), keys[None, :] <= pos[:, None])
             visible = key_ok[None, :] & seen
         else:
             visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
@@ -153,7 +157,7 @@ def extend_tiles(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int =
 
 def paged_extend_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *,
                                mask=None, mask_offsets=None, k_scale=None, v_scale=None,
-                               sliding_window: int = 0) -> torch.Tensor:
+                               sliding_window: int = 0, mask_cols: int = 0) -> torch.Tensor:
     """float32 [T, Hq, D] from the gathered pages (loops over sequences; syncs)."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     cu = cu_seqlens_q.tolist()
@@ -170,8 +174,9 @@ def paged_extend_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_s
         if off < 0:
             vis = j <= pos
         else:
-            tree = mask[off:off + (e - s) ** 2].view(e - s, e - s)
-            vis = torch.cat([torch.ones(e - s, prefix, dtype=torch.bool, device=q.device), tree], dim=1)
+            cols = mask_cols or e - s
+            tree = mask[off:off + (e - s) * cols].view(e - s, cols)
+            vis = torch.cat([torch.ones(e - s, n - cols, dtype=torch.bool, device=q.device), tree], dim=1)
         if sliding_window > 0:
             vis = vis & (pos - j < sliding_window)
         out[s:e] = attention_ref(q[s:e], k, v, vis, scale)
@@ -183,7 +188,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float, *,
                            mask: Optional[torch.Tensor] = None, mask_offsets: Optional[torch.Tensor] = None,
                            k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                           sliding_window: int = 0, out: Optional[torch.Tensor] = None,
+                           sliding_window: int = 0, mask_cols: int = 0, out: Optional[torch.Tensor] = None,
                            backend: str = "auto") -> torch.Tensor:
     """Attention of the new tokens of B sequences over their paged keys (see the module
     docstring for the visibility rules).
@@ -192,8 +197,9 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables int32 [B, max_blocks]; seq_lens int32 [B] keys per sequence, new tokens
     included; cu_seqlens_q int32 [B + 1]; max_seqlen_q: host int >= every q_len_b (sizes the
     grid only); scale: softmax scale; mask: flat bool tree masks with mask_offsets int64 [B]
-    (element offsets of each [q_len_b, q_len_b] block; negative: that sequence is causal), or
-    None for causal.
+    (element offsets of each [q_len_b, C] block; negative: that sequence is causal), or None for
+    causal; mask_cols: C, the keys each mask row covers, the last of each sequence (0: C = q_len_b;
+    else q_len_b <= C <= seq_lens[b] for every tree sequence, unchecked: no host sync).
     Returns out [T, num_q_heads, head_dim] in q's dtype; only rows of the B sequences are
     written. No host sync on the Triton path.
     """
@@ -207,6 +213,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _int("max_seqlen_q", max_seqlen_q, 0)
     scale = check_scale(scale)
     _int("sliding_window", sliding_window, 0)
+    _int("mask_cols", mask_cols, 0)
     if (mask is None) != (mask_offsets is None):
         raise ValueError("mask, mask_offsets: give both (a tree mask) or neither (causal)")
     if mask is not None:
@@ -215,7 +222,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = check_out(out, q)
     if not use_triton(backend, q):
         ref = paged_extend_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                                         mask=mask, mask_offsets=mask_offsets, k_scale=k_scale,
+                                         mask=mask, mask_offsets=mask_offsets, mask_cols=mask_cols, k_scale=k_scale,
                                          v_scale=v_scale, sliding_window=sliding_window)
         cu = cu_seqlens_q.tolist()
         for s, e in zip(cu[:-1], cu[1:]):
@@ -229,14 +236,15 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     m = q if mask is None else mask.view(torch.uint8)
     moff = cu_seqlens_q if mask_offsets is None else mask_offsets
-    # window and stride_bt are do_not_specialize (their width only); every other int exactly
+    # window, mask_cols and stride_bt are do_not_specialize (their width only); every other int exactly
     ints = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], ks.stride(0), ks.stride(1))
     constexprs = dict(G=g, D=d, BS=bs, FP8=fp8, HAS_MASK=mask is not None, SLIDING=sliding_window > 0,
                       DOT_F32=compute_dot_f32(q), QPT=qpt, BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), BLOCK_N=block_n)
     key = (q.dtype, k_cache.dtype, ks.dtype, block_tables.dtype, m.dtype, moff.dtype, out.dtype, ints,
-           int_kind(sliding_window), int_kind(block_tables.stride(0)), tuple(constexprs.values()), warps, stages)
+           int_kind(sliding_window), int_kind(mask_cols), int_kind(block_tables.stride(0)), tuple(constexprs.values()),
+           warps, stages)
     _EXTEND(key, (-(-max_seqlen_q // qpt), bsz, h),
             (q, k_cache, v_cache, ks, vs, block_tables, seq_lens, cu_seqlens_q, m, moff, out, scale * LOG2E,
-             sliding_window, *ints, block_tables.stride(0)),
+             sliding_window, mask_cols, *ints, block_tables.stride(0)),
             constexprs, dict(num_warps=warps, num_stages=stages))
     return out

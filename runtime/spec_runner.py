@@ -178,13 +178,15 @@ class FeatureStore:
 
 @functools.lru_cache(maxsize=256)
 def _level_offsets(bsz: int, k: int, levels: int, device: torch.device):
-    """EAGLE-2 expansion levels m = k, 2k, ... (levels of them) over bsz sequences: m itself
-    (int32 [levels, 1]), the query offsets b * m (int32 [levels, bsz + 1]), the tree-mask offsets
-    b * m * m (int64 [levels, bsz]) and each scratch row's depth - 1, r // k (int64 [levels * k]);
-    made once per shape (constants of the step: no kernels inside its graph)."""
+    """EAGLE-2 expansion levels d = 1 .. levels over bsz sequences, each running its k frontier
+    rows over the m = d k scratch rows written so far: m (int32 [levels, 1]), the mask offsets
+    b * k * m of each level's [k, m] blocks (int64 [levels, bsz]), the query offsets b * k (int32
+    [bsz + 1]) and each level's row depth - 1 (int64 [levels, 1, 1]); made once per shape
+    (constants of the step: no kernels inside its graph)."""
     m = torch.arange(1, levels + 1, device=device)[:, None] * k
-    return (m.to(torch.int32), (torch.arange(bsz + 1, device=device)[None, :] * m).to(torch.int32),
-            torch.arange(bsz, device=device)[None, :] * m * m, torch.arange(levels * k, device=device) // k)
+    return (m.to(torch.int32), torch.arange(bsz, device=device)[None, :] * k * m,
+            torch.arange(bsz + 1, device=device, dtype=torch.int32) * k,
+            torch.arange(levels, device=device)[:, None, None])
 
 
 def _slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -768,49 +770,41 @@ class SpecDecoder:
         # the smallest menu sizes can keep)
         depth = self.tree_depth(n)
         builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=depth, num_draft=n - 1)
-        feats_in, toks = [], []
         prev_out = None
         if depth > 1:
-            # every level's rows are a prefix of the last level's (row r: frontier node r % k of
-            # depth r // k + 1, at position c + r // k, in slot c + r): their index tensors are
-            # built once here and sliced per level (each level rebuilding them cost ~15 kernels)
-            rows, levels = (depth - 1) * k, depth - 1
-            slots_all = _slots(tables, ctx[:, None] + const_arange(rows, dev)[None, :], bs)  # [B, rows]
-            # each level's attention metadata, a row per level (m = k, 2k, ...): key counts
-            # c + m; the constant query offsets b * m and mask offsets b * m * m
-            m_lv, cu_lv, off_lv, depth_of_row = _level_offsets(bsz, k, levels, dev)
-            pos_all = ctx[:, None] + depth_of_row[None, :]
+            # level d runs only its k frontier rows (depth d, at position c + d - 1, scratch rows
+            # (d - 1) k .. d k - 1 in slots c + row), their keys the context and the m = d k scratch
+            # rows so far under the ancestor mask: the rows of earlier levels are in the draft's
+            # cache already (each level rerunning them cost a concatenation and their compute)
+            rows, levels, h = (depth - 1) * k, depth - 1, states.shape[-1]
+            m_lv, off_lv, cu, lv = _level_offsets(bsz, k, levels, dev)
+            # each level's slots and positions as one contiguous [B, k] block: [levels, B, k]
+            slots_lv = _slots(tables, ctx[:, None] + const_arange(rows, dev)[None, :], bs).view(
+                bsz, levels, k).transpose(0, 1).contiguous()
+            pos_lv = (ctx[None, :, None] + lv).expand(levels, bsz, k).contiguous()
             lens_lv = ctx.to(torch.int32)[None, :] + m_lv
-            # the ancestor-or-self mask over all rows, filled a level at a time (a row's
+            # the ancestor-or-self mask over all scratch rows, filled a level at a time (a row's
             # ancestors are earlier rows: later columns stay False)
             full = const_eye(rows, dev).expand(bsz, rows, rows).clone()
         for d in range(1, depth):
             tok = builder.frontier_tokens  # of the frontier: k nodes, all at depth d
             m = d * k
             if d == 1:
-                parent_feat = states[:, None, :].expand(bsz, k, states.shape[-1])
+                feat = states[:, None, :].expand(bsz, k, h).reshape(bsz * k, h)
             else:
                 j = builder.frontier_parent  # [B, k]: each node's parent, an index into the previous frontier
-                parent_feat = prev_out.gather(1, j[:, :, None].expand(bsz, k, prev_out.shape[-1]))
+                feat = prev_out.gather(1, j[:, :, None].expand(bsz, k, h)).view(bsz * k, h)
                 parent_row = (d - 2) * k + j
                 full[:, m - k:m, :m - k] = full[:, :m - k, :m - k].gather(
                     1, parent_row[:, :, None].expand(bsz, k, m - k))
-            feats_in.append(parent_feat)
-            toks.append(tok)
-            masks = full[:, :m, :m]
             meta = AttentionMetadata(
-                slot_mapping=slots_all[:, :m].reshape(-1), block_tables=tables, seq_lens=lens_lv[d - 1],
-                decode=False, cu_seqlens_q=cu_lv[d - 1], max_seqlen_q=m, mask=masks.reshape(-1),
-                mask_offsets=off_lv[d - 1])
-            positions = pos_all[:, :m].reshape(-1)
-            f = torch.cat(feats_in, dim=1).reshape(bsz * m, -1)
-            ids = torch.cat(toks, dim=1).reshape(-1)
-            out = self.draft(f, ids, positions, meta).view(bsz, m, -1)[:, m - k:]
-            # a contiguous [B * k, H]: a strided 3-D input made cuBLAS pick a 512x8 tile for the LM
-            # head at 512 rows, 620 µs a call on the H200
-            lp, ids = self.draft.ranked(out.reshape(bsz * k, -1), k)
+                slot_mapping=slots_lv[d - 1].view(-1), block_tables=tables, seq_lens=lens_lv[d - 1], decode=False,
+                cu_seqlens_q=cu, max_seqlen_q=k, mask=full[:, m - k:m, :m].reshape(-1), mask_offsets=off_lv[d - 1],
+                mask_cols=m)
+            out = self.draft(feat, tok.reshape(-1), pos_lv[d - 1].view(-1), meta)  # [B * k, H]
+            lp, ids = self.draft.ranked(out, k)
             builder.expand((lp.view(bsz, k, k), ids.view(bsz, k, k)))
-            prev_out = out
+            prev_out = out.view(bsz, k, h)
         tree = builder.build(self._tree_batch if self.runner.backend == "triton" else None)
         # rank of each kept node by score, as build() chose them (stable, descending)
         order = torch.sort(builder.kept_scores, dim=1, descending=True, stable=True).indices

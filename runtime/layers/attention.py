@@ -28,7 +28,9 @@ class AttentionMetadata:
     (T == B). cu_seqlens_q: int32 [B + 1], sequence b's new tokens are rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] (None when decode). max_seqlen_q: host int.
     num_splits: decode's split count along the sequence (None: the kernel chooses).
-    mask / mask_offsets: optional token-tree mask over each sequence's new tokens.
+    mask / mask_offsets: optional token-tree mask over each sequence's new tokens; mask_cols: the
+    keys each mask row covers, the sequence's last (0: its new tokens; more: rows written before
+    too, as a draft's tree level over the rows of earlier levels).
     """
 
     slot_mapping: torch.Tensor
@@ -40,6 +42,7 @@ class AttentionMetadata:
     num_splits: int | None = None
     mask: torch.Tensor | None = None
     mask_offsets: torch.Tensor | None = None
+    mask_cols: int = 0
 
 
 class Attention(nn.Module):
@@ -91,5 +94,5 @@ class Attention(nn.Module):
         else:
             out = paged_extend_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                          meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, mask=meta.mask,
-                                         mask_offsets=meta.mask_offsets, **scales)
+                                         mask_offsets=meta.mask_offsets, mask_cols=meta.mask_cols, **scales)
         return out.view(t, self.num_heads * self.head_dim)

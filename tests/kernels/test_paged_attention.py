@@ -206,7 +206,7 @@ def _extend_dense(q, p, cu, scale, trees=None, window=0):
         j = torch.arange(n)[None, :]
         vis = j <= pos
         if trees is not None and trees[b] is not None:  # None: that sequence causal
-            vis = torch.cat([torch.ones(e - s, n - (e - s), dtype=torch.bool), trees[b]], 1)
+            vis = torch.cat([torch.ones(e - s, n - trees[b].shape[1], dtype=torch.bool), trees[b]], 1)
         if window:
             vis &= pos - j < window
         outs.append(_dense(q[s:e], p["k"][b], p["v"][b], vis, scale))
@@ -317,6 +317,38 @@ def test_extend_tree_masks_beside_causal_sequences(group, dtype):
     plain, _ = _run_extend(p, q, cu, 70, 0.2)
     rows = [r for b, c in enumerate(causal) if c for r in range(int(cu[b]), int(cu[b + 1]))]
     _close(out[rows], plain[rows], BOUND[dtype])
+
+
+@pytest.mark.parametrize("group,dtype,extra", [(1, torch.float32, 8), (2, torch.bfloat16, 16), (2, torch.float32, 0)])
+def test_extend_mask_over_keys_before_the_new_tokens(group, dtype, extra):
+    """mask_cols C > q_len: each mask row covers the last C keys, the new tokens' own and the C -
+    q_len before them (an EAGLE-2 level's rows over the rows earlier levels wrote); keys before
+    those are all visible. Beside a causal sequence (negative offset) in the same launch."""
+    g = torch.Generator().manual_seed(37 + extra)
+    q_len = 8
+    cols = q_len + extra
+    pairs = [(cols - q_len + 30, q_len), (cols - q_len, q_len), (50, 21), (cols - q_len + 3, q_len)]
+    causal = [False, False, True, False]
+    p, q, cu = _extend_batch(pairs, 2, group, 32, 16, dtype, seed=41 + extra)
+    trees = []
+    for c in causal:
+        if c:
+            trees.append(None)
+            continue
+        m = torch.rand(q_len, cols, generator=g) < 0.4
+        m[torch.arange(q_len), cols - q_len + torch.arange(q_len)] = True  # each row sees itself
+        trees.append(m)
+    offsets, at = [], 0
+    for t in trees:
+        offsets.append(-1 if t is None else at)
+        at += 0 if t is None else t.numel()
+    mask = torch.cat([t.flatten() for t in trees if t is not None]).to(DEVICE)
+    off = torch.tensor(offsets, dtype=torch.int64, device=DEVICE)
+    out, ref = _run_extend(p, q, cu, 21, 0.2, mask=mask, mask_offsets=off, mask_cols=cols)
+    dense = _extend_dense(q, p, cu.cpu(), 0.2, trees=trees)
+    _close(ref, dense, BOUND[dtype])
+    _close(out, ref, BOUND[dtype])
+    _close(out, dense, BOUND[dtype])
 
 
 def test_extend_fp8_cache():

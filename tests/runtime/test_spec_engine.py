@@ -319,3 +319,80 @@ def test_eligible_decodes_is_eligible_per_decode(tiny_llama, drafts):
     want = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and spec.eligible(s)]
     got = spec.eligible_decodes(running)
     assert got == want and 0 < len(got) < len(running)
+
+
+def _propose_recomputing_every_level(spec, roots, states, ctx, tables, n):
+    """The EAGLE-2 growth as runtime/spec_runner.py ran it before each level ran only its own rows:
+    level d reran all d * k scratch rows under the square ancestor mask (the reference)."""
+    from optllm.runtime.layers.attention import AttentionMetadata
+    from optllm.runtime.spec.tree import DynamicTreeBuilder
+    from optllm.runtime.spec_runner import _slots
+
+    k, bs, bsz = spec.options.top_k, spec.block_size, roots.shape[0]
+    depth = spec.tree_depth(n)
+    builder = DynamicTreeBuilder(roots, spec.draft.ranked(states, k), top_k=k, depth=depth, num_draft=n - 1)
+    rows = (depth - 1) * k
+    slots = _slots(tables, ctx[:, None] + torch.arange(rows)[None, :], bs)
+    full = torch.eye(rows, dtype=torch.bool).expand(bsz, rows, rows).clone()
+    feats, toks, prev = [], [], None
+    for d in range(1, depth):
+        m = d * k
+        if d == 1:
+            feats.append(states[:, None, :].expand(bsz, k, states.shape[-1]))
+        else:
+            j = builder.frontier_parent
+            feats.append(prev.gather(1, j[:, :, None].expand(bsz, k, prev.shape[-1])))
+            full[:, m - k:m, :m - k] = full[:, :m - k, :m - k].gather(1, ((d - 2) * k + j)[:, :, None].expand(
+                bsz, k, m - k))
+        toks.append(builder.frontier_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=slots[:, :m].reshape(-1), block_tables=tables, seq_lens=(ctx + m).to(torch.int32),
+            decode=False, cu_seqlens_q=torch.arange(bsz + 1, dtype=torch.int32) * m, max_seqlen_q=m,
+            mask=full[:, :m, :m].reshape(-1), mask_offsets=torch.arange(bsz) * m * m)
+        pos = (ctx[:, None] + torch.arange(m)[None, :] // k).reshape(-1)
+        out = spec.draft(torch.cat(feats, 1).reshape(bsz * m, -1), torch.cat(toks, 1).reshape(-1), pos, meta)
+        out = out.view(bsz, m, -1)[:, m - k:]
+        lp, ids = spec.draft.ranked(out.reshape(bsz * k, -1), k)
+        builder.expand((lp.view(bsz, k, k), ids.view(bsz, k, k)))
+        prev = out
+    return builder.build(), builder
+
+
+def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_proposed(tiny_llama, tmp_path):
+    """Each EAGLE-2 level runs the draft over its k frontier rows only, their keys the context and
+    the scratch rows of earlier levels under the ancestor mask (the extend kernel's mask_cols):
+    the trees, their scores and every level's ranked log-probs equal the old growth's, which
+    reran all d * k rows each level. A random EAGLE layer (its attention matters), batch 4."""
+    from optllm.runtime.spec.tree import DynamicTreeBuilder
+
+    folder = write_draft(tmp_path / "eagle", tiny_llama, "eagle", seed=5, noise=0.5)
+    eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10)
+    spec = eng.runner.spec
+    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
+    assert len(seqs) >= 2 and spec.tree_depth(spec.n) == 3
+    for s in seqs:  # blocks for the draft's scratch rows, as the scheduler gives a speculative decode
+        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
+    ctx, tables = spec._context(seqs)
+    roots = spec._roots(seqs)
+    with torch.inference_mode():
+        states = spec.states(seqs)
+        got_scores, want_scores = [], []
+        build = DynamicTreeBuilder.build
+
+        def keep(scores):
+            def wrapped(self, make=None):
+                tree = build(self, make)
+                scores.append(self.kept_scores.clone())
+                return tree
+            return wrapped
+
+        DynamicTreeBuilder.build = keep(got_scores)
+        try:
+            got, _ = spec._propose(roots, states, ctx, tables, spec.n)
+            DynamicTreeBuilder.build = keep(want_scores)
+            want, _ = _propose_recomputing_every_level(spec, roots, states, ctx, tables, spec.n)
+        finally:
+            DynamicTreeBuilder.build = build
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+    assert int(got.depths.max()) == 3  # the deepest level's rows attended two levels above
+    torch.testing.assert_close(got_scores[0], want_scores[0], rtol=1e-5, atol=1e-5)
