@@ -3,11 +3,11 @@
 # cp .carry1/smollm2.gguf.part00 /root/m/`), call B carries .carry-d19 (`mkdir -p /root/d && tar xzf
 # .carry-d19/drafts.tgz -C /root/d`), then this script with .carry2 carried. Pass OPTLLM_COMMIT as a
 # literal hash (the device's .git is stale). PART picks the call:
-#   fuse  (issue 15) 1. GPU tests: the fused speculative step (tests/runtime/test_spec_gpu.py), the
-#            extend kernel with causal and tree-masked sequences in one launch
-#            (tests/kernels/test_paged_attention.py), the speculative engine's other GPU tests; the
-#            one-launch greedy acceptance + KV move (tests/kernels/test_spec_accept.py, unmarked: it
-#            runs on CUDA where present)
+#   fuse  (issue 15) 1. GPU tests: the fused speculative step and the speculative engine's other GPU
+#            tests (tests/runtime/test_spec_gpu.py, with the one-level-at-a-time EAGLE growth); then,
+#            unmarked (they run on CUDA where present), the extend kernel with causal and tree-masked
+#            sequences in one launch and masks over earlier keys (test_paged_attention.py), the
+#            one-launch greedy acceptance + KV move (test_spec_accept.py)
 #         2. optllm eval of the float target with the nineteenth session's EAGLE-3 (/root/d/eagle3)
 #            under the continuous load at CBS (8,32,64), admit_group 8: fused steps on
 #            (OPTLLM_SPEC_FUSE=1, the default) and off, in that order
@@ -33,10 +33,12 @@ evalspec() {  # evalspec NAME DRAFT ARGS...: optllm eval of the float SmolLM2 wi
 
 if [ "${PART:-fuse}" = fuse ]; then
   timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
-    tests/kernels/test_paged_attention.py > "$OUT/logs/gpu_tests_fuse.log" 2>&1
+    > "$OUT/logs/gpu_tests_fuse.log" 2>&1
   tail -2 "$OUT/logs/gpu_tests_fuse.log"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests_fuse.log"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_spec_accept.py tests/kernels/test_tree_struct.py \
-    > "$OUT/logs/gpu_tests_accept.log" 2>&1
+  # unmarked kernel tests run on CUDA where present: the extend kernel's mixed and wider masks,
+  # the one-launch acceptance, the tree structure
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+    tests/kernels/test_spec_accept.py tests/kernels/test_tree_struct.py > "$OUT/logs/gpu_tests_accept.log" 2>&1
   tail -2 "$OUT/logs/gpu_tests_accept.log"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests_accept.log"
   for f in 1 0; do
     OPTLLM_SPEC_FUSE=$f evalspec "spec_cont_fuse$f" /root/d/eagle3 --batch-sizes "${CBS:-8,32,64}" \
