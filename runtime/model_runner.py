@@ -231,7 +231,7 @@ class ModelRunner:
             counts = [batch.num_new_tokens[i] for i in plain]
             decode = all(k == 1 for k in counts) and all(batch.sampling[i] for i in plain)
             if self.fuse and not self._graphed(seqs, decode):
-                return self._execute_fused(batch, plain, spec)
+                return self._execute_fused(batch, plain, seqs, counts, spec)
             for i, tok in zip(plain, self._plain_part(seqs, counts, decode)):
                 result[i] = tok
         t0 = time.perf_counter()
@@ -249,30 +249,29 @@ class ModelRunner:
         """Whether these rows' plain step replays a decode graph (else it runs eager)."""
         return decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch
 
-    def _execute_fused(self, batch, plain: list[int], spec: list[int]) -> list:
+    def _execute_fused(self, batch, plain: list[int], pseqs, counts: list[int], spec: list[int]) -> list:
         """A step whose plain rows (prefill chunks; plain decodes without a graph) run eager: the
         speculating sequences' trees are drafted first, then verified in the same target forward
         as the plain rows (their K/V, features and samples as ``_execute`` makes them; the trees'
         rows under their masks, the plain sequences causal), then accepted. One forward where
-        the unfused step runs two, the second of them a whole speculative step."""
+        the unfused step runs two, the second of them a whole speculative step. pseqs, counts:
+        the plain rows' sequences (batch.seqs at ``plain``) and token counts."""
         t0 = time.perf_counter()
         sp, dev = self.spec, self.device
-        pseqs = [batch.seqs[i] for i in plain]
         sseqs = [batch.seqs[i] for i in spec]
         p, b = len(pseqs), len(sseqs)
-        hb = host_batch(pseqs, [batch.num_new_tokens[i] for i in plain], self.block_size, self.block_tables,
-                        also=sseqs)
+        hb = host_batch(pseqs, counts, self.block_size, self.block_tables, also=sseqs)
         ids, pos, slots, rows, ctx = packed_to(dev, "q", hb.ids, hb.positions, hb.slots, hb.logits_rows,
                                                [s.num_computed_tokens for s in sseqs])
         seq_lens, cu, tables = packed_to(dev, "i", hb.seq_lens, hb.cu_seqlens, hb.table.reshape(-1))
         tables = tables.view(p + b, hb.table.shape[1])
         prop = sp.propose(sseqs, ctx, tables[p:])
         tree, n, tp = prop.tree, prop.tree.num_nodes, len(hb.ids)
-        max_q = max(n, *(hb.cu_seqlens[j + 1] - hb.cu_seqlens[j] for j in range(p)))
         meta = AttentionMetadata(
             slot_mapping=torch.cat([slots, prop.slots]), block_tables=tables,
             seq_lens=torch.cat([seq_lens, (ctx + n).to(torch.int32)]), decode=False,
-            cu_seqlens_q=torch.cat([cu, const_arange(b, dev, torch.int32, start=n, step=n) + tp]), max_seqlen_q=max_q,
+            cu_seqlens_q=torch.cat([cu, const_arange(b, dev, torch.int32, start=n, step=n) + tp]),
+            max_seqlen_q=max(n, hb.max_seqlen_q),
             mask=tree.mask.reshape(-1),  # the plain sequences' offsets -1: causal
             mask_offsets=torch.cat([const_full((p,), -1, torch.int64, dev), const_arange(b, dev, step=n * n)]))
         hidden = self.model(torch.cat([ids, tree.tokens.reshape(-1)]),
@@ -282,9 +281,8 @@ class ModelRunner:
         if hb.prompt_lp:
             self._prompt_logprobs(pseqs, hidden, hb.prompt_lp, rows)
         k = len(hb.sample)
-        sample_rows = rows[[r for _, r in hb.sample]] if hb.prompt_lp else rows[:k]
         # one LM-head GEMM: the plain rows that sample, then every tree node
-        logits = self.model.compute_logits(hidden[torch.cat([sample_rows, const_arange(b * n, dev) + tp])])
+        logits = self.model.compute_logits(hidden[torch.cat([hb.sample_rows(rows), const_arange(b * n, dev) + tp])])
         tree_logits = logits[k:].view(b, n, -1)
         res = sp.accept(prop, hidden[tp:], None if aux is None else aux[tp:], tree_logits)
         result: list = [None] * len(batch.seqs)
@@ -318,8 +316,7 @@ class ModelRunner:
                 self.spec.store.store(hidden, self.model.model.aux_hidden, inputs.meta.slot_mapping)
             if hb.prompt_lp:
                 self._prompt_logprobs(seqs, hidden, hb.prompt_lp, inputs.logits_rows)
-            rows = inputs.logits_rows[[r for _, r in hb.sample]] if hb.prompt_lp else inputs.logits_rows
-            logits = self.model.compute_logits(hidden[rows]) if hb.sample else None
+            logits = self.model.compute_logits(hidden[hb.sample_rows(inputs.logits_rows)]) if hb.sample else None
         return self._sample(seqs, hb, logits)
 
     def _sample(self, seqs, hb, logits) -> list[int | None]:

@@ -656,8 +656,7 @@ class SpecDecoder:
             h = host.numpy()
             self._observe_sizes(seqs, h[:, 1 + width:1 + 2 * width], h[:, 1 + 2 * width:], n)
         if logits is not None and any(s.params.logprobs is not None for s in seqs):
-            rows = torch.arange(bsz, device=self.device)[:, None] * n + res.accepted.clamp_min(0)  # on the path
-            self._record_logprobs(seqs, out, logits.reshape(bsz * n, -1), rows)
+            self._record_logprobs(seqs, out, logits.reshape(bsz * n, -1), self._path_rows(res.accepted, n))
         st = self.stats
         st.steps += 1
         st.steps_by_size[n] = st.steps_by_size.get(n, 0) + 1
@@ -720,13 +719,19 @@ class SpecDecoder:
         pos = ctx[:, None] + const_arange(n, self.device)[None, :]
         return _slots(tables, pos, self.block_size).reshape(-1)
 
+    def _path_rows(self, accepted: torch.Tensor, n: int) -> torch.Tensor:
+        """int64 [B, N]: the verify forward's row (b * n + node) of each accepted path's nodes
+        (accepted [B, N], -1 past the path: the sequence's root row)."""
+        return const_arange(accepted.shape[0], self.device, step=n)[:, None] + accepted.clamp_min(0)
+
     def _accept(self, tree, hidden, aux, logits, ctx, tables, slots, params, temps=None) -> AcceptResult:
         """Acceptance over the verified trees (hidden [B * N, H] and EAGLE-3's aux: the target's
         rows of the nodes; logits [B, N, V]), the accepted path's KV moved to c .. c + k and its
         features stored at those slots. temps: as _draft_and_verify's."""
         bsz, n = tree.tokens.shape
         kv = self.runner.kv_cache
-        if temps is None and self.runner.backend == "triton" and all(p.temperature < GREEDY_EPS for p in params):
+        greedy = temps is None and all(p.temperature < GREEDY_EPS for p in params)
+        if greedy and self.runner.backend == "triton":
             # greedy on the kernels: acceptance, the result, the KV move and the store's rows in one
             # launch (the tensor-op path below is ~60 kernels of a step's graph)
             acc, num, tokens, rows, stored = greedy_accept_move(
@@ -735,16 +740,16 @@ class SpecDecoder:
             rows = rows.reshape(-1)
             self.store.store(hidden[rows], None if aux is None else aux[rows], stored.reshape(-1))
             return AcceptResult(acc, num, tokens)
-        if temps is not None:
-            res = rejection_accept(tree, temperature_probs(logits, temps), None)
-        elif all(p.temperature < GREEDY_EPS for p in params):
+        if greedy:
             res = greedy_accept(tree, logits.argmax(dim=-1))
+        elif temps is not None:
+            res = rejection_accept(tree, temperature_probs(logits, temps), None)
         else:
             res = rejection_accept(tree, target_probs(logits, params), None, generator=self.generator)
         src, dst = accepted_kv_slots(tables, ctx, res.accepted, self.block_size)
         move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
         # the accepted rows' features at positions c .. c + k (the rest: the dump row)
-        rows = (const_arange(bsz, self.device, step=n)[:, None] + res.accepted.clamp_min(0)).reshape(-1)
+        rows = self._path_rows(res.accepted, n).reshape(-1)
         self.store.store(hidden[rows], None if aux is None else aux[rows],
                          torch.where(res.accepted.reshape(-1) >= 0, slots, -1))
         return res
@@ -900,17 +905,12 @@ class SpecStepGraphs:
         ctx int64 [B] (c >= 1), tables int32 [B, w <= width]; temps float32 [B] (None: greedy,
         the greedy graph); the outputs are the graph's own (valid until its next replay). Needs a
         bucket: ``bucket(B, n, temps is not None)`` is not None."""
-        bsz, w = ids.shape[0], tables.shape[1]
+        bsz = ids.shape[0]
         sampled = temps is not None
         b = self.bucket(bsz, n, sampled)
-        self.ids[:bsz].copy_(ids)
-        self.ctx[:bsz].copy_(ctx)
-        self.tables[:bsz, :w].copy_(tables)
-        self.tables[:bsz, w:].fill_(self.pad_block)
         if sampled:
             self.temps[:bsz].copy_(temps)
-        if b > bsz:  # padding rows from an earlier, larger step
-            self._pad(bsz, b)
+        self._load(ids, ctx, tables, b)
         self.graphs[(b, n, sampled)].replay()
         acc, num, tok, ranks = self.outputs[(b, n, sampled)]
         return AcceptResult(acc[:bsz], num[:bsz], tok[:bsz]), ranks[:bsz]
@@ -920,25 +920,27 @@ class SpecStepGraphs:
         """(TreeBatch, ranks) of the scheduled sequences' proposal, trees of n nodes (the graph's
         outputs: valid until its next replay); ctx int64 [B], tables int32 [B, w <= width] on the
         device. Needs ``propose_bucket(B, n)``."""
-        bsz, w = len(seqs), tables.shape[1]
+        bsz = len(seqs)
         b = self.propose_bucket(bsz, n)
-        ids = host_tensor("q", *self._window(seqs)).view(bsz, self.g)
-        self.ids[:bsz].copy_(ids.to(self.spec.device, non_blocking=True))
-        self.ctx[:bsz].copy_(ctx)
-        self.tables[:bsz, :w].copy_(tables)
-        self.tables[:bsz, w:].fill_(self.pad_block)
-        if b > bsz:
-            self._pad(bsz, b)
+        ids = host_tensor("q", *self._window(seqs)).view(bsz, self.g).to(self.spec.device, non_blocking=True)
+        self._load(ids, ctx, tables, b)
         self.graphs[("propose", b, n)].replay()
         out = [t[:bsz] for t in self.outputs[("propose", b, n)]]
         return TreeBatch(*out[:6]), out[6]
 
-    def _pad(self, bsz: int, b: int) -> None:
-        """Rows bsz .. b of the static inputs as padding (rows of an earlier, larger step)."""
-        self.ids[bsz:b].zero_()
-        self.ctx[bsz:b].fill_(self.g)
-        self.tables[bsz:b].fill_(self.pad_block)
-        self.temps[bsz:b].zero_()
+    def _load(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, b: int) -> None:
+        """B sequences' ids, ctx and tables (w <= width columns) into the static inputs of bucket
+        b >= B; rows B .. b as padding (rows of an earlier, larger step)."""
+        bsz, w = ids.shape[0], tables.shape[1]
+        self.ids[:bsz].copy_(ids)
+        self.ctx[:bsz].copy_(ctx)
+        self.tables[:bsz, :w].copy_(tables)
+        self.tables[:bsz, w:].fill_(self.pad_block)
+        if b > bsz:
+            self.ids[bsz:b].zero_()
+            self.ctx[bsz:b].fill_(self.g)
+            self.tables[bsz:b].fill_(self.pad_block)
+            self.temps[bsz:b].zero_()
 
     def _window(self, seqs) -> list[list[int]]:
         """Each sequence's tokens at c - G + 1 .. c (the root last), zeros before its first (rows

@@ -51,6 +51,17 @@ class HostBatch:
     sample: list[tuple[int, int]]
     prompt_lp: list[tuple[int, int, int, int]]
 
+    @property
+    def max_seqlen_q(self) -> int:
+        """The most new tokens of one sequence."""
+        cu = self.cu_seqlens
+        return max(cu[j + 1] - cu[j] for j in range(len(cu) - 1))
+
+    def sample_rows(self, logits_rows: torch.Tensor) -> torch.Tensor:
+        """The rows of logits_rows (logits_rows on the device) that sample, in ``sample`` order:
+        all of them unless prompt log-probs added rows."""
+        return logits_rows[[r for _, r in self.sample]] if self.prompt_lp else logits_rows
+
 
 def host_batch(seqs, num_new_tokens, block_size: int, tables: BlockTables, also=()) -> HostBatch:
     """also: sequences whose block tables follow seqs' in the table (rows len(seqs) on; a fused
@@ -133,7 +144,6 @@ def to_device(hb: HostBatch, device: torch.device, decode: bool, num_splits: int
     ids, positions, slots, rows = packed_to(device, "q", hb.ids, hb.positions, hb.slots, hb.logits_rows)
     seq_lens, cu, tables = packed_to(device, "i", hb.seq_lens, hb.cu_seqlens, hb.table.reshape(-1))
     tables = tables.view(b, width)
-    max_q = max(hb.cu_seqlens[j + 1] - hb.cu_seqlens[j] for j in range(b))
     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, decode=decode,
-                             cu_seqlens_q=None if decode else cu, max_seqlen_q=max_q, num_splits=num_splits)
+                             cu_seqlens_q=None if decode else cu, max_seqlen_q=hb.max_seqlen_q, num_splits=num_splits)
     return StepInputs(ids, positions, meta, rows, hb.sample, hb.prompt_lp)
