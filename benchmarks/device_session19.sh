@@ -63,7 +63,7 @@ elif [ "${PART:-train}" = train ] && [ -f "${DATASET:-}" ]; then
 elif [ "${PART:-train}" = train ]; then
   T0=$(date +%s)
   TRAIN_S=${TRAIN_S:-520}
-  TESTS=${TESTS-tests/kernels/test_tree_struct.py tests/kernels/test_topk.py tests/runtime/test_spec_gpu.py}
+  TESTS=${TESTS-tests/kernels/test_tree_grow.py tests/kernels/test_topk.py tests/runtime/test_spec_gpu.py}
   if [ -n "$TESTS" ]; then
     ( timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS > "$OUT/logs/gpu_tests.log" 2>&1 ) &
   fi

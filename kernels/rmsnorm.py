@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -22,6 +23,16 @@ from .common import CompiledLaunch, int_kind, pow2, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_H = 16384
+
+
+@triton.jit
+def _normed(v, w, H, eps, dtype: tl.constexpr):
+    """Rows v float32 [R, BLOCK_H] (zeros past H) normed and scaled by w [BLOCK_H], in dtype, as
+    HF's LlamaRMSNorm rounds: the normalised value to dtype, then its product with the weight (two
+    16-bit floats multiply exactly in fp32: one rounding, as torch's bf16 multiply)."""
+    rstd = tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)
+    normed = (v * rstd[:, None]).to(dtype)
+    return (normed.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype)
 
 
 # sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
@@ -48,11 +59,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, R, H, inner,
         v = h.to(tl.float32)
     else:
         v = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)
-    normed = (v * rstd[:, None]).to(dtype)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
-    # a product of two 16-bit floats is exact in fp32: one rounding, as torch's bf16 multiply
-    tl.store(out_ptr + dst, (normed.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype), mask=mask)
+    tl.store(out_ptr + dst, _normed(v, w, H, eps, dtype), mask=mask)
 
 
 _RMS = CompiledLaunch(_rms_norm_kernel, pointers=5, runtime=True)
@@ -133,3 +141,73 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         weight = weight.contiguous()
     out, res_out = _launch(x, weight, eps, residual)
     return out if residual is None else (out, res_out)
+
+
+# ---------------------------------------------------------------- two norms side by side
+@triton.jit(do_not_specialize=["T"])
+def _norm_pair_kernel(a_ptr, ids_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, T, H, sa, sb, eps,
+                      GATHER: tl.constexpr, BLOCK_H: tl.constexpr):
+    """grid (T,): out[t, :H] = norm(a[ids[t]] (GATHER) or a[t]) * wa, out[t, H:] = norm(b[t]) * wb."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    m = cols < H
+    dtype = out_ptr.dtype.element_ty
+    if GATHER:
+        src = tl.load(ids_ptr + t).to(tl.int64)
+    else:
+        src = t
+    for half in tl.static_range(2):
+        if half == 0:
+            x = tl.load(a_ptr + src * sa + cols, mask=m, other=0.0).to(dtype)  # the row in out's dtype first
+            w = tl.load(wa_ptr + cols, mask=m, other=0.0)
+        else:
+            x = tl.load(b_ptr + t * sb + cols, mask=m, other=0.0).to(dtype)
+            w = tl.load(wb_ptr + cols, mask=m, other=0.0)
+        y = _normed(x.to(tl.float32)[None, :], w, H, eps, dtype)
+        tl.store(out_ptr + t * 2 * H + half * H + cols[None, :], y, mask=m[None, :])
+
+
+_PAIR = CompiledLaunch(_norm_pair_kernel, pointers=6, runtime=True)
+
+
+def rms_norm_pair_ref(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float,
+                      ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch: cat([rms_norm(a[ids] in b's dtype, wa), rms_norm(b, wb)], -1)."""
+    x = (a if ids is None else F.embedding(ids, a)).to(b.dtype)
+    return torch.cat([rms_norm_ref(x, wa, eps), rms_norm_ref(b, wb, eps)], dim=-1)
+
+
+def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float,
+                  ids: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+    """[T, 2H] in b's dtype: the RMSNorm of a's rows (a [T, H]; with ids int [T]: a is a table [V, H]
+    and its rows ids are read, as an embedding lookup, then cast to b's dtype) beside the RMSNorm of
+    b [T, H], each with its weight (wa, wb: [H] in b's dtype). What EAGLE-3's draft layer feeds
+    its attention (its normed input embedding and normed feature, concatenated): one launch for
+    what was an embedding, two norms and a concatenation. Numerics as rms_norm."""
+    if b.dim() != 2 or b.dtype not in DTYPES or not 0 < b.shape[1] <= MAX_H or b.stride(1) != 1:
+        raise ValueError(f"b: must be a bf16/fp16/fp32 [T, H] tensor with 0 < H <= {MAX_H} and unit stride along H, "
+                         f"got {b.dtype} {tuple(b.shape)}")
+    t, h = b.shape
+    rows = t if ids is None else a.shape[0]
+    if a.dim() != 2 or a.shape != (rows, h) or a.dtype not in DTYPES or a.stride(1) != 1:
+        raise ValueError(f"a: must be a float [{'V' if ids is not None else t}, {h}] tensor with unit stride along "
+                         f"H, got {a.dtype} {tuple(a.shape)}")
+    if ids is not None and (ids.shape != (t,) or ids.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"ids: must be int32/int64 [{t}], got {ids.dtype} {tuple(ids.shape)}")
+    for name, w in (("wa", wa), ("wb", wb)):
+        if w.shape != (h,) or w.dtype != b.dtype:
+            raise ValueError(f"{name}: must be {b.dtype} of shape ({h},), got {w.dtype} {tuple(w.shape)}")
+    if not use_triton(backend, b):
+        return rms_norm_pair_ref(a, wa, b, wb, eps, ids)
+    out = torch.empty(t, 2 * h, dtype=b.dtype, device=b.device)
+    if t:
+        ids_ = b if ids is None else (ids if ids.stride(0) == 1 else ids.contiguous())
+        wa, wb = wa.contiguous(), wb.contiguous()
+        block_h = pow2(h)
+        warps = min(8, max(1, block_h // 256))
+        ints = (t, h, a.stride(0), b.stride(0))
+        key = (a.dtype, b.dtype, ids_.dtype, ids is not None, block_h, warps, h, a.stride(0), b.stride(0),
+               int_kind(t))
+        _PAIR(key, (t, 1, 1), (a, ids_, wa, b, wb, out, *ints, eps), dict(GATHER=ids is not None, BLOCK_H=block_h),
+              dict(num_warps=warps))
+    return out

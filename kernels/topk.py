@@ -24,6 +24,8 @@ words) are ordinary values that add nothing to the sum. A row must have at least
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -91,10 +93,10 @@ def _chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, R, V, stride_x, S,
 
 
 @triton.jit(do_not_specialize=["R"])
-def _merge_kernel(keys_ptr, m_ptr, s_ptr, vals_ptr, ids_ptr, R, S,
-                  K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
+def _merge_kernel(keys_ptr, m_ptr, s_ptr, vals_ptr, ids_ptr, map_ptr, R, S,
+                  K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
     """grid (R,): the k best of row r's S * K_PAD candidates and its log-sum-exp; vals float32
-    [R, K] = min(value - lse, 0), ids int64 [R, K]."""
+    [R, K] = min(value - lse, 0), ids int64 [R, K] (HAS_MAP: map[column])."""
     r = tl.program_id(0).to(tl.int64)
     ch = tl.arange(0, S_PAD)
     slot = tl.arange(0, K_PAD)
@@ -111,25 +113,30 @@ def _merge_kernel(keys_ptr, m_ptr, s_ptr, vals_ptr, ids_ptr, R, S,
         best = tl.max(tl.max(key, axis=1), axis=0)
         val, col = _unkey(best)
         tl.store(vals_ptr + r * K + j, tl.minimum(val - lse, 0.0))
+        if HAS_MAP:
+            col = tl.load(map_ptr + col)
         tl.store(ids_ptr + r * K + j, col)
         key = tl.where(key == best, lowest, key)
 
 
-def topk_logprobs_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs_ref(logits: torch.Tensor, k: int,
+                      id_map: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """torch: log_softmax in float32, then topk (its own order among equal values), clamped to <= 0."""
     vals, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1, sorted=True)
-    return vals.clamp_max(0.0), ids
+    return vals.clamp_max(0.0), ids if id_map is None else id_map[ids]
 
 
 def _block(v: int) -> int:
     return min(4096, pow2(v))
 
 
-def topk_logprobs(logits: torch.Tensor, k: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, backend: str = "auto",
+                  id_map: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest log-softmax values of each row of logits [..., V] (bf16 / fp16 / fp32; last
     dim unit-stride) and their columns: (float32 [..., k] descending, clamped to <= 0; int64
-    [..., k]). Triton: ties go to the lower column. backend: "auto" (Triton on CUDA or under
-    TRITON_INTERPRET=1, else torch), "triton", "torch"."""
+    [..., k]). Triton: ties go to the lower column. id_map int64 [V]: ids are id_map[column]
+    instead (a reduced draft vocabulary's target ids: read in the same launch). backend: "auto"
+    (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"."""
     if logits.dim() == 0 or logits.dtype not in DTYPES:
         raise ValueError(f"logits: must be a bf16/fp16/fp32 tensor [..., V], got {logits.dtype} "
                          f"{tuple(logits.shape)}")
@@ -137,8 +144,12 @@ def topk_logprobs(logits: torch.Tensor, k: int, backend: str = "auto") -> tuple[
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(MAX_K, v):
         raise ValueError(f"k={k!r} is not allowed; allowed: an integer in 1..{min(MAX_K, v)} (at most the "
                          f"vocabulary, {v}, and {MAX_K})")
+    if id_map is not None and (id_map.shape != (v,) or id_map.dtype != torch.int64 or id_map.device != logits.device
+                               or not id_map.is_contiguous()):
+        raise ValueError(f"id_map: must be a contiguous int64 [{v}] tensor on {logits.device}, got {id_map.dtype} "
+                         f"{tuple(id_map.shape)} on {id_map.device}")
     if not use_triton(backend, logits):
-        return topk_logprobs_ref(logits, k)
+        return topk_logprobs_ref(logits, k, id_map)
     lead = logits.shape[:-1]
     x = logits.reshape(-1, v)
     if x.stride(-1) != 1:
@@ -157,6 +168,6 @@ def topk_logprobs(logits: torch.Tensor, k: int, backend: str = "auto") -> tuple[
     sums = torch.empty(r, s, dtype=torch.float32, device=dev)
     _chunk_kernel[(r, s)](x, keys, m, sums, r, v, x.stride(0), s, K=k, K_PAD=k_pad, BLOCK=block,
                           HALF=x.dtype != torch.float32, num_warps=4 if block <= 2048 else 8)
-    _merge_kernel[(r,)](keys, m, sums, vals, ids, r, s, K=k, K_PAD=k_pad, S_PAD=pow2(s),
-                        num_warps=1 if pow2(s) * k_pad <= 256 else 4)
+    _merge_kernel[(r,)](keys, m, sums, vals, ids, ids if id_map is None else id_map, r, s, K=k, K_PAD=k_pad,
+                        S_PAD=pow2(s), HAS_MAP=id_map is not None, num_warps=1 if pow2(s) * k_pad <= 256 else 4)
     return vals.view(*lead, k), ids.view(*lead, k)

@@ -31,9 +31,10 @@ Work split
     no host sync: CUDA-graph safe.
 
 Limits: bf16 activations, N % 16 == 0, K % 64 == 0, G % 64 == 0 (G = K allowed when K % 64 == 0),
-M <= 32 (the runtime sends M <= 8, the rows measured so far). Everything else (and the CPU, where
-nothing is compiled) stays on kernels/w4a16.py. A persistent form (MmaConfig.persist) streams a
-contiguous range of the weights per warp instead of one CTA per row tile.
+M <= 32 (the runtime sends M <= 16: at 32 it lost to the Triton path on some shapes, H200).
+Everything else (and the CPU, where nothing is compiled) stays on kernels/w4a16.py. A persistent
+form (MmaConfig.persist) streams a contiguous range of the weights per warp instead of one CTA per
+row tile.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 from .w4a16 import _K_NIBBLE, W4A16Weight
 
 MAX_M = 32  # the kernel: M <= 8 NT, NT column tiles of 8 x rows sharing each dequantized fragment
-RUNTIME_MAX_M = 8  # rows the runtime sends it: measured on the H200 up to 8 (twentieth session)
+RUNTIME_MAX_M = 16  # rows the runtime sends it: ahead of the Triton path on the H200 up to 16 (22nd session)
 CHUNK = 64  # k per chunk: four m16n8k16 mmas, one 16-byte weight load per lane
 _REPACK_ELEMENTS = 1 << 24  # weights repacked at once at load (int64 temporaries: 128 MiB each)
 

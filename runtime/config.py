@@ -7,6 +7,9 @@ from dataclasses import dataclass
 KV_CACHE_DTYPES = ("auto", "fp8")
 QUANTIZED_LINEAR = ("kernel", "dequant")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the most nodes an EAGLE-2 tree may have: kernels/tree_grow.MAX_NODES (not imported: this module
+# stays free of torch; tests/runtime/test_spec_tree.py holds the two equal)
+TREE_MAX_NODES = 128
 KERNELS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -141,10 +144,11 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
-        pool = self.spec_top_k + (self.spec_depth - 1) * self.spec_top_k ** 2
-        if self.spec_num_draft > pool:
-            raise ValueError(f"spec_num_draft={self.spec_num_draft} is not allowed; allowed: at most {pool} (the "
-                             f"candidates spec_top_k={self.spec_top_k} and spec_depth={self.spec_depth} produce)")
+        most = min(1 + self.spec_top_k + (self.spec_depth - 1) * self.spec_top_k ** 2, TREE_MAX_NODES) - 1
+        if self.spec_num_draft > most:
+            raise ValueError(f"spec_num_draft={self.spec_num_draft} is not allowed; allowed: at most {most} (the "
+                             f"candidates spec_top_k={self.spec_top_k} and spec_depth={self.spec_depth} produce, "
+                             f"{TREE_MAX_NODES - 1} at most)")
         # the scheduler's own checks, early
         self.scheduler_config(self.max_model_len or 1)
 

@@ -269,7 +269,7 @@ class ModelRunner:
         tree, n, tp = prop.tree, prop.tree.num_nodes, len(hb.ids)
         meta = AttentionMetadata(
             slot_mapping=torch.cat([slots, prop.slots]), block_tables=tables,
-            seq_lens=torch.cat([seq_lens, (ctx + n).to(torch.int32)]), decode=False,
+            seq_lens=torch.cat([seq_lens, prop.lens]), decode=False,
             cu_seqlens_q=torch.cat([cu, const_arange(b, dev, torch.int32, start=n, step=n) + tp]),
             max_seqlen_q=max(n, hb.max_seqlen_q),
             mask=tree.mask.reshape(-1),  # the plain sequences' offsets -1: causal

@@ -50,8 +50,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.spec_accept import greedy_accept_move
+from ..kernels.spec_slots import step_slots
 from ..kernels.topk import topk_logprobs
-from ..kernels.tree_struct import tree_struct
+from ..kernels.tree_grow import MAX_NODES as TREE_MAX_NODES
+from ..kernels.tree_grow import grow, new_pool, pool_size, select
 from .cuda_graphs import capture_graphs, graph_buckets
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import AttentionMetadata
@@ -67,7 +69,7 @@ from .spec.acceptance import (
     temperature_probs,
 )
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
-from .spec.tree import DynamicTreeBuilder, StaticTree, TreeBatch, const_arange, const_eye, const_full
+from .spec.tree import StaticTree, TreeBatch, const_arange, const_full
 from .step_inputs import HostBatch, host_tensor, packed_to
 
 # EAGLE: plain steps a speculative step's graphed catch-up window covers beyond its own last step's
@@ -144,7 +146,8 @@ _GREEDY = SamplingParams(temperature=0)
 class Proposal:
     """A speculative step's first half (``SpecDecoder.propose``) for seqs: their trees (N nodes
     each) and each node's rank int64 [B, N], context lengths ctx int64 [B], block tables int32
-    [B, W], and the nodes' cache slots int64 [B * N] (where the verify forward writes their K/V)."""
+    [B, W], the nodes' cache slots int64 [B * N] (where the verify forward writes their K/V) and
+    the verify's sequence lengths ctx + N int32 [B]."""
 
     seqs: list
     tree: TreeBatch
@@ -152,6 +155,7 @@ class Proposal:
     ctx: torch.Tensor
     tables: torch.Tensor
     slots: torch.Tensor
+    lens: torch.Tensor
 
 
 class FeatureStore:
@@ -169,7 +173,9 @@ class FeatureStore:
     def store(self, hidden: torch.Tensor, aux: torch.Tensor | None, slots: torch.Tensor) -> None:
         """hidden [T, H] (and EAGLE-3's aux [T, 3H]) of rows whose cache slots are slots [T] (-1: none)."""
         feats = self.draft.context_features(hidden, aux) if self.fused else hidden
-        idx = torch.where(slots >= 0, slots, self.dump).long()
+        # -1 to the dump row num_slots, every real slot to itself: one kernel (remainder takes the
+        # divisor's sign), where a comparison and a select were two
+        idx = torch.remainder(slots.long(), self.dump + 1)
         self.features.index_copy_(0, idx, feats.to(self.features.dtype))
 
     def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
@@ -179,19 +185,12 @@ class FeatureStore:
 @functools.lru_cache(maxsize=256)
 def _level_offsets(bsz: int, k: int, levels: int, device: torch.device):
     """EAGLE-2 expansion levels d = 1 .. levels over bsz sequences, each running its k frontier
-    rows over the m = d k scratch rows written so far: m (int32 [levels, 1]), the mask offsets
-    b * k * m of each level's [k, m] blocks (int64 [levels, bsz]), the query offsets b * k (int32
-    [bsz + 1]) and each level's row depth - 1 (int64 [levels, 1, 1]); made once per shape
-    (constants of the step: no kernels inside its graph)."""
+    rows over the m = d k scratch rows written so far: the mask offsets b * k * m of each level's
+    [k, m] blocks (int64 [levels, bsz]) and the query offsets b * k (int32 [bsz + 1]); made once
+    per shape (constants of the step: no kernels inside its graph)."""
     m = torch.arange(1, levels + 1, device=device)[:, None] * k
-    return (m.to(torch.int32), torch.arange(bsz, device=device)[None, :] * k * m,
-            torch.arange(bsz + 1, device=device, dtype=torch.int32) * k,
-            torch.arange(levels, device=device)[:, None, None])
-
-
-def _slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots int64 of positions pos int64 [B, L] through block tables [B, W]."""
-    return tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+    return (torch.arange(bsz, device=device)[None, :] * k * m,
+            torch.arange(bsz + 1, device=device, dtype=torch.int32) * k)
 
 
 class SpecDecoder:
@@ -214,8 +213,13 @@ class SpecDecoder:
             raise ValueError(f"policy={options.policy!r} is not allowed; allowed: fixed, adaptive")
         if self.eagle:
             o = options
-            DynamicTreeBuilder(torch.zeros(1, dtype=torch.int64), torch.zeros(1, max(o.top_k, 1)), top_k=o.top_k,
-                               depth=o.depth, num_draft=o.num_draft)  # checks the options now
+            for name, v in (("top_k", o.top_k), ("depth", o.depth), ("num_draft", o.num_draft)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
+            if not o.num_draft < min(pool_size(o.top_k, o.depth), TREE_MAX_NODES):
+                raise ValueError(f"num_draft={o.num_draft} is not allowed; allowed: at most "
+                                 f"{min(pool_size(o.top_k, o.depth), TREE_MAX_NODES) - 1} (the candidates top_k="
+                                 f"{o.top_k} and depth={o.depth} produce, and {TREE_MAX_NODES - 1} at most)")
             self.num_nodes = o.num_draft + 1
             self.scratch = (o.depth - 1) * o.top_k
             # a graphed step's catch-up window: rows c - G .. c - 1. A step emits <= depth + 1 tokens;
@@ -497,7 +501,8 @@ class SpecDecoder:
 
     def _medusa_states(self, ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Medusa's states: the features at c - 1 (the rows that sampled the roots)."""
-        return self.store[_slots(tables, (ctx - 1)[:, None], self.block_size)[:, 0]]
+        at = step_slots(tables, ctx, -1, 1, self.block_size, backend=self.runner.backend)
+        return self.store[at.slots.view(-1)]
 
     @torch.inference_mode()
     def states(self, seqs, stop: list[int] | None = None) -> torch.Tensor:
@@ -544,13 +549,12 @@ class SpecDecoder:
         if not self.eagle:
             return self._medusa_states(ctx, tables)
         g = ids.shape[1]
-        pos = ctx[:, None] + const_arange(g, dev, start=-g)[None, :]
-        at = pos.clamp_min(0)
-        slots = torch.where(pos >= 0, _slots(tables, at, bs), -1).reshape(-1)
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=ctx.to(torch.int32), decode=False,
+        win = step_slots(tables, ctx, -g, g, bs, backend=self.runner.backend)  # positions c - G .. c - 1
+        slots = win.slots.view(-1)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=win.lens, decode=False,
                                  cu_seqlens_q=const_arange(bsz + 1, dev, torch.int32, step=g),
                                  max_seqlen_q=g)
-        pred = self.draft(self.store[slots], ids.reshape(-1), at.reshape(-1), meta)
+        pred = self.draft(self.store[slots], ids.reshape(-1), win.pos.view(-1), meta)
         return pred.view(bsz, g, -1)[:, -1]
 
     # ---- the speculative step
@@ -588,7 +592,7 @@ class SpecDecoder:
         else:
             tree, ranks = self._propose(self._roots(seqs), self._eager_states(seqs, ctx, tables, behind), ctx,
                                         tables, self.n)
-        return Proposal(seqs, tree, ranks, ctx, tables, self._node_slots(ctx, tables, tree.num_nodes))
+        return Proposal(seqs, tree, ranks, ctx, tables, *self._node_slots(ctx, tables, tree.num_nodes))
 
     def accept(self, prop: Proposal, hidden: torch.Tensor, aux: torch.Tensor | None,
                logits: torch.Tensor) -> AcceptResult:
@@ -692,13 +696,13 @@ class SpecDecoder:
         tree, ranks = self._propose(roots, states, ctx, tables, n)
         n = tree.num_nodes
         # verify: every node at once, K/V to slots c + i, positions c + depth
-        slots = self._node_slots(ctx, tables, n)
+        slots, lens = self._node_slots(ctx, tables, n)
         graphs = None if inner else self.runner.verify_graphs
-        hidden = None if graphs is None else graphs.run(tree.tokens, tree.positions(ctx), slots, tables,
-                                                         (ctx + n).to(torch.int32), tree.mask)
+        hidden = None if graphs is None else graphs.run(tree.tokens, tree.positions(ctx), slots, tables, lens,
+                                                         tree.mask)
         if hidden is None:
             meta = AttentionMetadata(
-                slot_mapping=slots, block_tables=tables, seq_lens=(ctx + n).to(torch.int32), decode=False,
+                slot_mapping=slots, block_tables=tables, seq_lens=lens, decode=False,
                 cu_seqlens_q=const_arange(bsz + 1, dev, torch.int32, step=n), max_seqlen_q=n,
                 mask=tree.mask.reshape(-1), mask_offsets=const_arange(bsz, dev, step=n * n))
             hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
@@ -714,10 +718,11 @@ class SpecDecoder:
         tree = self._propose_medusa(roots, states, n)
         return tree, const_arange(tree.num_nodes, self.device).expand(roots.shape[0], -1)
 
-    def _node_slots(self, ctx: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
-        """int64 [B * n]: the cache slots c + i of the tree nodes (K/V written there, then moved)."""
-        pos = ctx[:, None] + const_arange(n, self.device)[None, :]
-        return _slots(tables, pos, self.block_size).reshape(-1)
+    def _node_slots(self, ctx: torch.Tensor, tables: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 [B * n]: the cache slots c + i of the tree nodes (K/V written there, then moved),
+        int32 [B]: the verify's sequence lengths c + n), in one launch."""
+        nodes = step_slots(tables, ctx, 0, n, self.block_size, lens_add=n, backend=self.runner.backend)
+        return nodes.slots.view(-1), nodes.lens
 
     def _path_rows(self, accepted: torch.Tensor, n: int) -> torch.Tensor:
         """int64 [B, N]: the verify forward's row (b * n + node) of each accepted path's nodes
@@ -768,58 +773,41 @@ class SpecDecoder:
         return tree.batch(roots, topk)
 
     def _propose_eagle(self, roots, states, ctx, tables, n):
-        o, dev, bs = self.options, self.device, self.block_size
-        bsz, k = roots.shape[0], o.top_k
-        root_lp = self.draft.ranked(states, k)
+        o, dev, bs, be = self.options, self.device, self.block_size, self.runner.backend
+        bsz, k, h = roots.shape[0], o.top_k, states.shape[-1]
         # a tree of n nodes is at most n - 1 deep: no expansion past that (a chain of n - 1 is all
         # the smallest menu sizes can keep)
         depth = self.tree_depth(n)
-        builder = DynamicTreeBuilder(roots, root_lp, top_k=k, depth=depth, num_draft=n - 1)
-        prev_out = None
+        # EAGLE-2 growth (kernels/tree_grow.py): each level's bookkeeping -- the candidates into the
+        # pool, the next frontier, its input features and ancestor mask -- in one launch, the final
+        # selection and the tree's structure in one more
+        pool = new_pool(bsz, k, depth, dev)
+        lp, ids = self.draft.ranked(states, k)
+        front = grow(pool, 1, lp.view(bsz, 1, k), ids.view(bsz, 1, k), states.view(bsz, 1, h), roots=roots,
+                     last=depth == 1, backend=be)
+        size = 1 + k
         if depth > 1:
             # level d runs only its k frontier rows (depth d, at position c + d - 1, scratch rows
             # (d - 1) k .. d k - 1 in slots c + row), their keys the context and the m = d k scratch
             # rows so far under the ancestor mask: the rows of earlier levels are in the draft's
             # cache already (each level rerunning them cost a concatenation and their compute)
-            rows, levels, h = (depth - 1) * k, depth - 1, states.shape[-1]
-            m_lv, off_lv, cu, lv = _level_offsets(bsz, k, levels, dev)
-            # each level's slots and positions as one contiguous [B, k] block: [levels, B, k]
-            slots_lv = _slots(tables, ctx[:, None] + const_arange(rows, dev)[None, :], bs).view(
-                bsz, levels, k).transpose(0, 1).contiguous()
-            pos_lv = (ctx[None, :, None] + lv).expand(levels, bsz, k).contiguous()
-            lens_lv = ctx.to(torch.int32)[None, :] + m_lv
-            # the ancestor-or-self mask over all scratch rows, filled a level at a time (a row's
-            # ancestors are earlier rows: later columns stay False)
-            full = const_eye(rows, dev).expand(bsz, rows, rows).clone()
+            off_lv, cu = _level_offsets(bsz, k, depth - 1, dev)
+            # each level's slots and positions as one contiguous [B, k] block ([levels, B, k]), its
+            # sequence lengths c + d k ([levels, B]): one launch
+            slots_lv, pos_lv, lens_lv = step_slots(tables, ctx, 0, (depth - 1) * k, bs, group=k, backend=be)
         for d in range(1, depth):
-            tok = builder.frontier_tokens  # of the frontier: k nodes, all at depth d
-            m = d * k
-            if d == 1:
-                feat = states[:, None, :].expand(bsz, k, h).reshape(bsz * k, h)
-            else:
-                j = builder.frontier_parent  # [B, k]: each node's parent, an index into the previous frontier
-                feat = prev_out.gather(1, j[:, :, None].expand(bsz, k, h)).view(bsz * k, h)
-                parent_row = (d - 2) * k + j
-                full[:, m - k:m, :m - k] = full[:, :m - k, :m - k].gather(
-                    1, parent_row[:, :, None].expand(bsz, k, m - k))
             meta = AttentionMetadata(
                 slot_mapping=slots_lv[d - 1].view(-1), block_tables=tables, seq_lens=lens_lv[d - 1], decode=False,
-                cu_seqlens_q=cu, max_seqlen_q=k, mask=full[:, m - k:m, :m].reshape(-1), mask_offsets=off_lv[d - 1],
-                mask_cols=m)
-            out = self.draft(feat, tok.reshape(-1), pos_lv[d - 1].view(-1), meta)  # [B * k, H]
+                cu_seqlens_q=cu, max_seqlen_q=k, mask=front.mask.view(-1), mask_offsets=off_lv[d - 1],
+                mask_cols=d * k)
+            out = self.draft(front.features.view(bsz * k, h), front.tokens.view(-1), pos_lv[d - 1].view(-1), meta)
             lp, ids = self.draft.ranked(out, k)
-            builder.expand((lp.view(bsz, k, k), ids.view(bsz, k, k)))
-            prev_out = out.view(bsz, k, h)
-        tree = builder.build(self._tree_batch if self.runner.backend == "triton" else None)
-        # rank of each kept node by score, as build() chose them (stable, descending)
-        order = torch.sort(builder.kept_scores, dim=1, descending=True, stable=True).indices
-        return tree, torch.argsort(order, dim=1)
-
-    def _tree_batch(self, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int) -> TreeBatch:
-        """Trees of every node real (an EAGLE-2 step's), their structure in one kernel launch."""
-        bsz, n = tokens.shape
-        depths, mask, paths = tree_struct(parents, max_depth, self.runner.backend)
-        return TreeBatch(tokens, parents, const_full((bsz,), n, torch.int64, tokens.device), depths, mask, paths)
+            front = grow(pool, size, lp.view(bsz, k, k), ids.view(bsz, k, k), out.view(bsz, k, h), front=front,
+                         last=d == depth - 1, backend=be)
+            size += k * k
+        t = select(pool, n, depth, backend=be)
+        tree = TreeBatch(t.tokens, t.parents, const_full((bsz,), n, torch.int64, dev), t.depths, t.mask, t.paths)
+        return tree, t.ranks
 
     def _record_logprobs(self, seqs, out, logits, rows) -> None:
         """Raw log-probabilities of the emitted tokens, from the target's logits at the path's

@@ -132,7 +132,7 @@ class W4A16Method(_QuantizedMethod):
         if self.layout not in ("auto", "n", "k"):
             raise ValueError(f"OPTLLM_W4A16_LAYOUT={self.layout!r}: allowed 'n' (N-major words), 'k' (K-major) "
                              "or 'auto' (per shape, the default)")
-        # decode rows (M <= 8) on the tensor-core GEMV (kernels/w4a16_mma.py) where it builds;
+        # decode rows (M <= 16) on the tensor-core GEMV (kernels/w4a16_mma.py) where it builds;
         # OPTLLM_W4A16_MMA=0 keeps every call on the Triton kernels (to compare the two end to end)
         self.mma = os.environ.get("OPTLLM_W4A16_MMA", "1") != "0"
 
@@ -154,7 +154,7 @@ class W4A16Method(_QuantizedMethod):
         layer.mma_weight = None
         if self.backend == "triton" and self.mma and w.packed.is_cuda \
                 and w4a16_mma.mma_supported(w.N, w.K, w.group_size, w.scales.dtype) and w4a16_mma.available():
-            # a second copy of the int4 words in the fragment layout (0.5 byte a weight): M <= 8 reads it
+            # a second copy of the int4 words in the fragment layout (0.5 byte a weight): M <= 16 reads it
             layer.mma_weight = w4a16_mma.from_w4a16(w)
             w4a16_mma.prepare(layer.mma_weight, getattr(layer, "bias", None) is not None)
 

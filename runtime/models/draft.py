@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import UserError
+from ...kernels.rmsnorm import rms_norm_pair
 from ...kernels.topk import topk_logprobs
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention, AttentionMetadata
@@ -120,8 +121,9 @@ class _EagleLayer(nn.Module):
         self.mlp = _EagleMLP(cfg["hidden_size"], cfg["intermediate_size"], backend)
 
     def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, x, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # the residual add inside the norm's launch (the same rounding: one of the sum, in x's dtype)
+        normed, x = self.post_attention_layernorm(self.self_attn(positions, x, meta), x)
+        return x + self.mlp(normed)
 
 
 class EagleDraft(nn.Module):
@@ -189,10 +191,18 @@ class _Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device, backend)
         self.mlp = _EagleMLP(h, cfg["intermediate_size"], backend)
 
-    def forward(self, positions, hidden, emb, meta):
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        x = hidden + self.self_attn(positions, x, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def inputs(self, embed, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, 2H]: the normed embedding of ids (the target's embedding) beside the normed
+        features: one launch (kernels/rmsnorm.rms_norm_pair) where the embedding is one shard."""
+        if embed.ctx.world_size != 1 or self.input_layernorm.eps != self.hidden_norm.eps:
+            return torch.cat([self.input_layernorm(embed(ids).to(hidden.dtype)), self.hidden_norm(hidden)], dim=-1)
+        return rms_norm_pair(embed.weight, self.input_layernorm.weight, hidden, self.hidden_norm.weight,
+                             self.hidden_norm.eps, ids, backend=self.input_layernorm.backend)
+
+    def forward(self, positions, hidden, x, meta):
+        """x: ``inputs``' [normed embedding, normed hidden]."""
+        normed, x = self.post_attention_layernorm(self.self_attn(positions, x, meta), hidden)
+        return x + self.mlp(normed)
 
 
 class Eagle3Draft(nn.Module):
@@ -221,8 +231,8 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        emb = self._target[0].model.embed_tokens(next_ids).to(features.dtype)
-        return self.midlayer(positions, features, emb, meta)
+        x = self.midlayer.inputs(self._target[0].model.embed_tokens, next_ids, features)
+        return self.midlayer(positions, features, x, meta)
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]
@@ -243,8 +253,8 @@ class Eagle3Draft(nn.Module):
     def ranked(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As EagleDraft.ranked: over the draft's own vocabulary, its ids mapped to the target's
         (the log-softmax over the target's vocabulary with -inf elsewhere is the same)."""
-        vals, ids = topk_logprobs(self.lm_head(self.norm(out)), k, self.backend)
-        return (vals, ids) if self.identity else (vals, self.target_ids[ids])
+        return topk_logprobs(self.lm_head(self.norm(out)), k, self.backend,
+                             id_map=None if self.identity else self.target_ids)
 
     def set_d2t(self, d2t: torch.Tensor) -> None:
         """The draft-to-target id offsets (target id = draft id + d2t[draft id])."""

@@ -14,15 +14,16 @@ root is visible to every node). Retrieval indices: each root-to-leaf path as nod
 ``TokenTree`` is one tree on the host (plain tuples); ``TreeBatch`` is B trees padded to one
 node count as tensors, built with tensor ops only (no host sync unless asked to validate),
 so an engine can build it on the device. ``StaticTree`` turns Medusa choices into a tree and
-fills its tokens from the heads' top-k; ``DynamicTreeBuilder`` grows EAGLE-2 trees from the
-draft's log-probabilities for a batch at once.
+fills its tokens from the heads' top-k. EAGLE-2's dynamic trees are grown from the draft's
+log-probabilities by kernels/tree_grow.py (a level's bookkeeping in one launch, the selection
+and the TreeBatch's structure in one more; torch references beside them).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -352,141 +353,3 @@ def const_full(shape: tuple, value, dtype: torch.dtype, device: torch.device) ->
 @functools.lru_cache(maxsize=64)
 def const_eye(n: int, device: torch.device) -> torch.Tensor:
     return torch.eye(n, dtype=torch.bool, device=device)
-
-
-# --------------------------------------------------------------------------- EAGLE-2
-class DynamicTreeBuilder:
-    """EAGLE-2 dynamic trees for B sequences at once.
-
-    Scores are cumulative draft log-probabilities (the root: 0). Start: the root's top_k
-    children join the candidate pool and form the frontier. Each ``expand`` (depth - 1 of
-    them) takes the draft's log-probs at the frontier nodes, adds each frontier node's
-    top_k children to the pool (top_k^2 candidates), and makes the top_k of those, by
-    score, the next frontier. ``build`` keeps the root and the num_draft best candidates
-    of the whole pool. Log-probs are clamped to <= 0, so a child never outscores its parent,
-    and ties go to the earlier candidate (a parent always precedes its children): the kept
-    set is a tree. Kept nodes are in pool (creation) order, siblings by rank.
-
-    root_tokens int64 [B]; root_logprobs float [B, V]: the draft's log-probs after the root, or
-    already ranked: (float32 [B, top_k] descending and <= 0, int64 [B, top_k] their tokens), as
-    kernels/topk.py gives them in two launches (the runtime's path on a GPU; ``expand`` takes the
-    same pair, [B, top_k, top_k]).
-    """
-
-    def __init__(self, root_tokens: torch.Tensor, root_logprobs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                 *, top_k: int, depth: int, num_draft: int) -> None:
-        for name, v in (("top_k", top_k), ("depth", depth), ("num_draft", num_draft)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1")
-        pool = top_k + (depth - 1) * top_k * top_k
-        if num_draft > pool:
-            raise ValueError(f"num_draft={num_draft} is not allowed; allowed: at most {pool} (the candidates "
-                             f"top_k={top_k}, depth={depth} produce)")
-        if isinstance(root_logprobs, tuple):
-            s, t = root_logprobs
-            if s.dim() != 2 or s.shape != t.shape or s.shape[1] != top_k or root_tokens.shape != (s.shape[0],):
-                raise ValueError(f"root_tokens, root_logprobs: must be [B] and two [B, top_k={top_k}] tensors, got "
-                                 f"{tuple(root_tokens.shape)}, {tuple(s.shape)} and {tuple(t.shape)}")
-        elif root_logprobs.dim() != 2 or root_tokens.shape != (root_logprobs.shape[0],) \
-                or root_logprobs.shape[1] < top_k:
-            raise ValueError(f"root_tokens, root_logprobs: must be [B] and [B, V >= top_k={top_k}], got "
-                             f"{tuple(root_tokens.shape)} and {tuple(root_logprobs.shape)}")
-        else:
-            s, t = _ranked_topk(root_logprobs.float().clamp_max(0.0), top_k)
-        self.top_k, self.depth, self.num_draft = top_k, depth, num_draft
-        bsz, dev = s.shape[0], s.device
-        self._tokens = [root_tokens.to(dev, torch.int64)[:, None], t]
-        self._scores = [const_full((bsz, 1), 0.0, torch.float32, dev), s]
-        self._parents = [const_full((bsz, 1), -1, torch.int64, dev), const_full((bsz, top_k), 0, torch.int64, dev)]
-        self._size = 1 + top_k
-        self._frontier = const_arange(top_k, dev, start=1).expand(bsz, top_k)
-        self._frontier_scores = s
-        self._frontier_tokens = t
-        self._frontier_parent = self._parents[1]
-        self.steps = 1
-        self.kept_scores: Optional[torch.Tensor] = None  # float32 [B, num_draft + 1], set by build
-
-    @property
-    def frontier(self) -> torch.Tensor:
-        """int64 [B, top_k]: pool indices of the nodes the next ``expand`` needs log-probs for."""
-        return self._frontier
-
-    @property
-    def frontier_tokens(self) -> torch.Tensor:
-        """int64 [B, top_k]: their tokens (the draft's next input)."""
-        return self._frontier_tokens
-
-    @property
-    def frontier_parent(self) -> torch.Tensor:
-        """int64 [B, top_k]: each frontier node's parent as an index into the previous frontier
-        (the one the last ``expand`` read; after none: 0, the root)."""
-        return self._frontier_parent
-
-    @property
-    def pool_tokens(self) -> torch.Tensor:
-        """int64 [B, pool]: every candidate's token (index 0: the root)."""
-        return torch.cat(self._tokens, dim=1)
-
-    @property
-    def pool_parents(self) -> torch.Tensor:
-        """int64 [B, pool]: every candidate's parent pool index (the root: -1)."""
-        return torch.cat(self._parents, dim=1)
-
-    @property
-    def pool_scores(self) -> torch.Tensor:
-        """float32 [B, pool]: cumulative log-probabilities (the root: 0)."""
-        return torch.cat(self._scores, dim=1)
-
-    def expand(self, logprobs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Grow one level from logprobs float [B, top_k, V]: the draft's log-probs after each
-        frontier node, in ``frontier`` order (or their ranked top_k, a pair as in __init__)."""
-        k = self.top_k
-        if self.steps >= self.depth:
-            raise ValueError(f"expand: the tree already has depth={self.depth}")
-        bsz = self._frontier.shape[0]
-        if isinstance(logprobs, tuple):
-            s, t = logprobs
-            if s.shape != (bsz, k, k) or t.shape != s.shape:
-                raise ValueError(f"logprobs: must be two [B={bsz}, top_k={k}, top_k={k}] tensors, got "
-                                 f"{tuple(s.shape)} and {tuple(t.shape)}")
-        elif logprobs.dim() != 3 or logprobs.shape[:2] != (bsz, k) or logprobs.shape[2] < k:
-            raise ValueError(f"logprobs: must be [B={bsz}, top_k={k}, V >= {k}], got {tuple(logprobs.shape)}")
-        else:
-            s, t = _ranked_topk(logprobs.float().clamp_max(0.0), k)  # [B, k, k]
-        cum = (self._frontier_scores[:, :, None] + s).reshape(bsz, k * k)
-        parents = self._frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
-        ids = const_arange(k * k, cum.device, start=self._size)
-        self._tokens.append(t.reshape(bsz, k * k))
-        self._scores.append(cum)
-        self._parents.append(parents)
-        self._size += k * k
-        best = torch.sort(cum, dim=1, descending=True, stable=True).indices[:, :k]
-        self._frontier = ids[best]
-        self._frontier_scores = cum.gather(1, best)
-        self._frontier_tokens = self._tokens[-1].gather(1, best)
-        self._frontier_parent = best // k  # candidate p * k + c is frontier node p's child c
-        self.steps += 1
-
-    def build(self, make: Optional[Callable[[torch.Tensor, torch.Tensor, int], TreeBatch]] = None) -> TreeBatch:
-        """The trees: root + the num_draft best candidates, each tree num_draft + 1 nodes. make(tokens,
-        parents, max_depth): builds the TreeBatch of those [B, n] tensors instead of
-        TreeBatch.build (the runtime passes kernels/tree_struct.py's one-launch version on a GPU)."""
-        scores, tokens, parents = self.pool_scores, self.pool_tokens, self.pool_parents
-        n = self.num_draft + 1
-        # the root's 0 is the largest score and index 0 wins its ties: it is always kept
-        keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
-        keep = keep.sort(dim=1).values  # creation order: parents before children, root first
-        remap = torch.full_like(parents, -1)
-        remap.scatter_(1, keep, const_arange(n, keep.device).expand_as(keep))
-        par = parents.gather(1, keep)
-        tree_par = torch.where(par >= 0, remap.gather(1, par.clamp_min(0)), -1)
-        self.kept_scores = scores.gather(1, keep)
-        if make is not None:
-            return make(tokens.gather(1, keep), tree_par, self.steps)
-        return TreeBatch.build(tokens.gather(1, keep), tree_par, validate=False, max_depth=self.steps)
-
-
-def _ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest along the vocabulary, descending (torch.topk: no full sort of V; the
-    order among exactly equal log-probs is its own, and nothing above depends on it)."""
-    return torch.topk(x, k, dim=-1, sorted=True)

@@ -14,7 +14,7 @@ x + residual rounded once: bit-exact except for the interpreter's bf16 truncatio
 import pytest
 import torch
 
-from optllm.kernels.rmsnorm import rms_norm, rms_norm_ref
+from optllm.kernels.rmsnorm import rms_norm, rms_norm_pair, rms_norm_pair_ref, rms_norm_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-6, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-6 if DEV == "cuda" else 3 * 2.0**-7}
@@ -132,3 +132,40 @@ def test_bad_inputs():
         rms_norm(x.t(), torch.ones(4, device=DEV, dtype=x.dtype), 1e-6, backend="triton")
     with pytest.raises(ValueError, match="backend"):
         rms_norm(x, w, 1e-6, backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("t, h", [(7, 64), (33, 576), (1, 1000)])
+def test_pair_side_by_side(t, h, gather, dtype):
+    """EAGLE-3's input: [norm(embedding rows) * wa, norm(b) * wb] in one launch, against the
+    reference (an embedding lookup, two norms, a concatenation) and against two rms_norm calls;
+    a table kept in float32 with bf16 features is cast first, as the draft casts its embedding."""
+    g = torch.Generator().manual_seed(t * h)
+    b, wb, _ = _data((t, h), dtype, seed=t + h)
+    wa = (1 + 0.2 * torch.randn(h, generator=g)).to(DEV, dtype)
+    if gather:
+        a = (torch.randn(50, h, generator=g) * 2).to(DEV)  # float32 table
+        ids = torch.randint(0, 50, (t,), generator=g).to(DEV)
+        rows = a[ids].to(dtype)
+    else:
+        a, ids = (torch.randn(t, h, generator=g) * 2).to(DEV, dtype), None
+        rows = a
+    got = rms_norm_pair(a, wa, b, wb, 1e-5, ids, backend="triton")
+    ref = rms_norm_pair_ref(a, wa, b, wb, 1e-5, ids)
+    assert got.shape == (t, 2 * h)
+    _close(got, ref)
+    _close(got[:, :h], rms_norm_ref(rows, wa, 1e-5))
+    _close(got[:, h:], rms_norm_ref(b, wb, 1e-5))
+    two = torch.cat([rms_norm(rows, wa, 1e-5, backend="triton"), rms_norm(b, wb, 1e-5, backend="triton")], dim=-1)
+    _close(got, two)
+
+
+def test_pair_bad_inputs_are_one_error():
+    b, w = torch.randn(3, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="a:"):
+        rms_norm_pair(torch.randn(4, 8), w, b, w, 1e-5)
+    with pytest.raises(ValueError, match="ids"):
+        rms_norm_pair(torch.randn(10, 8), w, b, w, 1e-5, ids=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="wa"):
+        rms_norm_pair(torch.randn(3, 8), torch.ones(7), b, w, 1e-5)

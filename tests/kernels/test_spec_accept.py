@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from optllm.kernels.spec_accept import greedy_accept_move, greedy_accept_move_ref
-from optllm.kernels.tree_struct import tree_struct_ref
+from optllm.kernels.tree_grow import tree_structure_ref as tree_struct_ref
 from optllm.runtime.spec.acceptance import greedy_accept
 from optllm.runtime.spec.kv_compact import accepted_kv_slots, move_kv_slots
 from optllm.runtime.spec.tree import TreeBatch

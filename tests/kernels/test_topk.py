@@ -84,6 +84,18 @@ def test_torch_backend_is_the_reference():
     assert (vals <= 0).all()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_id_map_gives_mapped_ids_in_the_same_order(backend):
+    """A reduced draft vocabulary's ids mapped to the target's inside the launch: the ids are
+    id_map of the unmapped call's columns, the values unchanged."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 4096 + 300, generator=g) * 3).to(DEV, torch.bfloat16)
+    id_map = torch.randperm(50000, generator=g)[:x.shape[1]].sort().values.to(DEV)
+    vals, ids = topk_logprobs(x, 8, backend=backend)
+    mv, mi = topk_logprobs(x, 8, backend=backend, id_map=id_map)
+    assert torch.equal(mv, vals) and torch.equal(mi, id_map[ids]) and not torch.equal(mi, ids)
+
+
 def test_bad_inputs_are_one_error():
     x = torch.randn(2, 10)
     for k in (0, 11, True, 2.0):
@@ -93,6 +105,10 @@ def test_bad_inputs_are_one_error():
         topk_logprobs(x.long(), 2)
     with pytest.raises(ValueError, match="logits"):
         topk_logprobs(torch.tensor(1.0), 1)
+    with pytest.raises(ValueError, match="id_map"):
+        topk_logprobs(x, 2, id_map=torch.arange(9))
+    with pytest.raises(ValueError, match="id_map"):
+        topk_logprobs(x, 2, id_map=torch.arange(10, dtype=torch.int32))
 
 
 @pytest.mark.gpu

@@ -247,9 +247,9 @@ def test_persistent_split_covers_every_group_once(tiles, gpt, warps):
 def test_what_the_runtime_sends_and_bad_configs():
     """fits(): the rows the runtime sends the kernel (bf16, M <= RUNTIME_MAX_M, unit stride along K,
     rows on 16-byte boundaries); anything else stays on the Triton kernels. Bad configs are refused."""
-    x = torch.zeros(9, 128, dtype=torch.bfloat16)
-    assert mk.fits(x[:8]) and mk.fits(x[:1])
-    assert not mk.fits(x)  # 9 rows: more than the runtime sends
+    x = torch.zeros(mk.RUNTIME_MAX_M + 1, 128, dtype=torch.bfloat16)
+    assert mk.RUNTIME_MAX_M == 16 and mk.fits(x[:16]) and mk.fits(x[:9]) and mk.fits(x[:1])
+    assert not mk.fits(x)  # 17 rows: more than the runtime sends
     assert not mk.fits(x[:4].float()) and not mk.fits(x[:4, None])
     assert not mk.fits(x[:4, 1:121])  # starts 2 bytes past a 16-byte boundary
     assert not mk.fits(torch.zeros(4, 130, dtype=torch.bfloat16)[:, :128])  # row stride 130: rows misaligned

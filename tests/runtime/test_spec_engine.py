@@ -33,11 +33,11 @@ def _run(model, prompts, params, **kw):
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-def _stepped_engine(model, draft, num_draft: int, max_tokens: int, steps: int):
+def _stepped_engine(model, draft, num_draft: int, max_tokens: int, steps: int, kernels: str = "auto"):
     """An engine with an EAGLE-type draft (top-k 3, depth 3, 16-token steps: prompts arrive in
     chunks) after `steps` steps of greedy requests for PROMPTS, mid-generation."""
     eng = LLM(str(model), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=3,
-              spec_num_draft=num_draft, max_num_batched_tokens=16).engine
+              spec_num_draft=num_draft, max_num_batched_tokens=16, kernels=kernels).engine
     for p in PROMPTS:
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     for _ in range(steps):
@@ -285,7 +285,7 @@ def test_eagle3_greedy_equals_plain_and_its_state_follows_the_sequence(tiny_llam
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_speculative_greedy_on_the_triton_kernels(tiny_llama, drafts, method):
     """kernels="triton" (the interpreter here, a GPU's path): each draft level ranked by
-    kernels/topk.py, the EAGLE trees' structure from kernels/tree_struct.py, Medusa's shared
+    kernels/topk.py, the EAGLE trees grown by kernels/tree_grow.py, Medusa's shared
     static structure: the output is plain greedy decoding's."""
     short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want, _ = _run(tiny_llama, PROMPTS[:2], short, kernels="triton")
@@ -323,28 +323,31 @@ def test_eligible_decodes_is_eligible_per_decode(tiny_llama, drafts):
 
 def _propose_recomputing_every_level(spec, roots, states, ctx, tables, n):
     """The EAGLE-2 growth as runtime/spec_runner.py ran it before each level ran only its own rows:
-    level d reran all d * k scratch rows under the square ancestor mask (the reference)."""
+    level d reran all d * k scratch rows under the square ancestor mask (the reference), the
+    pool's bookkeeping on kernels/tree_grow.py's torch references. Returns the selected Tree."""
+    from optllm.kernels.spec_slots import step_slots_ref
+    from optllm.kernels.tree_grow import grow, new_pool, select
     from optllm.runtime.layers.attention import AttentionMetadata
-    from optllm.runtime.spec.tree import DynamicTreeBuilder
-    from optllm.runtime.spec_runner import _slots
 
     k, bs, bsz = spec.options.top_k, spec.block_size, roots.shape[0]
     depth = spec.tree_depth(n)
-    builder = DynamicTreeBuilder(roots, spec.draft.ranked(states, k), top_k=k, depth=depth, num_draft=n - 1)
     rows = (depth - 1) * k
-    slots = _slots(tables, ctx[:, None] + torch.arange(rows)[None, :], bs)
+    pool = new_pool(bsz, k, depth, "cpu")
+    lp, ids = spec.draft.ranked(states, k)
+    front = grow(pool, 1, lp[:, None], ids[:, None], states[:, None], roots=roots, backend="torch")
+    slots = step_slots_ref(tables, ctx, 0, rows, bs).slots
     full = torch.eye(rows, dtype=torch.bool).expand(bsz, rows, rows).clone()
-    feats, toks, prev = [], [], None
+    feats, toks, prev, prev_ids = [], [], None, None
     for d in range(1, depth):
         m = d * k
         if d == 1:
             feats.append(states[:, None, :].expand(bsz, k, states.shape[-1]))
-        else:
-            j = builder.frontier_parent
+        else:  # each frontier node's parent, as an index into the previous frontier
+            j = (pool.parents.gather(1, front.ids)[:, :, None] == prev_ids[:, None, :]).int().argmax(dim=2)
             feats.append(prev.gather(1, j[:, :, None].expand(bsz, k, prev.shape[-1])))
             full[:, m - k:m, :m - k] = full[:, :m - k, :m - k].gather(1, ((d - 2) * k + j)[:, :, None].expand(
                 bsz, k, m - k))
-        toks.append(builder.frontier_tokens)
+        toks.append(front.tokens)
         meta = AttentionMetadata(
             slot_mapping=slots[:, :m].reshape(-1), block_tables=tables, seq_lens=(ctx + m).to(torch.int32),
             decode=False, cu_seqlens_q=torch.arange(bsz + 1, dtype=torch.int32) * m, max_seqlen_q=m,
@@ -353,46 +356,44 @@ def _propose_recomputing_every_level(spec, roots, states, ctx, tables, n):
         out = spec.draft(torch.cat(feats, 1).reshape(bsz * m, -1), torch.cat(toks, 1).reshape(-1), pos, meta)
         out = out.view(bsz, m, -1)[:, m - k:]
         lp, ids = spec.draft.ranked(out.reshape(bsz * k, -1), k)
-        builder.expand((lp.view(bsz, k, k), ids.view(bsz, k, k)))
-        prev = out
-    return builder.build(), builder
+        prev, prev_ids = out, front.ids
+        front = grow(pool, 1 + k + (d - 1) * k * k, lp.view(bsz, k, k), ids.view(bsz, k, k), out, front=front,
+                     last=d == depth - 1, backend="torch")
+    return select(pool, n, depth, backend="torch")
 
 
-def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_proposed(tiny_llama, tmp_path):
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_proposed(tiny_llama, tmp_path, kernels):
     """Each EAGLE-2 level runs the draft over its k frontier rows only, their keys the context and
     the scratch rows of earlier levels under the ancestor mask (the extend kernel's mask_cols):
     the trees, their scores and every level's ranked log-probs equal the old growth's, which
-    reran all d * k rows each level. A random EAGLE layer (its attention matters), batch 4."""
-    from optllm.runtime.spec.tree import DynamicTreeBuilder
+    reran all d * k rows each level. A random EAGLE layer (its attention matters), batch 4; on the
+    torch references and on the Triton kernels (kernels/tree_grow.py builds the masks and features)."""
+    import optllm.runtime.spec_runner as spec_runner
 
     folder = write_draft(tmp_path / "eagle", tiny_llama, "eagle", seed=5, noise=0.5)
-    eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10)
+    eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels)
     spec = eng.runner.spec
     seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
-    assert len(seqs) >= 2 and spec.tree_depth(spec.n) == 3
+    assert len(seqs) >= 2 and spec.tree_depth(spec.n) == 3 and spec.runner.backend == kernels
     for s in seqs:  # blocks for the draft's scratch rows, as the scheduler gives a speculative decode
         assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
     ctx, tables = spec._context(seqs)
     roots = spec._roots(seqs)
+    selected, select = [], spec_runner.select
+
+    def keep(*a, **kw):
+        selected.append(select(*a, **kw))
+        return selected[-1]
+
     with torch.inference_mode():
         states = spec.states(seqs)
-        got_scores, want_scores = [], []
-        build = DynamicTreeBuilder.build
-
-        def keep(scores):
-            def wrapped(self, make=None):
-                tree = build(self, make)
-                scores.append(self.kept_scores.clone())
-                return tree
-            return wrapped
-
-        DynamicTreeBuilder.build = keep(got_scores)
+        spec_runner.select = keep
         try:
             got, _ = spec._propose(roots, states, ctx, tables, spec.n)
-            DynamicTreeBuilder.build = keep(want_scores)
-            want, _ = _propose_recomputing_every_level(spec, roots, states, ctx, tables, spec.n)
         finally:
-            DynamicTreeBuilder.build = build
+            spec_runner.select = select
+        want = _propose_recomputing_every_level(spec, roots, states, ctx, tables, spec.n)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
     assert int(got.depths.max()) == 3  # the deepest level's rows attended two levels above
-    torch.testing.assert_close(got_scores[0], want_scores[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(selected[0].scores, want.scores, rtol=1e-5, atol=1e-5)

@@ -117,3 +117,26 @@ def test_fused_steps_on_the_triton_kernels(tiny_llama, drafts):
               spec_depth=2, spec_num_draft=3, spec_policy="fixed", **kw)
     assert _tokens(llm, prompts, params) == want
     assert llm.engine.stats().speculation["fused_steps"] >= 1
+
+
+def test_step_graphs_on_the_triton_kernels(tiny_llama, drafts):
+    """kernels="triton" under the step graphs (CPU stand-ins): a graphed step's inputs are slices
+    of its static buffers (the roots: the last column of the token window), which the growth,
+    slot and acceptance kernels read as they are."""
+    prompts, params = PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 6)]
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=64, kernels="triton")
+    want = _tokens(LLM(str(tiny_llama), device="cpu", dtype="float32", **kw), prompts, params)
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(drafts["eagle"]), spec_top_k=2,
+              spec_depth=3, spec_num_draft=5, spec_policy="fixed", **kw)
+    r = llm.engine.runner
+    r.make_graphs(4, eager_stand_in=True)
+    replayed: list[int] = []
+    run = r.spec.graphs.run_seqs
+
+    def counted(seqs, n, temps=None):
+        replayed.append(len(seqs))
+        return run(seqs, n, temps)
+
+    r.spec.graphs.run_seqs = counted
+    assert _tokens(llm, prompts, params) == want
+    assert replayed and sum(llm.engine.stats().speculation["histogram"][1:]) > 0

@@ -8,11 +8,13 @@ import pytest
 import torch
 from conftest import write_draft
 
+from optllm.kernels import tree_grow
+from optllm.kernels.tree_grow import new_pool, select
 from optllm.runtime.llm import LLM
 from optllm.runtime.sampling_params import SamplingParams
 from optllm.runtime.spec.acceptance import accepted_per_size, greedy_accept
 from optllm.runtime.spec.policy import AdaptivePolicy, CostTable, acceptance_prior
-from optllm.runtime.spec.tree import DynamicTreeBuilder, StaticTree, TreeBatch
+from optllm.runtime.spec.tree import StaticTree, TreeBatch
 from optllm.runtime.spec_runner import DEFAULT_MEDUSA_CHOICES
 
 
@@ -222,12 +224,16 @@ def test_accepted_per_size_equals_verifying_the_smaller_trees(seed):
     steps = [torch.log_softmax(torch.randn(bsz, 3, v, generator=g) * 2, dim=-1) for _ in range(2)]
 
     def grow(num_draft):
-        b = DynamicTreeBuilder(roots, logp, top_k=3, depth=3, num_draft=num_draft)
-        for lp in steps:
-            b.expand(lp)
-        t = b.build()
-        order = torch.sort(b.kept_scores, dim=1, descending=True, stable=True).indices
-        return t, torch.argsort(order, dim=1)
+        pool = new_pool(bsz, 3, 3, "cpu")
+        s, t = torch.topk(logp.clamp_max(0.0), 3, dim=-1)
+        front = tree_grow.grow(pool, 1, s[:, None], t[:, None], torch.zeros(bsz, 1, 1), roots=roots, backend="torch")
+        for d, lp in enumerate(steps, start=1):
+            s, t = torch.topk(lp.clamp_max(0.0), 3, dim=-1)
+            front = tree_grow.grow(pool, 4 + 9 * (d - 1), s, t, torch.zeros(bsz, 3, 1), front=front, last=d == 2,
+                                   backend="torch")
+        tree = select(pool, num_draft + 1, 3, backend="torch")
+        sizes = torch.full((bsz,), num_draft + 1)
+        return TreeBatch(tree.tokens, tree.parents, sizes, tree.depths, tree.mask, tree.paths), tree.ranks
 
     big, ranks = grow(12)
     # the target's choice after each node: a function of the node's path tokens, so every tree agrees

@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from optllm.runtime.spec.tree import DynamicTreeBuilder, StaticTree, TokenTree, TreeBatch
+from optllm.kernels.tree_grow import grow, new_pool, select
+from optllm.runtime.spec.tree import StaticTree, TokenTree, TreeBatch
 
 #        0
 #      /   \
@@ -140,33 +141,43 @@ def _brute_force(root: int, seed: int, top_k: int, depth: int, num_draft: int) -
     return {p: score[p] for p in best}
 
 
-def _grow(roots, seeds, top_k, depth, num_draft, ranked=False):
-    """DynamicTreeBuilder driven by the same draft model, for a batch; ranked: fed each level's
-    top_k pairs (as the runtime's kernel gives them) instead of the whole log-prob rows."""
-    feed = (lambda x: tuple(torch.topk(x, top_k, dim=-1))) if ranked else (lambda x: x)
-    lp = torch.stack([_draft_logprobs((r,), s) for r, s in zip(roots, seeds)])
-    bld = DynamicTreeBuilder(torch.tensor(roots), feed(lp), top_k=top_k, depth=depth, num_draft=num_draft)
-    for _ in range(depth - 1):
-        tokens, parents = bld.pool_tokens.tolist(), bld.pool_parents.tolist()
+def _grow(roots, seeds, top_k, depth, num_draft, backend):
+    """kernels/tree_grow.py driven by the same draft model, for a batch: each level fed the k
+    best log-probs (clamped to <= 0, descending) after each frontier node, as the runtime's
+    kernels/topk.py gives them."""
+    def ranked(rows):
+        return torch.topk(rows.clamp_max(0.0), top_k, dim=-1)
+
+    bsz = len(roots)
+    pool = new_pool(bsz, top_k, depth, "cpu")
+    s, t = ranked(torch.stack([_draft_logprobs((r,), sd) for r, sd in zip(roots, seeds)]))
+    front = grow(pool, 1, s.view(bsz, 1, top_k), t.view(bsz, 1, top_k), torch.zeros(bsz, 1, 1),
+                 roots=torch.tensor(roots), last=depth == 1, backend=backend)
+    size = 1 + top_k
+    for d in range(1, depth):
+        tokens, parents = pool.tokens.tolist(), pool.parents.tolist()
         rows = []
-        for b, front in enumerate(bld.frontier.tolist()):
+        for b, nodes in enumerate(front.ids.tolist()):
             per = []
-            for node in front:
+            for node in nodes:
                 path = []
                 while node >= 0:
                     path.append(tokens[b][node])
                     node = parents[b][node]
                 per.append(_draft_logprobs(tuple(reversed(path)), seeds[b]))
             rows.append(torch.stack(per))
-        bld.expand(feed(torch.stack(rows)))
-    return bld, bld.build()
+        s, t = ranked(torch.stack(rows))
+        front = grow(pool, size, s, t, torch.zeros(bsz, top_k, 1), front=front, last=d == depth - 1,
+                     backend=backend)
+        size += top_k * top_k
+    return select(pool, num_draft + 1, depth, backend=backend)
 
 
-@pytest.mark.parametrize("ranked", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("top_k,depth,num_draft", [(2, 3, 1), (2, 3, 4), (2, 3, 10), (3, 3, 7), (3, 2, 12), (1, 4, 4)])
-def test_eagle2_matches_brute_force(top_k, depth, num_draft, ranked):
+def test_eagle2_matches_brute_force(top_k, depth, num_draft, backend):
     roots, seeds = [3, 1], [10, 11]
-    bld, tb = _grow(roots, seeds, top_k, depth, num_draft, ranked)
+    tb = _grow(roots, seeds, top_k, depth, num_draft, backend)
     assert tb.tokens.shape == (2, num_draft + 1)
     for b in range(2):
         expect = _brute_force(roots[b], seeds[b], top_k, depth, num_draft)
@@ -175,7 +186,7 @@ def test_eagle2_matches_brute_force(top_k, depth, num_draft, ranked):
             path = tb.paths[b, i][tb.paths[b, i] >= 0].tolist()
             assert path[0] == 0 and tb.parents[b, i] == path[-2]  # a tree: every parent kept
             assert tb.parents[b, i] < i  # topological order
-            got[tuple(tb.tokens[b, path[1:]].tolist())] = float(bld.kept_scores[b, i])
+            got[tuple(tb.tokens[b, path[1:]].tolist())] = float(tb.scores[b, i])
         assert tb.tokens[b, 0] == roots[b]
         assert set(got) == set(expect)
         for p in got:
@@ -183,29 +194,17 @@ def test_eagle2_matches_brute_force(top_k, depth, num_draft, ranked):
         assert tb.depths[b].max() <= depth
 
 
-def test_eagle2_ties_keep_parents():
-    """All log-probs 0 (every candidate ties): the kept set is the first candidates created,
-    which is a tree (a parent is always created before its children)."""
-    bld = DynamicTreeBuilder(torch.tensor([0]), torch.zeros(1, 4), top_k=2, depth=3, num_draft=5)
-    bld.expand(torch.zeros(1, 2, 4))
-    bld.expand(torch.zeros(1, 2, 4))
-    tb = bld.build()
-    assert tb.parents.tolist() == [[-1, 0, 0, 1, 1, 2]]  # pool 3, 4: children of 1; 5: of 2
-    assert (tb.parents[0, 1:] >= 0).all()
-
-
 def test_eagle2_bad_arguments():
-    lp = torch.zeros(1, 4)
-    with pytest.raises(ValueError, match="num_draft"):
-        DynamicTreeBuilder(torch.tensor([0]), lp, top_k=2, depth=2, num_draft=7)
-    with pytest.raises(ValueError, match="top_k"):
-        DynamicTreeBuilder(torch.tensor([0]), lp, top_k=0, depth=2, num_draft=1)
-    bld = DynamicTreeBuilder(torch.tensor([0]), lp, top_k=2, depth=1, num_draft=2)
-    with pytest.raises(ValueError, match="depth"):
-        bld.expand(torch.zeros(1, 2, 4))
-    pair = (torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.int64))  # top_k=3 pairs for top_k=2
-    with pytest.raises(ValueError, match="root_logprobs"):
-        DynamicTreeBuilder(torch.tensor([0]), pair, top_k=2, depth=2, num_draft=2)
-    bld = DynamicTreeBuilder(torch.tensor([0]), (pair[0][:, :2], pair[1][:, :2]), top_k=2, depth=2, num_draft=2)
-    with pytest.raises(ValueError, match="logprobs"):
-        bld.expand((torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, dtype=torch.int64)))
+    """The runtime's options are checked where the engine is configured (EngineConfig), and
+    again by the speculative decoder for direct use."""
+    from optllm.kernels import tree_grow
+    from optllm.runtime.config import TREE_MAX_NODES, EngineConfig
+
+    assert TREE_MAX_NODES == tree_grow.MAX_NODES
+
+    with pytest.raises(ValueError, match="spec_num_draft=7"):
+        EngineConfig(model="m", spec_top_k=2, spec_depth=2, spec_num_draft=7)
+    with pytest.raises(ValueError, match="spec_top_k"):
+        EngineConfig(model="m", spec_top_k=0, spec_depth=2, spec_num_draft=1)
+    with pytest.raises(ValueError, match="spec_num_draft=128"):
+        EngineConfig(model="m", spec_top_k=10, spec_depth=3, spec_num_draft=128)
