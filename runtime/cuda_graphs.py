@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from .layers.attention import AttentionMetadata
-from .step_inputs import HostBatch, host_tensor
+from .step_inputs import HostBatch
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -49,17 +48,22 @@ class _EagerStandIn:
 
 
 @torch.inference_mode()
-def capture_graphs(graphs: dict, runs: dict, device, eager_stand_in: bool) -> dict:
+def capture_graphs(graphs: dict, runs: dict, device, eager_stand_in: bool, prepare=None) -> dict:
     """Capture runs[key]() (largest first: they share one memory pool) into graphs[key]; returns
-    {key: the outputs the graph refills at each replay}. eager_stand_in: _EagerStandIn instead."""
+    {key: the outputs the graph refills at each replay}. eager_stand_in: _EagerStandIn instead.
+    prepare(key), when given, runs before key's first run (host-side inputs of its warm-up)."""
     outputs = {}
     if eager_stand_in:
         for key, run in runs.items():
+            if prepare is not None:
+                prepare(key)
             outputs[key] = tuple(t.clone() if t is not None else None for t in run())
             graphs[key] = _EagerStandIn(run, outputs[key])
         return outputs
     pool = None
     for key, run in runs.items():
+        if prepare is not None:
+            prepare(key)
         run()  # warm-up: Triton compiles and autotunes outside the capture
         torch.cuda.synchronize(device)
         g = torch.cuda.CUDAGraph()
@@ -71,38 +75,78 @@ def capture_graphs(graphs: dict, runs: dict, device, eager_stand_in: bool) -> di
     return outputs
 
 
+class HostStaging:
+    """A step's inputs as the host writes them and a captured graph reads them: a host buffer
+    (pinned on CUDA) and its device twin. A graph captures the copy of its span (``upload``), and
+    a captured host-to-device copy reads the host memory anew at every replay: a step writes its
+    inputs through the numpy view ``np`` and replays, with no torch op between (each costs the
+    H200's host ~10-20 µs, and a step made about ten). The writer must know that the last replay
+    has read the buffer (``ReplayFence``)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.host = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=dtype, device=device)
+
+    def upload(self, n: int) -> torch.Tensor:
+        """Inside a capture: the copy of the first n elements; returns their device view."""
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        return self.dev[:n]
+
+
+class ReplayFence:
+    """An event recorded after each replay: ``wait`` returns once the last replay (and so its
+    copies out of the staging buffers) is done. Steps read their results back before the next
+    one writes, so the wait is almost always free; it keeps a step that does not from racing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def replayed(self) -> None:
+        if self.event is not None:
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
 class DecodeGraphs:
+    """Per bucket b the graph reads its inputs from two staging buffers laid out for b rows,
+    int64 [ids b | positions b | slots b] and int32 [key counts b | block tables b x width], and
+    outputs the logits and their argmax (a greedy step's tokens: the sampler's all-greedy case)."""
+
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
                  num_splits_for, eager_stand_in: bool = False, sink=None) -> None:
-        self.model, self.sink = model, sink
+        self.model, self.sink, self.vocab_size = model, sink, vocab_size
         self.eager_stand_in = eager_stand_in
         self.buckets = graph_buckets(max_batch)
         self.max_batch, self.width = self.buckets[-1], max_blocks_per_seq
         n = self.max_batch
-        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
+        self.i64 = HostStaging(3 * n, torch.int64, device)
+        self.i32 = HostStaging(n * (1 + self.width), torch.int32, device)
+        self.fence = ReplayFence(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple] = {}  # bucket -> (logits,), refilled by each replay
+        self.outputs: dict[int, tuple] = {}  # bucket -> (logits, argmax), refilled by each replay
         self.num_splits_for = num_splits_for
         self._capture(device)
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slots[:b], block_tables=self.tables[:b], seq_lens=self.seq_lens[:b],
+    def _run(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, argmax) of bucket b; the hidden rows go to the sink."""
+        i64, i32 = self.i64.upload(3 * b), self.i32.upload(b * (1 + self.width))
+        ids, positions, slots = i64[:b], i64[b:2 * b], i64[2 * b:]
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=i32[b:].view(b, self.width), seq_lens=i32[:b],
                                  decode=True, num_splits=self.num_splits_for(b))
-
-    def _run(self, b: int) -> tuple[torch.Tensor]:
-        """(logits,) of bucket b; the hidden rows go to the sink."""
-        hidden = self.model(self.ids[:b], self.positions[:b], self._meta(b))
+        hidden = self.model(ids, positions, meta)
         if self.sink is not None:
-            self.sink(hidden, getattr(self.model.model, "aux_hidden", None), self.slots[:b])
-        return (self.model.compute_logits(hidden),)
+            self.sink(hidden, getattr(self.model.model, "aux_hidden", None), slots)
+        logits = self.model.compute_logits(hidden)
+        return logits, logits[:, :self.vocab_size].argmax(dim=-1)  # (a padded LM head's columns excluded)
 
     def _capture(self, device) -> None:
+        # the warm-up runs' batch: all padding (slot -1: nothing stored; one key)
         self.outputs = capture_graphs(self.graphs, {b: functools.partial(self._run, b) for b in reversed(self.buckets)},
-                                    device, self.eager_stand_in)
+                                      device, self.eager_stand_in, prepare=lambda b: self._write_padding(b, 0))
 
     def bucket(self, b: int) -> int | None:
         for size in self.buckets:
@@ -110,27 +154,35 @@ class DecodeGraphs:
                 return size
         return None
 
+    def _write_padding(self, size: int, b: int) -> None:
+        """Rows b .. size of bucket size's layout: token 0 at position 0, slot -1, one key over block 0."""
+        q, i = self.i64.np, self.i32.np
+        q[b:size] = 0
+        q[size + b:2 * size] = 0
+        q[2 * size + b:3 * size] = -1
+        i[b:size] = 1
+        i[size + b * self.width:size + size * self.width] = 0
+
     @torch.inference_mode()
-    def replay(self, hb: HostBatch) -> torch.Tensor:
-        """Logits [b, vocab] of a decode batch (b <= max_batch)."""
+    def replay(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [b, vocab], argmax int64 [b]) of a decode batch (b <= max_batch): the graph's
+        outputs, valid until its next replay."""
         b = len(hb.ids)
         size = self.bucket(b)
-        pad = size - b
         width = hb.table.shape[1]
-        i64 = host_tensor("q", hb.ids, [0] * pad, hb.positions, [0] * pad, hb.slots, [-1] * pad)
-        table = np.zeros((size, width), dtype=np.int32)
-        table[:b] = hb.table
-        i32 = torch.from_numpy(np.concatenate([np.asarray(hb.seq_lens + [1] * pad, dtype=np.int32),
-                                               table.reshape(-1)]))
-        i64 = i64.to(self.ids.device, non_blocking=True)
-        i32 = i32.to(self.ids.device, non_blocking=True)
-        self.ids[:size].copy_(i64[:size])
-        self.positions[:size].copy_(i64[size:2 * size])
-        self.slots[:size].copy_(i64[2 * size:])
-        self.seq_lens[:size].copy_(i32[:size])
-        self.tables[:size, :width].copy_(i32[size:].view(size, width))
+        self.fence.wait()
+        q, i = self.i64.np, self.i32.np
+        q[:b] = hb.ids
+        q[size:size + b] = hb.positions
+        q[2 * size:2 * size + b] = hb.slots
+        i[:b] = hb.seq_lens
+        i[size:size + size * self.width].reshape(size, self.width)[:b, :width] = hb.table
+        if size > b:
+            self._write_padding(size, b)
         self.graphs[size].replay()
-        return self.outputs[size][0][:b]
+        self.fence.replayed()
+        logits, greedy = self.outputs[size]
+        return logits[:b], greedy[:b]
 
 
 class VerifyGraphs:

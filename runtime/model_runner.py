@@ -308,7 +308,9 @@ class ModelRunner:
     def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:
         hb = host_batch(seqs, num_new_tokens, self.block_size, self.block_tables)
         if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            logits = self.graphs.replay(hb)  # (with a draft: the rows' features stored inside)
+            # (with a draft: the rows' features stored inside); the argmax: the all-greedy case's tokens
+            logits, greedy = self.graphs.replay(hb)
+            return self._sample(seqs, hb, logits, greedy)
         else:
             inputs = to_device(hb, self.device, decode, self.decode_splits(len(seqs)) if decode else None)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -319,13 +321,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[hb.sample_rows(inputs.logits_rows)]) if hb.sample else None
         return self._sample(seqs, hb, logits)
 
-    def _sample(self, seqs, hb, logits) -> list[int | None]:
+    def _sample(self, seqs, hb, logits, greedy=None) -> list[int | None]:
         """Each sequence's sampled token (None where it does not sample) from the logits of the
-        rows that sample (hb.sample's order); the host sync of the step."""
+        rows that sample (hb.sample's order; greedy: their argmax, computed already); the host sync
+        of the step."""
         if not hb.sample:
             return [None] * len(seqs)
         sampling = [seqs[i] for i, _ in hb.sample]
-        out = self.sampler(logits, sampling)
+        out = self.sampler(logits, sampling, greedy=greedy)
         ids = out.token_ids.tolist()  # the step's one host sync
         if out.logprobs is not None:
             self._record_logprobs(sampling, ids, out)

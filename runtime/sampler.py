@@ -247,14 +247,16 @@ class Sampler:
         return x
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SamplerOutput:
-        """logits [B, >= vocab_size] (any float dtype), row i for seqs[i] -> SamplerOutput."""
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], greedy: torch.Tensor | None = None) -> SamplerOutput:
+        """logits [B, >= vocab_size] (any float dtype), row i for seqs[i] -> SamplerOutput.
+        greedy: int64 [B], the logits' argmax over the vocabulary if the caller has it (a decode
+        graph computes it inside): taken as is when every row decodes greedily, unmodified."""
         logits = self._check(logits, seqs)
         st = self._scan(seqs)
         all_greedy, any_greedy = all(st.greedy), any(st.greedy)
         modify = bool(st.pen_rows or st.ban_rows)
         if all_greedy and not modify and st.k_max < 0:
-            return SamplerOutput(logits.argmax(dim=-1))
+            return SamplerOutput(logits.argmax(dim=-1) if greedy is None else greedy)
         # the parameters that some stage reads, in one float tensor (one copy to the device)
         used = [name for name, on in (
             ("greedy", any_greedy and not all_greedy), ("temp", any(t != 1.0 for t in st.temp)),

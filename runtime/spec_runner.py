@@ -47,6 +47,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..kernels.spec_accept import greedy_accept_move
@@ -54,7 +55,7 @@ from ..kernels.spec_slots import step_slots
 from ..kernels.topk import topk_logprobs
 from ..kernels.tree_grow import MAX_NODES as TREE_MAX_NODES
 from ..kernels.tree_grow import grow, new_pool, pool_size, select
-from .cuda_graphs import capture_graphs, graph_buckets
+from .cuda_graphs import HostStaging, ReplayFence, capture_graphs, graph_buckets
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import AttentionMetadata
 from .sampler import token_logprobs
@@ -70,7 +71,7 @@ from .spec.acceptance import (
 )
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import StaticTree, TreeBatch, const_arange, const_full
-from .step_inputs import HostBatch, host_tensor, packed_to
+from .step_inputs import HostBatch, packed_to
 
 # EAGLE: plain steps a speculative step's graphed catch-up window covers beyond its own last step's
 # tokens (the draft reruns those rows every speculative step: B * 8 more rows of one layer)
@@ -378,7 +379,7 @@ class SpecDecoder:
                 if graphs is not None and b <= graphs.max_batch:
                     hb = HostBatch([0] * b, [ctx_len] * b, slots.tolist(), [ctx_len + 1] * b, None,
                                    tables.cpu().numpy(), list(range(b)), [(i, i) for i in range(b)], [])
-                    logits = graphs.replay(hb)
+                    logits = graphs.replay(hb)[0]
                 else:
                     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
                                              seq_lens=(ctx + 1).to(torch.int32), decode=True,
@@ -571,8 +572,9 @@ class SpecDecoder:
         behind = self._count_behind(seqs)
         if key is not None:
             self._catch_up_before_window(seqs, behind)
-            res, ranks = self.graphs.run_seqs(seqs, self.n, [p.temperature for p in params] if sampled else None)
-            return self._emit(seqs, res, ranks, self.n, None)
+            temps = [p.temperature for p in params] if sampled else None
+            res, ranks, packed = self.graphs.run_seqs(seqs, self.n, temps)
+            return self._emit(seqs, res, ranks, self.n, None, packed)
         ctx, tables = self._context(seqs)
         states = self._eager_states(seqs, ctx, tables, behind)
         tree, _, logits, res, ranks = self._draft_and_verify(self._roots(seqs), states, ctx, tables, params, self.n)
@@ -588,7 +590,7 @@ class SpecDecoder:
         behind = self._count_behind(seqs)
         if self.graphs is not None and self.graphs.propose_bucket(len(seqs), self.n) is not None:
             self._catch_up_before_window(seqs, behind)
-            tree, ranks = self.graphs.run_propose_seqs(seqs, ctx, tables, self.n)
+            tree, ranks = self.graphs.run_propose_seqs(seqs, self.n)
         else:
             tree, ranks = self._propose(self._roots(seqs), self._eager_states(seqs, ctx, tables, behind), ctx,
                                         tables, self.n)
@@ -641,18 +643,22 @@ class SpecDecoder:
             self._caught_up(behind, t0)
         return states
 
-    def _emit(self, seqs, res: AcceptResult, ranks: torch.Tensor, n: int, logits) -> list[list[int]]:
+    def _emit(self, seqs, res: AcceptResult, ranks: torch.Tensor, n: int, logits,
+              packed: torch.Tensor | None = None) -> list[list[int]]:
         """The step's one host sync and its bookkeeping: each sequence's new tokens (accepted + 1),
         the policy's per-size acceptance, log-probabilities (logits [B, n, V], None on a graphed
-        step: no row asked), the stats."""
+        step: no row asked), the stats. packed: a step graph's results in one int64 tensor, laid out
+        as the copy below (SpecStepGraphs.run)."""
         bsz = len(seqs)
         # what the host needs, packed into one copy (a copy and a kernel launch per tensor, and the
         # policy's per-size counts on the device, cost the H200's host ~0.3 ms a step at batch 1)
         width = res.tokens.shape[1]
-        parts = [res.num_accepted.view(bsz, 1), res.tokens, res.accepted]
-        if self.policy is not None:
-            parts.append(ranks)
-        host = torch.cat([p.to(torch.int64) for p in parts], dim=1).cpu()
+        if packed is None:
+            parts = [res.num_accepted.view(bsz, 1), res.tokens, res.accepted]
+            if self.policy is not None:
+                parts.append(ranks)
+            packed = torch.cat([p.to(torch.int64) for p in parts], dim=1)
+        host = packed.cpu()
         num_acc = host[:, 0].tolist()
         tokens = host[:, 1:1 + width].tolist()
         out = [tokens[b][:num_acc[b] + 1] for b in range(bsz)]
@@ -840,11 +846,15 @@ class SpecStepGraphs:
     (``temperature_probs``, the closed-form point-mass rule, the final token by the exponential
     race) from the default generator, which CUDA graphs capture safely (each replay advances it).
 
-    Static inputs: ids int64 [b, G] (the tokens at positions c - G + 1 .. c, the root last;
-    Medusa: G = 1, the root), ctx int64 [b], tables int32 [b, width], temps float32 [b].
-    Padding rows (past B) run in ``pad_block``, a block of the caches no sequence is given: their
-    tables point only at it, so whatever they write lands there. ``eager_stand_in``: as
-    DecodeGraphs' (the plumbing on a CPU)."""
+    Inputs: ids int64 [b, G] (the tokens at positions c - G + 1 .. c, the root last; Medusa: G = 1,
+    the root), ctx int64 [b], tables int32 [b, width], temps float32 [b]. A step graph reads them
+    from host staging buffers laid out for its bucket (int64 [ids b x G | ctx b], int32 tables, float32
+    temps; see cuda_graphs.HostStaging: the host writes them with numpy, the graph copies them in),
+    and outputs its results packed in one int64 [b, 1 + 3 N] (num_accepted, tokens, accepted path,
+    node ranks) for one read-back. The propose graphs read static device buffers (a fused step has
+    its ctx and tables on the device already). Padding rows (past B) run in ``pad_block``, a block of
+    the caches no sequence is given: their tables point only at it, so whatever they write lands
+    there. ``eager_stand_in``: as DecodeGraphs' (the plumbing on a CPU)."""
 
     def __init__(self, spec: SpecDecoder, max_batch: int, sizes, max_tokens: int, width: int, pad_block: int,
                  eager_stand_in: bool = False) -> None:
@@ -856,27 +866,37 @@ class SpecStepGraphs:
         # also carries plain rows (eager, ragged): keys (b, n)
         self.propose_keys = sorted({(b, n) for b, n, _ in self.keys})
         big = max((b for b, _, _ in self.keys), default=1)
-        self.ids = torch.zeros(big, self.g, dtype=torch.int64, device=dev)
-        self.ctx = torch.full((big,), self.g, dtype=torch.int64, device=dev)
-        self.tables = torch.full((big, width), pad_block, dtype=torch.int32, device=dev)
-        self.temps = torch.zeros(big, dtype=torch.float32, device=dev)
+        self.i64 = HostStaging(big * (self.g + 1), torch.int64, dev)
+        self.i32 = HostStaging(big * width, torch.int32, dev)
+        self.f32 = HostStaging(big, torch.float32, dev)
+        self.fence = ReplayFence(dev)
         self.graphs: dict = {}
         runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: (-k[0] * k[1], k[2]))}
         runs |= {("propose", *k): functools.partial(self._run_propose, *k)
                  for k in sorted(self.propose_keys, key=lambda k: -k[0] * k[1])}
-        self.outputs = capture_graphs(self.graphs, runs, dev, eager_stand_in)
+        # the warm-up runs' inputs: every row padding
+        self.outputs = capture_graphs(self.graphs, runs, dev, eager_stand_in,
+                                      prepare=lambda k: self._write(k[1] if k[0] == "propose" else k[0], 0, None,
+                                                                    None, None))
+
+    def _inputs(self, b: int):
+        """Inside a capture: bucket b's inputs copied in from the staging, (ids, ctx, tables)."""
+        g, i64 = self.g, self.i64.upload(b * (self.g + 1))
+        return i64[:b * g].view(b, g), i64[b * g:], self.i32.upload(b * self.width).view(b, self.width)
 
     def _run(self, b: int, n: int, sampled: bool):
         spec = self.spec
-        ids, ctx, tables = self.ids[:b], self.ctx[:b], self.tables[:b]
+        ids, ctx, tables = self._inputs(b)
+        temps = self.f32.upload(b) if sampled else None
         states = spec._states_fixed(ids, ctx, tables)
         _, _, _, res, ranks = spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n, inner=True,
-                                                     temps=self.temps[:b] if sampled else None)
-        return res.accepted, res.num_accepted, res.tokens, ranks
+                                                     temps=temps)
+        # what the host reads, one tensor: [num_accepted | tokens | accepted | ranks]
+        return (torch.cat([res.num_accepted.view(b, 1), res.tokens, res.accepted, ranks], dim=1).to(torch.int64),)
 
     def _run_propose(self, b: int, n: int):
         spec = self.spec
-        ids, ctx, tables = self.ids[:b], self.ctx[:b], self.tables[:b]
+        ids, ctx, tables = self._inputs(b)
         tree, ranks = spec._propose(ids[:, -1], spec._states_fixed(ids, ctx, tables), ctx, tables, n)
         return tree.tokens, tree.parents, tree.sizes, tree.depths, tree.mask, tree.paths, ranks
 
@@ -886,49 +906,58 @@ class SpecStepGraphs:
     def propose_bucket(self, bsz: int, n: int) -> int | None:
         return next((b for b, m in self.propose_keys if m == n and b >= bsz), None)
 
+    def _write(self, b: int, bsz: int, ids, ctx, tables, temps=None) -> None:
+        """The host staging of bucket b: bsz rows of ids (numpy int64 [bsz, G]), ctx ([bsz]), tables
+        (int32 [bsz, w <= width]) and temps ([bsz] or None), then rows bsz .. b as padding (ids 0,
+        ctx G, tables all pad_block, temperature 0)."""
+        g, width = self.g, self.width
+        q, t = self.i64.np, self.i32.np[:b * width].reshape(b, width)
+        if bsz:
+            q[:bsz * g] = ids.reshape(-1)
+            q[b * g:b * g + bsz] = ctx
+            w = tables.shape[1]
+            t[:bsz, :w] = tables
+            t[:bsz, w:] = self.pad_block
+            if temps is not None:
+                self.f32.np[:bsz] = temps
+        q[bsz * g:b * g] = 0
+        q[b * g + bsz:b * (g + 1)] = g
+        t[bsz:] = self.pad_block
+        self.f32.np[bsz:b] = 0.0
+
     @torch.inference_mode()
-    def run(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, n: int,
-            temps: torch.Tensor | None = None):
-        """(AcceptResult, ranks) of B sequences' step with trees of n nodes: ids int64 [B, G],
-        ctx int64 [B] (c >= 1), tables int32 [B, w <= width]; temps float32 [B] (None: greedy,
-        the greedy graph); the outputs are the graph's own (valid until its next replay). Needs a
-        bucket: ``bucket(B, n, temps is not None)`` is not None."""
+    def run(self, ids, ctx, tables, n: int, temps=None):
+        """(AcceptResult, ranks, packed) of B sequences' step with trees of n nodes: ids int64 [B, G],
+        ctx int64 [B] (c >= 1), tables int32 [B, w <= width], temps float32 [B] (None: greedy, the
+        greedy graph), each a numpy array or a tensor (a device tensor is read back first: the
+        start-up profile's path); packed: the results in one int64 [B, 1 + 3 N] (see the class
+        docstring), the others views of it. The outputs are the graph's own (valid until its next
+        replay). Needs a bucket: ``bucket(B, n, temps is not None)`` is not None."""
+        ids, ctx, tables, temps = (t.cpu().numpy() if isinstance(t, torch.Tensor) else t
+                                   for t in (ids, ctx, tables, temps))
         bsz = ids.shape[0]
         sampled = temps is not None
         b = self.bucket(bsz, n, sampled)
-        if sampled:
-            self.temps[:bsz].copy_(temps)
-        self._load(ids, ctx, tables, b)
+        self.fence.wait()
+        self._write(b, bsz, ids, ctx, tables, temps)
         self.graphs[(b, n, sampled)].replay()
-        acc, num, tok, ranks = self.outputs[(b, n, sampled)]
-        return AcceptResult(acc[:bsz], num[:bsz], tok[:bsz]), ranks[:bsz]
+        self.fence.replayed()
+        packed = self.outputs[(b, n, sampled)][0][:bsz]
+        m = (packed.shape[1] - 1) // 3  # the trees' nodes
+        return AcceptResult(packed[:, 1 + m:1 + 2 * m], packed[:, 0], packed[:, 1:1 + m]), packed[:, 1 + 2 * m:], packed
 
     @torch.inference_mode()
-    def run_propose_seqs(self, seqs, ctx: torch.Tensor, tables: torch.Tensor, n: int):
+    def run_propose_seqs(self, seqs, n: int):
         """(TreeBatch, ranks) of the scheduled sequences' proposal, trees of n nodes (the graph's
-        outputs: valid until its next replay); ctx int64 [B], tables int32 [B, w <= width] on the
-        device. Needs ``propose_bucket(B, n)``."""
+        outputs: valid until its next replay). Needs ``propose_bucket(B, n)``."""
         bsz = len(seqs)
         b = self.propose_bucket(bsz, n)
-        ids = host_tensor("q", *self._window(seqs)).view(bsz, self.g).to(self.spec.device, non_blocking=True)
-        self._load(ids, ctx, tables, b)
+        self.fence.wait()
+        self._write(b, bsz, *self._host_inputs(seqs))
         self.graphs[("propose", b, n)].replay()
+        self.fence.replayed()
         out = [t[:bsz] for t in self.outputs[("propose", b, n)]]
         return TreeBatch(*out[:6]), out[6]
-
-    def _load(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, b: int) -> None:
-        """B sequences' ids, ctx and tables (w <= width columns) into the static inputs of bucket
-        b >= B; rows B .. b as padding (rows of an earlier, larger step)."""
-        bsz, w = ids.shape[0], tables.shape[1]
-        self.ids[:bsz].copy_(ids)
-        self.ctx[:bsz].copy_(ctx)
-        self.tables[:bsz, :w].copy_(tables)
-        self.tables[:bsz, w:].fill_(self.pad_block)
-        if b > bsz:
-            self.ids[bsz:b].zero_()
-            self.ctx[bsz:b].fill_(self.g)
-            self.tables[bsz:b].fill_(self.pad_block)
-            self.temps[bsz:b].zero_()
 
     def _window(self, seqs) -> list[list[int]]:
         """Each sequence's tokens at c - G + 1 .. c (the root last), zeros before its first (rows
@@ -940,12 +969,12 @@ class SpecStepGraphs:
             rows.append(s.token_ids[c - g + 1: c + 1] if c >= g else [0] * (g - 1 - c) + s.token_ids[:c + 1])
         return rows
 
+    def _host_inputs(self, seqs):
+        """(ids, ctx, tables) of scheduled sequences, numpy."""
+        ids = np.array(self._window(seqs), dtype=np.int64)
+        ctx = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        return ids, ctx, self.spec.runner.block_tables.gather(seqs, max(len(s.block_table) for s in seqs))
+
     def run_seqs(self, seqs, n: int, temps: list[float] | None = None):
         """``run`` for scheduled sequences; temps: each one's temperature (None: a greedy step)."""
-        g, dev = self.g, self.spec.device
-        host = host_tensor("q", *self._window(seqs), [s.num_computed_tokens for s in seqs]).to(dev, non_blocking=True)
-        bsz = len(seqs)
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.from_numpy(self.spec.runner.block_tables.gather(seqs, width)).to(dev, non_blocking=True)
-        t = None if temps is None else torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
-        return self.run(host[:bsz * g].view(bsz, g), host[bsz * g:], tables, n, t)
+        return self.run(*self._host_inputs(seqs), n, None if temps is None else np.array(temps, dtype=np.float32))

@@ -128,9 +128,14 @@ def test_cuda_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint, w4a16_g64_
     a = LLM(folder, device="cuda", max_num_seqs=8, **SMALL)
     b = LLM(folder, device="cuda", max_num_seqs=8, enforce_eager=True, **SMALL)
     assert a.engine.runner.graphs is not None and b.engine.runner.graphs is None
-    for _ in range(2):  # replayed many times over
-        ta = [o.outputs[0].token_ids for o in a.generate(PROMPTS, greedy(32))]
-        tb = [o.outputs[0].token_ids for o in b.generate(PROMPTS, greedy(32))]
+    # the sampler on the graph's logits (min_tokens bans EOS), the graph's own argmax (all greedy,
+    # nothing banned), seeded sampled rows beside greedy ones
+    plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    mixed = [greedy(32), SamplingParams(temperature=0.8, seed=5, max_tokens=20), plain,
+             SamplingParams(temperature=1.0, top_k=20, seed=9, max_tokens=25)]
+    for params in (greedy(32), plain, plain, mixed):  # replayed many times over
+        ta = [o.outputs[0].token_ids for o in a.generate(PROMPTS, params)]
+        tb = [o.outputs[0].token_ids for o in b.generate(PROMPTS, params)]
         assert ta == tb
 
 

@@ -70,9 +70,9 @@ def test_fused_steps_under_the_propose_graphs(tiny_llama, drafts, plain_greedy):
     proposed: list[int] = []
     run = r.spec.graphs.run_propose_seqs
 
-    def counted(seqs, ctx, tables, n):
+    def counted(seqs, n):
         proposed.append(len(seqs))
-        tree, ranks = run(seqs, ctx, tables, n)
+        tree, ranks = run(seqs, n)
         assert tree.tokens.shape == (len(seqs), n) and ranks.shape == (len(seqs), n)
         return tree, ranks
 

@@ -1,0 +1,95 @@
+"""Decode graphs' inputs through host staging buffers (runtime/cuda_graphs.py): the host writes a
+step's inputs with numpy and the graph copies them in, padding rows included; the graph's argmax
+serves all-greedy batches and the sampler everything else. On the CPU the graphs are stand-ins
+(the same buffers, the model run again at each 'replay'); the marked test checks the CUDA part:
+a captured host-to-device copy reads the host buffer anew at every replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from optllm import LLM, SamplingParams
+from optllm.runtime.cuda_graphs import HostStaging, ReplayFence
+
+PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [11, 12, 13], list(range(20, 61)), [300, 1, 300, 2] * 5, [9, 8, 7, 6]]
+
+
+def _generate(llm: LLM, params, graphs: bool):
+    replays: list[int] = []
+    if graphs:
+        r = llm.engine.runner
+        r.make_graphs(8, eager_stand_in=True)  # buckets 1, 2, 4, 8: five sequences pad to 8
+        replay = r.graphs.replay
+
+        def counted(hb):
+            replays.append(len(hb.ids))
+            return replay(hb)
+
+        r.graphs.replay = counted
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)], replays
+
+
+@pytest.mark.parametrize("mix", ["greedy", "mixed"])
+def test_graph_steps_equal_eager_steps(tiny_llama, mix):
+    """Greedy (the graph's argmax), then greedy rows beside seeded sampled rows, a repetition
+    penalty and min_tokens (the sampler on the graph's logits): the same tokens as eager decoding,
+    over padded buckets and shrinking batches."""
+    if mix == "greedy":
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 10, 16, 5, 20)]
+    else:
+        params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                  SamplingParams(temperature=0.9, top_p=0.8, seed=7, max_tokens=17, ignore_eos=True),
+                  SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=20),
+                  SamplingParams(temperature=1.0, seed=3, max_tokens=11, min_tokens=9),
+                  SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    want, _ = _generate(LLM(str(tiny_llama), device="cpu", dtype="float32"), params, graphs=False)
+    got, replays = _generate(LLM(str(tiny_llama), device="cpu", dtype="float32"), params, graphs=True)
+    assert got == want
+    assert 5 in replays and len(set(replays)) > 1, replays  # padded to 8, and smaller batches later
+
+
+def test_padding_rows_of_a_bucket_are_written_each_step(tiny_llama):
+    """A batch of 3 after a batch of 8 in bucket 4: row 3 must be padding again (slot -1: nothing
+    stored; one key over block 0), not the earlier step's row."""
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32")
+    r = llm.engine.runner
+    r.make_graphs(8, eager_stand_in=True)
+    g = r.graphs
+    q, i = g.i64.np, g.i32.np
+    q[:] = 77
+    i[:] = 77
+    g._write_padding(4, 3)
+    assert q[3] == 0 and q[4 + 3] == 0 and q[8 + 3] == -1 and i[3] == 1
+    assert (i[4 + 3 * g.width:4 + 4 * g.width] == 0).all()
+    assert q[2] == 77 and q[4 + 2] == 77 and q[8 + 2] == 77 and i[2] == 77  # the batch's rows untouched
+
+
+@pytest.mark.gpu
+def test_a_captured_upload_reads_the_host_buffer_at_every_replay():
+    """The mechanism the decode and speculative step graphs rely on: the captured copy out of the
+    pinned buffer re-reads it at each replay (values written after the capture arrive), and the
+    fence waits for the replay."""
+    dev = torch.device("cuda")
+    st = HostStaging(64, torch.int64, dev)
+    fence = ReplayFence(dev)
+    assert st.host.is_pinned()
+    st.np[:] = np.arange(64)
+    out = {}
+
+    def run():
+        out["y"] = st.upload(16) * 3 + 1
+
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for k in range(5):
+        fence.wait()
+        vals = np.random.default_rng(k).integers(-1000, 1000, 64)
+        st.np[:] = vals
+        g.replay()
+        fence.replayed()
+        assert out["y"].tolist() == (vals[:16] * 3 + 1).tolist()
