@@ -1,20 +1,25 @@
-"""The torch operations a graphed decode step makes on the host, around its graph replay: each one is a
-dispatcher call, and on a GPU a kernel launch or a copy, ~10-20 µs of the H200 host's time apiece
-(docs/BENCHMARKS.md). Runs on any machine: the runner's graphs are CPU stand-ins whose replay is
-switched off while counting, so only what the host does around the replay is counted (the tokens are
-then nonsense; the count does not depend on them). Uses only the public engine API and the graphs'
-``replay``, so the same script counts two code trees (run it with each on PYTHONPATH).
+"""What a graphed decode step costs the host, around its graph replay: the torch operations it makes
+(each a dispatcher call, and on a GPU a kernel launch or a copy, ~10-20 µs of the H200 host's time
+apiece, docs/BENCHMARKS.md) and the host time of a whole engine step (scheduling, inputs, the
+read-back's bookkeeping, the outputs) with the replay's own time taken out. Runs on any machine: the
+runner's graphs are CPU stand-ins whose replays are timed and subtracted (and switched off while
+the ops are counted). Uses only the public engine API and the graphs' ``replay``, so the same
+script measures two code trees (run it with each on PYTHONPATH).
 
-    python benchmarks/step_host_ops.py --model DIR --draft DIR [--batches 1,8] [--tree 5]
+    python benchmarks/step_host_ops.py --model DIR --draft DIR [--batches 1,8,64] [--tree 5]
 
-Per batch: aten ops a step for a plain engine and for a draft engine with every step a speculative
-one (the fixed policy), greedy; the most frequent ops.
+Per batch, for a plain engine and for a draft engine whose every step speculates (the fixed policy,
+trees of --tree nodes), greedy, EOS ignored: aten ops a decode step, median and mean (the mean
+takes in the catch-up steps after a prefill, eager), the most frequent, and the median host µs of
+an engine step whose batch is all decodes.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
+import time
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -29,19 +34,30 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _silence(graphs: dict) -> None:
-    """Stand-in graphs whose replay does nothing (their outputs keep the capture's values)."""
-    for g in graphs.values():
-        g.replay = lambda: None
+class Replays:
+    """Wraps each stand-in graph's replay: its time is summed into ``seconds``; ``on`` False makes it
+    do nothing (its outputs keep their last values)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.on = 0.0, True
+
+    def wrap(self, graphs: dict) -> None:
+        for g in graphs.values():
+            def replay(run=g.replay):
+                if self.on:
+                    t = time.perf_counter()
+                    run()
+                    self.seconds += time.perf_counter() - t
+            g.replay = replay
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tree", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=96)
     a = ap.parse_args()
     from optllm import LLM, SamplingParams
 
@@ -51,37 +67,63 @@ def main() -> None:
     engines = {"plain": LLM(**kw),
                f"trees of {a.tree}": LLM(**kw, draft=a.draft, spec_policy="fixed", spec_num_draft=a.tree,
                                          spec_top_k=2, spec_depth=3)}
-    print("| batch | engine | aten ops a step | steps | most frequent |\n|---|---|---|---|---|")
+    print("| batch | engine | aten ops a decode step: median (mean) | host µs a decode step | steps "
+          "| most frequent ops |\n|---|---|---|---|---|---|")
     for name, llm in engines.items():
-        r = llm.engine.runner
+        r, eng = llm.engine.runner, llm.engine
         r.make_graphs(max(batches), eager_stand_in=True)
-        _silence(r.graphs.graphs)
+        replays = Replays()
+        replays.wrap(r.graphs.graphs)
         if r.spec is not None and r.spec.graphs is not None:
-            _silence(r.spec.graphs.graphs)
+            replays.wrap(r.spec.graphs.graphs)
         for bs in batches:
             prompts = [[10 + (7 * i + j) % 200 for j in range(20)] for i in range(bs)]
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
-            # count the decode steps only: the prompts are prefilled in the first step
-            seen = []
+            decode = []  # whether the runner's last batch was all decodes
             execute = r.execute
 
-            def counted(batch, seen=seen, execute=execute):
-                if batch.decode_only:
-                    with Count() as c:
-                        out = execute(batch)
-                    seen.append(c.ops)
-                    return out
+            def tagged(batch, execute=execute, decode=decode):
+                decode.append(batch.decode_only)
                 return execute(batch)
 
-            r.execute = counted
+            r.execute = tagged
+            step = eng.step
+            host: list[float] = []
+
+            def timed(step=step, host=host, decode=decode):
+                replays.seconds = 0.0
+                t = time.perf_counter()
+                out = step()
+                t = time.perf_counter() - t
+                if decode and decode[-1]:
+                    host.append(1e6 * (t - replays.seconds))
+                decode.clear()
+                return out
+
+            eng.step = timed
             llm.generate(prompts, params)
-            r.execute = execute
+            # the ops, with the replays off (the tokens are then nonsense: the count does not depend on them)
+            seen = []
+
+            def counted(batch, execute=execute, seen=seen):
+                if not batch.decode_only:
+                    return execute(batch)
+                with Count() as c:
+                    out = execute(batch)
+                seen.append(c.ops)
+                return out
+
+            r.execute, replays.on = counted, False
+            llm.generate(prompts, params)
+            r.execute, replays.on, eng.step = execute, True, step
             total = collections.Counter()
             for c in seen:
                 total.update(c)
-            steps = len(seen)
-            top = ", ".join(f"{k} {v / steps:.1f}" for k, v in total.most_common(6))
-            print(f"| {bs} | {name} | {sum(total.values()) / steps:.1f} | {steps} | {top} |", flush=True)
+            top = ", ".join(f"{k} {v / len(seen):.1f}" for k, v in total.most_common(5))
+            ops = statistics.median(sum(c.values()) for c in seen)
+            mean = sum(total.values()) / len(seen)
+            print(f"| {bs} | {name} | {ops:.0f} ({mean:.1f}) | {statistics.median(host):.0f} | {len(host)} | {top} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
