@@ -4,8 +4,10 @@
 # commit before the host-staged graphs, docs excluded); pass OPTLLM_COMMIT literal.
 #   1. the CUDA part of the host staging: a captured upload re-reads the pinned buffer at every replay
 #   2. benchmarks/step_wall.py with this tree, then with the old one (same machine, same script): a
-#      decode step's wall time, plain and with pinned trees of 5 and 20 nodes, batch 1 and 8
-#   3. GPU tests: graphs equal eager (dense, W4A16; the graph's argmax and the sampler on its logits),
+#      decode step's wall time, plain and with pinned trees of 5 and 20 nodes, batch 1 and 8, and a
+#      prefill step's (32-token prompts: an extend graph here, eager in the old tree)
+#   3. GPU tests: graphs equal eager (dense, W4A16; the graph's argmax and the sampler on its logits;
+#      prefill graphs bit-equal at an exact bucket, mixed steps' tokens),
 #      the speculative engine's (step graphs, sampled graphs, fused steps), the EAGLE-2 growth kernels
 #      (-m gpu, then their sm_90 builds unmarked: the n = 128 selection's spill fix)
 set -uo pipefail
@@ -26,6 +28,7 @@ PYTHONPATH=/tmp/old timeout "${SW_S:-100}" python3 "$PWD/benchmarks/step_wall.py
 tar czf "$OUT/logs.tgz" -C /root logs
 for t in new old; do echo "## $t"; cat "$OUT/step_wall_$t.md" 2>/dev/null || tail -5 "$L/step_wall_$t.log"; done
 timeout "${TEST_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager \
+  tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager \
   tests/runtime/test_spec_gpu.py tests/kernels/test_tree_grow.py > "$L/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$L/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$L/gpu_tests.log"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_tree_grow.py -k "hopper" > "$L/gpu_tests_sm90.log" 2>&1

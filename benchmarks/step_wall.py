@@ -1,5 +1,6 @@
 """Wall time of a decode step, host included, for a plain engine and a draft engine whose tree size
-is pinned: what the host adds around the CUDA graphs. Uses only the public engine API, so the same
+is pinned: what the host adds around the CUDA graphs; and of a prefill step alone (32-token prompts,
+one new token each: a graph where one takes the step, else eager). Uses only the public engine API, so the same
 script times two code trees (run it with each on PYTHONPATH) on the same machine.
 
     python benchmarks/step_wall.py --model DIR --draft DIR [--batches 1,8] [--trees 5,20] [--tag T]
@@ -65,6 +66,14 @@ def main() -> None:
                 got = timed(llm, prompts, params)
                 if r:
                     times[name].append(got)
+        # a prefill alone: one step of bs prompts of 32 tokens (eager, or an extend graph where one is)
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+        times["prefill"] = []
+        for r in range(a.rounds + 1):
+            got = timed(plain, prompts, one)
+            if r:
+                times["prefill"].append(got)
+        cases.append(("prefill", plain, None))
         for name, _, n in cases:
             wall = statistics.median(t[0] for t in times[name])
             runner = statistics.median(t[1] for t in times[name])

@@ -54,7 +54,10 @@ class EngineConfig:
     activations, KV cache); the KV cache gets what is left. num_kv_blocks: a fixed number
     of KV blocks instead (tests, benchmarks). kv_cache_dtype: "auto" (= dtype) or "fp8"
     (E4M3 with a scale per token and head). enforce_eager: no CUDA graphs.
-    cuda_graph_max_batch: largest decode batch captured in a graph (bigger ones run eager).
+    cuda_graph_max_batch: largest decode batch captured in a graph (bigger ones run eager); also
+    the most sequences of a prefill or mixed step's graph. cuda_graph_max_tokens: the most tokens of
+    a prefill or mixed (prefill + decode) step that replays a graph (0: those steps run eager; longer
+    ones do: compute-bound, where the host's launches matter less).
     quantized_linear: "kernel" runs W4A16 checkpoints on the int4 kernels (their torch
     reference on CPU); "dequant" dequantizes every quantized weight at load.
     cpu_kv_cache_gib: KV cache size on CPU when num_kv_blocks is not given.
@@ -91,6 +94,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    cuda_graph_max_tokens: int = 512
     quantized_linear: str = "kernel"
     cpu_kv_cache_gib: float = 1.0
     kernels: str = "auto"
@@ -133,9 +137,10 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 1 or None")
-        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
-            raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch!r} is not allowed; "
-                             "allowed: an integer >= 0")
+        for name in ("cuda_graph_max_batch", "cuda_graph_max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}={v!r} is not allowed; allowed: an integer >= 0")
         if not self.device or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
         if self.spec_policy not in ("auto", "adaptive", "fixed"):

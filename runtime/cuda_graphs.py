@@ -185,6 +185,110 @@ class DecodeGraphs:
         return logits[:b], greedy[:b]
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, ... up to max_tokens (and max_tokens itself)."""
+    out, t = [], 16
+    while t < max_tokens:
+        out.append(t)
+        t *= 2
+    return out + [max_tokens] if max_tokens > 0 else []
+
+
+def seq_buckets(max_seqs: int) -> list[int]:
+    """1, 4, 16, 64, ... up to max_seqs (and max_seqs itself): coarse, since a padding sequence (no
+    new tokens) only costs the extend kernel a few programs that exit at once."""
+    out, b = [], 1
+    while b < max_seqs:
+        out.append(b)
+        b *= 4
+    return out + [max_seqs]
+
+
+class ExtendGraphs:
+    """Steps whose rows run through the extend kernel -- prefills, prompt chunks, prefills beside
+    decodes -- under CUDA graphs: one graph per (token bucket T, sequence bucket B), B <= T, captured
+    once at start. Eager, such a step launched ~280 kernels from the host (a 30-layer model), 12 ms
+    on the H200 where its GPU work is ~1-2 ms (docs/BENCHMARKS.md, nineteenth and twenty-second
+    sessions). A step of t tokens over b sequences replays the smallest T >= t, B >= b: the padding
+    tokens (t .. T) belong to no sequence (token 0, position 0, slot -1: nothing stored; zeros out
+    of attention; their rows are computed and never read), the padding sequences (b .. B) have no new tokens (cu_seqlens
+    stays at t; one key over block 0). The extend kernel's grid and tiles follow T (max_seqlen_q).
+    Inputs through host staging (HostStaging), laid out per key: int64 [ids T | positions T | slots T |
+    logits rows B] and int32 [key counts B | cu_seqlens B + 1 | tables B x width]; outputs the logits of
+    B rows (the sampling rows, then row 0 again) and their argmax. Steps with prompt log-probs run
+    eager. ``sink``, ``eager_stand_in``: as DecodeGraphs'."""
+
+    def __init__(self, model, max_seqs: int, max_tokens: int, max_blocks_per_seq: int, vocab_size: int,
+                 device: torch.device, eager_stand_in: bool = False, sink=None) -> None:
+        self.model, self.sink, self.vocab_size, self.width = model, sink, vocab_size, max_blocks_per_seq
+        self.t_buckets, self.b_buckets = token_buckets(max_tokens), seq_buckets(max_seqs)
+        self.keys = [(t, b) for t in self.t_buckets for b in self.b_buckets if b <= t]
+        big_t, big_b = max(self.t_buckets), max(self.b_buckets)
+        self.i64 = HostStaging(3 * big_t + big_b, torch.int64, device)
+        self.i32 = HostStaging(big_b * (2 + self.width) + 1, torch.int32, device)
+        self.fence = ReplayFence(device)
+        self.graphs: dict = {}
+        runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: (-k[0], -k[1]))}
+        # the warm-up runs' batch: all padding (no sequence has a token)
+        self.outputs = capture_graphs(self.graphs, runs, device, eager_stand_in,
+                                      prepare=lambda k: self._write_padding(*k, 0, 0, 0))
+
+    def _run(self, t: int, b: int):
+        i64, i32 = self.i64.upload(3 * t + b), self.i32.upload(b * (2 + self.width) + 1)
+        slots = i64[2 * t:3 * t]
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=i32[2 * b + 1:].view(b, self.width),
+                                 seq_lens=i32[:b], decode=False, cu_seqlens_q=i32[b:2 * b + 1], max_seqlen_q=t,
+                                 padded=True)
+        hidden = self.model(i64[:t], i64[t:2 * t], meta)
+        if self.sink is not None:
+            self.sink(hidden, getattr(self.model.model, "aux_hidden", None), slots)
+        logits = self.model.compute_logits(hidden[i64[3 * t:]])
+        return logits, logits[:, :self.vocab_size].argmax(dim=-1)
+
+    def bucket(self, t: int, b: int) -> tuple[int, int] | None:
+        """The key a step of t tokens over b sequences replays (None: none is large enough)."""
+        tb = next((x for x in self.t_buckets if x >= t), None)
+        bb = next((x for x in self.b_buckets if x >= b), None)
+        return None if tb is None or bb is None or bb > tb else (tb, bb)
+
+    def fits(self, hb: HostBatch) -> bool:
+        return not hb.prompt_lp and self.bucket(len(hb.ids), len(hb.seq_lens)) is not None
+
+    def _write_padding(self, tb: int, bb: int, t: int, b: int, r: int) -> None:
+        """Key (tb, bb)'s layout past a step of t tokens, b sequences and r logits rows."""
+        q, i, w = self.i64.np, self.i32.np, self.width
+        q[t:tb] = 0
+        q[tb + t:2 * tb] = 0
+        q[2 * tb + t:3 * tb] = -1
+        q[3 * tb + r:3 * tb + bb] = 0
+        i[b:bb] = 1
+        i[bb + b + 1:2 * bb + 1] = t
+        i[2 * bb + 1 + b * w:2 * bb + 1 + bb * w] = 0
+        if not b:
+            i[bb] = 0
+
+    @torch.inference_mode()
+    def replay(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [R, vocab], argmax int64 [R]) of the step's R logits rows (hb.logits_rows, which
+        are its sampling rows: ``fits`` holds). The graph's outputs: valid until its next replay."""
+        t, b, r = len(hb.ids), len(hb.seq_lens), len(hb.logits_rows)
+        tb, bb = self.bucket(t, b)
+        self.fence.wait()
+        q, i, w = self.i64.np, self.i32.np, self.width
+        q[:t] = hb.ids
+        q[tb:tb + t] = hb.positions
+        q[2 * tb:2 * tb + t] = hb.slots
+        q[3 * tb:3 * tb + r] = hb.logits_rows
+        i[:b] = hb.seq_lens
+        i[bb:bb + b + 1] = hb.cu_seqlens
+        i[2 * bb + 1:2 * bb + 1 + bb * w].reshape(bb, w)[:b, :hb.table.shape[1]] = hb.table
+        self._write_padding(tb, bb, t, b, r)
+        self.graphs[(tb, bb)].replay()
+        self.fence.replayed()
+        logits, greedy = self.outputs[(tb, bb)]
+        return logits[:r], greedy[:r]
+
+
 class VerifyGraphs:
     """The speculative step's verify forward (the target over B token trees of n nodes, under
     the tree mask, over the paged KV) under CUDA graphs: one graph per (batch bucket b, tree

@@ -20,7 +20,7 @@ from ..hub.loader import parse_dtype, resolve_device
 from ..kernels.paged_attention import default_num_splits
 from .block_table import BlockTables
 from .config import EngineConfig
-from .cuda_graphs import DecodeGraphs, VerifyGraphs
+from .cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 from .kv_cache import KVCache, KVCacheSpec, cache_dtype
 from .layers.attention import AttentionMetadata
 from .loader import ModelSource, build_model, init_random_weights, load_weights
@@ -101,7 +101,7 @@ class ModelRunner:
                                policy)
             self.spec = SpecDecoder(self, draft, opts, seed=config.seed)
             self.spec.bind(self.kv_cache.num_blocks)
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.extend_graphs = None
         if on_cuda and not config.enforce_eager and config.cuda_graph_max_batch > 0:
             self.make_graphs(min(config.max_num_seqs, config.cuda_graph_max_batch))
         if self.spec is not None:
@@ -116,9 +116,13 @@ class ModelRunner:
         batches (compute-bound, where launches matter less) run eager, so the token cap bounds
         the graphs' memory."""
         spec = self.spec
+        sink = None if spec is None else spec.store.store
         self.graphs = DecodeGraphs(self.model, max_batch, self.max_blocks_per_seq, self.vocab_size, self.device,
-                                   self.decode_splits, eager_stand_in=eager_stand_in,
-                                   sink=None if spec is None else spec.store.store)
+                                   self.decode_splits, eager_stand_in=eager_stand_in, sink=sink)
+        tokens = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        self.extend_graphs = None if tokens < 1 else ExtendGraphs(
+            self.model, max_batch, tokens, self.max_blocks_per_seq, self.vocab_size, self.device,
+            eager_stand_in=eager_stand_in, sink=sink)
         if spec is None:
             return
         from .spec_runner import SpecStepGraphs
@@ -230,7 +234,7 @@ class ModelRunner:
             seqs = [batch.seqs[i] for i in plain]
             counts = [batch.num_new_tokens[i] for i in plain]
             decode = all(k == 1 for k in counts) and all(batch.sampling[i] for i in plain)
-            if self.fuse and not self._graphed(seqs, decode):
+            if self.fuse and not self._graphed(seqs, counts, decode):
                 return self._execute_fused(batch, plain, seqs, counts, spec)
             for i, tok in zip(plain, self._plain_part(seqs, counts, decode)):
                 result[i] = tok
@@ -245,9 +249,12 @@ class ModelRunner:
             self.spec.pending_cost = (self.spec.n, len(spec))
         return result
 
-    def _graphed(self, seqs, decode: bool) -> bool:
-        """Whether these rows' plain step replays a decode graph (else it runs eager)."""
-        return decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch
+    def _graphed(self, seqs, counts: list[int], decode: bool) -> bool:
+        """Whether these rows' plain step replays a graph, decode or extend (else it runs eager)."""
+        if decode:
+            return self.graphs is not None and len(seqs) <= self.graphs.max_batch
+        return (self.extend_graphs is not None and self.extend_graphs.bucket(sum(counts), len(seqs)) is not None
+                and all(s.params.prompt_logprobs is None for s in seqs))
 
     def _execute_fused(self, batch, plain: list[int], pseqs, counts: list[int], spec: list[int]) -> list:
         """A step whose plain rows (prefill chunks; plain decodes without a graph) run eager: the
@@ -310,6 +317,9 @@ class ModelRunner:
         if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             # (with a draft: the rows' features stored inside); the argmax: the all-greedy case's tokens
             logits, greedy = self.graphs.replay(hb)
+            return self._sample(seqs, hb, logits, greedy)
+        if not decode and self.extend_graphs is not None and self.extend_graphs.fits(hb):
+            logits, greedy = self.extend_graphs.replay(hb)  # prefills, chunks, prefills beside decodes
             return self._sample(seqs, hb, logits, greedy)
         else:
             inputs = to_device(hb, self.device, decode, self.decode_splits(len(seqs)) if decode else None)

@@ -30,7 +30,10 @@ class AttentionMetadata:
     num_splits: decode's split count along the sequence (None: the kernel chooses).
     mask / mask_offsets: optional token-tree mask over each sequence's new tokens; mask_cols: the
     keys each mask row covers, the sequence's last (0: its new tokens; more: rows written before
-    too, as a draft's tree level over the rows of earlier levels).
+    too, as a draft's tree level over the rows of earlier levels). padded: rows past
+    cu_seqlens_q[B] are padding (a graph's token bucket): their attention output is zeros, not
+    left unwritten (garbage there would overflow in the layers after: harmless to the real rows,
+    which no layer mixes with others, but not worth the NaNs).
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +46,7 @@ class AttentionMetadata:
     mask: torch.Tensor | None = None
     mask_offsets: torch.Tensor | None = None
     mask_cols: int = 0
+    padded: bool = False
 
 
 class Attention(nn.Module):
@@ -94,5 +98,6 @@ class Attention(nn.Module):
         else:
             out = paged_extend_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                          meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, mask=meta.mask,
-                                         mask_offsets=meta.mask_offsets, mask_cols=meta.mask_cols, **scales)
+                                         mask_offsets=meta.mask_offsets, mask_cols=meta.mask_cols,
+                                         out=torch.zeros_like(q) if meta.padded else None, **scales)
         return out.view(t, self.num_heads * self.head_dim)

@@ -1,6 +1,7 @@
-"""Decode graphs' inputs through host staging buffers (runtime/cuda_graphs.py): the host writes a
-step's inputs with numpy and the graph copies them in, padding rows included; the graph's argmax
-serves all-greedy batches and the sampler everything else. On the CPU the graphs are stand-ins
+"""Decode and extend graphs (runtime/cuda_graphs.py): inputs through host staging buffers (the host
+writes a step's inputs with numpy and the graph copies them in, padding rows included); the graph's
+argmax serves all-greedy batches and the sampler everything else; prefills, prompt chunks and
+prefills beside decodes replay token-bucketed extend graphs. On the CPU the graphs are stand-ins
 (the same buffers, the model run again at each 'replay'); the marked test checks the CUDA part:
 a captured host-to-device copy reads the host buffer anew at every replay."""
 
@@ -64,6 +65,69 @@ def test_padding_rows_of_a_bucket_are_written_each_step(tiny_llama):
     assert q[3] == 0 and q[4 + 3] == 0 and q[8 + 3] == -1 and i[3] == 1
     assert (i[4 + 3 * g.width:4 + 4 * g.width] == 0).all()
     assert q[2] == 77 and q[4 + 2] == 77 and q[8 + 2] == 77 and i[2] == 77  # the batch's rows untouched
+
+
+def _extend_replays(llm: LLM) -> list[tuple[int, ...]]:
+    """Stand-in graphs on the runner; returns the list each extend replay's new-token counts go to."""
+    r = llm.engine.runner
+    r.make_graphs(4, eager_stand_in=True)
+    assert r.extend_graphs is not None
+    replays: list[tuple[int, ...]] = []
+    replay = r.extend_graphs.replay
+
+    def counted(hb):
+        cu = hb.cu_seqlens
+        replays.append(tuple(cu[j + 1] - cu[j] for j in range(len(cu) - 1)))
+        return replay(hb)
+
+    r.extend_graphs.replay = counted
+    return replays
+
+
+def test_prefills_chunks_and_mixed_steps_replay_extend_graphs(tiny_llama):
+    """Prompts chunked by a 40-token budget, admitted while others decode (at most 3 running), then
+    the same prompts again (prefix-cache hits: prefills over cached context), one request with
+    prompt log-probs (its steps run eager): the same tokens and log-probs as eager steps, with
+    extend graphs replayed for whole prefills, chunks and steps mixing a chunk with decodes."""
+    prompts = [list(range(20, 61)), [5, 17, 250, 3, 99, 42, 7], [300, 1, 300, 2] * 5, [11, 12, 13],
+               list(range(100, 133))]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 20, 7, 15, 9)]
+    params[3] = SamplingParams(temperature=0.7, seed=4, max_tokens=15, ignore_eos=True)
+    lp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=3, max_num_batched_tokens=40)
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(str(tiny_llama), **kw)
+        replays = _extend_replays(llm) if graphs else None
+        if not graphs:
+            llm.engine.runner.make_graphs(4, eager_stand_in=True)
+            llm.engine.runner.extend_graphs = None
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params[::-1])]
+        scored = llm.generate([prompts[0]], lp)[0]
+        runs.append((out, again, scored.outputs[0].token_ids, scored.prompt_logprobs, replays))
+    (want, want2, want_lp_ids, want_lp, _), (got, got2, got_lp_ids, got_lp, replays) = runs
+    assert got == want and got2 == want2 and got_lp_ids == want_lp_ids
+    assert got_lp == want_lp
+    assert any(len(c) == 1 and c[0] > 1 for c in replays)  # a whole prefill or a chunk alone
+    assert any(1 in c and max(c) > 1 for c in replays), replays  # a chunk beside decodes
+    assert sum(sum(c) for c in replays) >= sum(len(p) for p in prompts)  # the first pass: every prompt token
+
+
+def test_extend_padding_leaves_no_sequence_behind(tiny_llama):
+    """Key (64, 4) after a step of 10 tokens over 2 sequences with 1 logits row: tokens 10 .. 64
+    are padding (slot -1), sequences 2 and 3 have no tokens (cu_seqlens stays at 10)."""
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_seqs=4)
+    llm.engine.runner.make_graphs(4, eager_stand_in=True)
+    g = llm.engine.runner.extend_graphs
+    assert (64, 4) in g.keys and g.bucket(10, 2) == (16, 4) and g.bucket(17, 1) == (32, 1)
+    q, i, w = g.i64.np, g.i32.np, g.width
+    q[:], i[:] = 77, 77
+    g._write_padding(64, 4, 10, 2, 1)
+    assert (q[10:64] == 0).all() and (q[64 + 10:128] == 0).all() and (q[128 + 10:192] == -1).all()
+    assert (q[192 + 1:196] == 0).all() and q[192] == 77
+    assert (i[2:4] == 1).all() and (i[4 + 3:9] == 10).all() and (i[4:4 + 3] == 77).all()
+    assert (i[9 + 2 * w:9 + 4 * w] == 0).all() and (i[9:9 + 2 * w] == 77).all()
 
 
 @pytest.mark.gpu

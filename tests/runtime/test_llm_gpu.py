@@ -125,7 +125,8 @@ def test_cuda_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint, w4a16_g64_
     """Graph replay (W4A16 included: its split-K counters must reset inside the graph; group 64: the
     tensor-core GEMV's launches inside the graph) gives the eager tokens."""
     folder = {"dense": tiny_llama, "w4a16": w4a16_checkpoint, "w4a16_g64": w4a16_g64_checkpoint}[which]
-    a = LLM(folder, device="cuda", max_num_seqs=8, **SMALL)
+    # the prefills eager in both (71 tokens: an extend graph would pad them to 128, other GEMM shapes)
+    a = LLM(folder, device="cuda", max_num_seqs=8, cuda_graph_max_tokens=0, **SMALL)
     b = LLM(folder, device="cuda", max_num_seqs=8, enforce_eager=True, **SMALL)
     assert a.engine.runner.graphs is not None and b.engine.runner.graphs is None
     # the sampler on the graph's logits (min_tokens bans EOS), the graph's own argmax (all greedy,
@@ -137,6 +138,36 @@ def test_cuda_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint, w4a16_g64_
         ta = [o.outputs[0].token_ids for o in a.generate(PROMPTS, params)]
         tb = [o.outputs[0].token_ids for o in b.generate(PROMPTS, params)]
         assert ta == tb
+
+
+@pytest.mark.parametrize("which", ("dense", "w4a16"))
+def test_prefill_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint):
+    """A prefill of 4 x 16 tokens replays the extend graph of exactly its size (the same GEMM shapes
+    as eager): the first token's log-probs are bit-equal. Then steps that mix admissions with decodes
+    (two running at a time, padded buckets; float32 so that the padded shapes' rounding cannot flip a
+    token): the same tokens as eager."""
+    folder = {"dense": tiny_llama, "w4a16": w4a16_checkpoint}[which]
+    prompts = [[10 + 7 * i + j for j in range(16)] for i in range(4)]
+    first = SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True)
+    a = LLM(folder, device="cuda", max_num_seqs=8, **SMALL)
+    b = LLM(folder, device="cuda", max_num_seqs=8, enforce_eager=True, **SMALL)
+    assert a.engine.runner.extend_graphs.bucket(64, 4) == (64, 4)
+    replays = []
+    replay = a.engine.runner.extend_graphs.replay
+    a.engine.runner.extend_graphs.replay = lambda hb: replays.append(len(hb.ids)) or replay(hb)
+    la = [o.outputs[0].logprobs for o in a.generate(prompts, first)]
+    lb = [o.outputs[0].logprobs for o in b.generate(prompts, first)]
+    assert replays == [64] and la == lb
+    del a, b
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=2, max_num_batched_tokens=48, admit_group=1, **SMALL)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 30, 7, 21)]
+    a, b = LLM(folder, **kw), LLM(folder, **kw, enforce_eager=True)
+    mixed = []
+    replay = a.engine.runner.extend_graphs.replay
+    a.engine.runner.extend_graphs.replay = lambda hb: mixed.append(len(hb.ids)) or replay(hb)
+    ta = [o.outputs[0].token_ids for o in a.generate(PROMPTS, params)]
+    tb = [o.outputs[0].token_ids for o in b.generate(PROMPTS, params)]
+    assert ta == tb and len(mixed) >= 3
 
 
 @pytest.mark.model
