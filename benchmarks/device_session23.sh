@@ -23,16 +23,17 @@ echo "staging test: $(tail -1 "$L/gpu_staging.log")"
 timeout "${TEST1_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager \
   tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager > "$L/gpu_tests_graphs.log" 2>&1
 echo "graph tests: $(tail -1 "$L/gpu_tests_graphs.log")"; grep -m 10 "^FAILED\|^ERROR" "$L/gpu_tests_graphs.log"
+timeout "${TEST_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py tests/kernels/test_tree_grow.py \
+  > "$L/gpu_tests.log" 2>&1
+echo "gpu tests: $(tail -1 "$L/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$L/gpu_tests.log"
+tar czf "$OUT/logs.tgz" -C /root logs  # (again after each part: a call cut at its limit keeps what was done)
 SW="--model /root/rs/target --draft /root/rs/eagle --batches ${BS:-1,8} --trees ${TREES:-5,20} --out $OUT"
 timeout "${SW_S:-100}" python3 benchmarks/step_wall.py $SW --tag new > "$L/step_wall_new.log" 2>&1 || echo "step_wall new exited $?"
-tar czf "$OUT/logs.tgz" -C /root logs  # (again after each part: a call cut at its limit keeps what was done)
+tar czf "$OUT/logs.tgz" -C /root logs
 mkdir -p /tmp/old/optllm && tar xzf .carry-old/old.tgz -C /tmp/old/optllm
 PYTHONPATH=/tmp/old timeout "${SW_S:-100}" python3 "$PWD/benchmarks/step_wall.py" $SW --tag old > "$L/step_wall_old.log" 2>&1 || echo "step_wall old exited $?"
 tar czf "$OUT/logs.tgz" -C /root logs
 for t in new old; do echo "## $t"; cat "$OUT/step_wall_$t.md" 2>/dev/null || tail -5 "$L/step_wall_$t.log"; done
-timeout "${TEST_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py tests/kernels/test_tree_grow.py \
-  > "$L/gpu_tests.log" 2>&1
-echo "gpu tests: $(tail -1 "$L/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$L/gpu_tests.log"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_tree_grow.py -k "hopper" > "$L/gpu_tests_sm90.log" 2>&1
 echo "sm_90 builds: $(tail -1 "$L/gpu_tests_sm90.log")"; grep -m 5 "^FAILED" "$L/gpu_tests_sm90.log"
 tar czf "$OUT/logs.tgz" -C /root logs
