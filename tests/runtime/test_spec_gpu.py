@@ -96,8 +96,10 @@ def test_sampled_steps_run_their_cuda_graphs(tiny_llama, drafts, method):
 def test_fused_steps_equal_plain_greedy_on_cuda(tiny_llama, drafts, method):
     """Admissions while others speculate (three at once, admitted one by one, prompts in chunks):
     the fused steps replay a captured propose graph, then verify the trees in the plain rows'
-    eager forward (the extend kernel with causal and tree-masked sequences in one launch);
-    the tokens equal the unfused steps' and plain greedy decoding's."""
+    eager forward (the extend kernel with causal and tree-masked sequences in one launch; no
+    prefill graphs, as for steps longer than those take); the tokens equal the unfused steps', plain
+    greedy decoding's, and those of the default engine, whose plain rows replay prefill graphs
+    (then nothing is fused)."""
     prompts = [p * 3 for p in PROMPTS] + PROMPTS
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 30, 14, 25, 11, 20, 7, 16)]
     busy = dict(max_num_seqs=3, max_num_batched_tokens=48, admit_group=1, num_kv_blocks=512)
@@ -105,15 +107,17 @@ def test_fused_steps_equal_plain_greedy_on_cuda(tiny_llama, drafts, method):
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     del plain
     stats = {}
-    for fuse in (True, False):
+    configs = {True: dict(spec_fuse=True, cuda_graph_max_tokens=0),
+               False: dict(spec_fuse=False, cuda_graph_max_tokens=0), "extend graphs": dict(spec_fuse=True)}
+    for fuse, kw in configs.items():
         llm = LLM(str(tiny_llama), device="cuda", dtype="float32", draft=str(drafts[method]), spec_top_k=3,
-                  spec_depth=4, spec_num_draft=10, spec_policy="fixed", spec_fuse=fuse, **busy)
+                  spec_depth=4, spec_num_draft=10, spec_policy="fixed", **kw, **busy)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert got == want, f"spec_fuse={fuse}"
+        assert got == want, f"{fuse}"
         stats[fuse] = llm.engine.stats().speculation
         del llm
         gc.collect()
-    assert stats[True]["fused_steps"] >= 5 and stats[False]["fused_steps"] == 0
+    assert stats[True]["fused_steps"] >= 5 and stats[False]["fused_steps"] == stats["extend graphs"]["fused_steps"] == 0
     if method != "eagle3":  # (write_draft's EAGLE-3 is random.) Not the exact histogram: on a GPU the
         # fused forward's larger GEMMs may round the draft's features differently (the CPU test is exact)
         assert sum(stats[True]["histogram"][1:]) > 0
