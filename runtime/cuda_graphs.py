@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from .layers.attention import AttentionMetadata
@@ -47,6 +48,33 @@ class _EagerStandIn:
                 dst.copy_(src)
 
 
+_UPLOAD_CHECKED: set = set()  # devices whose captured uploads were seen to re-read the host buffer
+
+
+def check_captured_upload(device: torch.device) -> None:
+    """Once per device: a captured copy out of a pinned buffer must read the values written after
+    the capture (HostStaging relies on it; a copy that replayed the capture's values would make every
+    graphed step compute on stale inputs, silently). Raises RuntimeError if it does not."""
+    if device.type != "cuda" or device in _UPLOAD_CHECKED:
+        return
+    st = HostStaging(8, torch.int64, device)
+    out = {}
+    with torch.inference_mode():
+        out["y"] = st.upload(8) + 1  # warm-up
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out["y"] = st.upload(8) + 1
+        for k in (3, 11):
+            st.np[:] = np.arange(8) * k
+            g.replay()
+            if out["y"].tolist() != [i * k + 1 for i in range(8)]:
+                raise RuntimeError("a CUDA graph's captured host-to-device copy did not read the pinned buffer anew "
+                                   "at replay on this torch / driver; the runtime's graphs need it: run with "
+                                   "enforce_eager=True (--enforce-eager)")
+    _UPLOAD_CHECKED.add(device)
+
+
 @torch.inference_mode()
 def capture_graphs(graphs: dict, runs: dict, device, eager_stand_in: bool, prepare=None) -> dict:
     """Capture runs[key]() (largest first: they share one memory pool) into graphs[key]; returns
@@ -60,6 +88,7 @@ def capture_graphs(graphs: dict, runs: dict, device, eager_stand_in: bool, prepa
             outputs[key] = tuple(t.clone() if t is not None else None for t in run())
             graphs[key] = _EagerStandIn(run, outputs[key])
         return outputs
+    check_captured_upload(torch.device(device))
     pool = None
     for key, run in runs.items():
         if prepare is not None:

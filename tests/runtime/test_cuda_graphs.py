@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from optllm import LLM, SamplingParams
-from optllm.runtime.cuda_graphs import HostStaging, ReplayFence
+from optllm.runtime.cuda_graphs import HostStaging, ReplayFence, check_captured_upload
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [11, 12, 13], list(range(20, 61)), [300, 1, 300, 2] * 5, [9, 8, 7, 6]]
 
@@ -157,3 +157,4 @@ def test_a_captured_upload_reads_the_host_buffer_at_every_replay():
         g.replay()
         fence.replayed()
         assert out["y"].tolist() == (vals[:16] * 3 + 1).tolist()
+    check_captured_upload(dev)  # the runtime's own start-up check passes
