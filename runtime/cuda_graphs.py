@@ -240,8 +240,9 @@ class ExtendGraphs:
     on the H200 where its GPU work is ~1-2 ms (docs/BENCHMARKS.md, nineteenth and twenty-second
     sessions). A step of t tokens over b sequences replays the smallest T >= t, B >= b: the padding
     tokens (t .. T) belong to no sequence (token 0, position 0, slot -1: nothing stored; zeros out
-    of attention; their rows are computed and never read), the padding sequences (b .. B) have no new tokens (cu_seqlens
-    stays at t; one key over block 0). The extend kernel's grid and tiles follow T (max_seqlen_q).
+    of attention; their rows are computed and never read), the padding sequences (b .. B) have no
+    new tokens (cu_seqlens stays at t; one key over block 0). The extend kernel's grid and tiles
+    follow T (max_seqlen_q).
     Inputs through host staging (HostStaging), laid out per key: int64 [ids T | positions T | slots T |
     logits rows B] and int32 [key counts B | cu_seqlens B + 1 | tables B x width]; outputs the logits of
     B rows (the sampling rows, then row 0 again) and their argmax. Steps with prompt log-probs run

@@ -314,21 +314,20 @@ class ModelRunner:
 
     def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:
         hb = host_batch(seqs, num_new_tokens, self.block_size, self.block_tables)
-        if decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+        if decode and self._graphed(seqs, num_new_tokens, decode):
             # (with a draft: the rows' features stored inside); the argmax: the all-greedy case's tokens
             logits, greedy = self.graphs.replay(hb)
             return self._sample(seqs, hb, logits, greedy)
         if not decode and self.extend_graphs is not None and self.extend_graphs.fits(hb):
             logits, greedy = self.extend_graphs.replay(hb)  # prefills, chunks, prefills beside decodes
             return self._sample(seqs, hb, logits, greedy)
-        else:
-            inputs = to_device(hb, self.device, decode, self.decode_splits(len(seqs)) if decode else None)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            if self.spec is not None:  # the draft's inputs for every row computed
-                self.spec.store.store(hidden, self.model.model.aux_hidden, inputs.meta.slot_mapping)
-            if hb.prompt_lp:
-                self._prompt_logprobs(seqs, hidden, hb.prompt_lp, inputs.logits_rows)
-            logits = self.model.compute_logits(hidden[hb.sample_rows(inputs.logits_rows)]) if hb.sample else None
+        inputs = to_device(hb, self.device, decode, self.decode_splits(len(seqs)) if decode else None)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.spec is not None:  # the draft's inputs for every row computed
+            self.spec.store.store(hidden, self.model.model.aux_hidden, inputs.meta.slot_mapping)
+        if hb.prompt_lp:
+            self._prompt_logprobs(seqs, hidden, hb.prompt_lp, inputs.logits_rows)
+        logits = self.model.compute_logits(hidden[hb.sample_rows(inputs.logits_rows)]) if hb.sample else None
         return self._sample(seqs, hb, logits)
 
     def _sample(self, seqs, hb, logits, greedy=None) -> list[int | None]:

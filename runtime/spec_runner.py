@@ -851,10 +851,10 @@ class SpecStepGraphs:
     from host staging buffers laid out for its bucket (int64 [ids b x G | ctx b], int32 tables, float32
     temps; see cuda_graphs.HostStaging: the host writes them with numpy, the graph copies them in),
     and outputs its results packed in one int64 [b, 1 + 3 N] (num_accepted, tokens, accepted path,
-    node ranks) for one read-back. The propose graphs read static device buffers (a fused step has
-    its ctx and tables on the device already). Padding rows (past B) run in ``pad_block``, a block of
-    the caches no sequence is given: their tables point only at it, so whatever they write lands
-    there. ``eager_stand_in``: as DecodeGraphs' (the plumbing on a CPU)."""
+    node ranks) for one read-back. The propose graphs read the same staging. Padding rows (past B)
+    run in ``pad_block``, a block of the caches no sequence is given: their tables point only at
+    it, so whatever they write lands there. ``eager_stand_in``: as DecodeGraphs' (the plumbing on a
+    CPU)."""
 
     def __init__(self, spec: SpecDecoder, max_batch: int, sizes, max_tokens: int, width: int, pad_block: int,
                  eager_stand_in: bool = False) -> None:
