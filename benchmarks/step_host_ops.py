@@ -7,11 +7,16 @@ the ops are counted). Uses only the public engine API and the graphs' ``replay``
 script measures two code trees (run it with each on PYTHONPATH).
 
     python benchmarks/step_host_ops.py --model DIR --draft DIR [--batches 1,8,64] [--tree 5]
+        [--policy fixed|adaptive] [--top-k 2 --depth 3] [--host-only]
 
-Per batch, for a plain engine and for a draft engine whose every step speculates (the fixed policy,
-trees of --tree nodes), greedy, EOS ignored: aten ops a decode step, median and mean (the mean
-takes in the catch-up steps after a prefill, eager), the most frequent, and the median host µs of
-an engine step whose batch is all decodes.
+Per batch, for a plain engine and for a draft engine whose every step speculates (trees of --tree
+nodes), greedy, EOS ignored: aten ops a decode step, median and mean (the mean takes in the
+catch-up steps after a prefill, eager), the most frequent, and the median host µs of an engine
+step whose batch is all decodes. --policy fixed: the fixed policy's trees. --policy adaptive: the
+adaptive policy runs as in service (its choice, its per-size observations, its cost ratios) on a
+cost table that makes the largest tree win every step, so its host work is in each step.
+--host-only: the host µs with the replays switched off during the timed rounds (no stand-in model
+runs between the host's parts, as on a GPU none runs on the host), median of 3 rounds' steps.
 """
 
 from __future__ import annotations
@@ -58,15 +63,21 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tree", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed")
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--host-only", action="store_true")
     a = ap.parse_args()
     from optllm import LLM, SamplingParams
+    from optllm.runtime.spec.policy import CostTable
 
     batches = [int(b) for b in a.batches.split(",")]
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
     kw = dict(model=a.model, device="cpu", dtype="float32", max_num_seqs=max(batches))
+    spec_name = f"trees of {a.tree}" + (", adaptive" if a.policy == "adaptive" else "")
     engines = {"plain": LLM(**kw),
-               f"trees of {a.tree}": LLM(**kw, draft=a.draft, spec_policy="fixed", spec_num_draft=a.tree,
-                                         spec_top_k=2, spec_depth=3)}
+               spec_name: LLM(**kw, draft=a.draft, spec_policy=a.policy, spec_num_draft=a.tree,
+                              spec_top_k=a.top_k, spec_depth=a.depth)}
     print("| batch | engine | aten ops a decode step: median (mean) | host µs a decode step | steps "
           "| most frequent ops |\n|---|---|---|---|---|---|")
     for name, llm in engines.items():
@@ -76,6 +87,14 @@ def main() -> None:
         replays.wrap(r.graphs.graphs)
         if r.spec is not None and r.spec.graphs is not None:
             replays.wrap(r.spec.graphs.graphs)
+        if r.spec is not None and r.spec.policy is not None:
+            pol, big = r.spec.policy, max(r.spec.sizes)
+            # every tree cheaper than a plain step: the policy picks the largest at each step
+            pol.cost = CostTable(pol.cost.batches, {n: [10.0 if n == 1 else 1.0 + 1e-3 * n] * len(pol.cost.batches)
+                                                    for n in pol.cost.ms})
+            pol.prior = None
+            pol._global = {n: float(n - 1) for n in pol._global}
+            assert big in pol.sizes
         for bs in batches:
             prompts = [[10 + (7 * i + j) % 200 for j in range(20)] for i in range(bs)]
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
@@ -101,7 +120,15 @@ def main() -> None:
                 return out
 
             eng.step = timed
-            llm.generate(prompts, params)
+            if a.host_only:
+                llm.generate(prompts, params)  # the stand-in outputs of real steps
+                host.clear()
+                replays.on = False
+                for _ in range(3):
+                    llm.generate(prompts, params)
+                replays.on = True
+            else:
+                llm.generate(prompts, params)
             # the ops, with the replays off (the tokens are then nonsense: the count does not depend on them)
             seen = []
 

@@ -244,6 +244,8 @@ class SpecDecoder:
                                                 if options.policy == "adaptive" else set()))
         self.n = self.num_nodes  # this step's tree size (plan() sets it)
         self._planned: set[int] | None = None  # the seq ids plan()'s last scan found eligible
+        # (the sequences plan() scanned, their rows_behind): a step of exactly those reuses the count
+        self._plan_behind: tuple[list, int] | None = None
         self.last_step_caught_up = False  # step() ran the draft over earlier plain steps' rows first
         self.policy = None
         self.adaptive = options.policy == "adaptive"
@@ -251,6 +253,7 @@ class SpecDecoder:
         self.recheck_every = 8  # plan(): steps a choice of no speculation stands unscanned
         self._plan_sig: tuple | None = None
         self._plan_skips = 0
+        self._sizes_t: tuple[tuple, torch.Tensor] | None = None  # (sizes, int64 [S] on the device)
 
     def bind(self, num_blocks: int) -> None:
         """The feature cache over num_blocks blocks (the KV cache's, its padding block included);
@@ -313,7 +316,7 @@ class SpecDecoder:
         its ends), the choice stands for up to ``recheck_every`` steps without a scan of every
         sequence (a scan cost about 1 µs a sequence on the H200's host, every step)."""
         self.pending_cost = None
-        self._planned = None
+        self._planned = self._plan_behind = None
         if self.policy is None:
             self.n = self.num_nodes
             return self.lookahead
@@ -327,6 +330,7 @@ class SpecDecoder:
         seqs = self.eligible_decodes(running)
         ids, behind = [s.seq_id for s in seqs], self.rows_behind(seqs)
         self._planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
+        self._plan_behind = (seqs, behind)
         if len(pol._seq) > 2 * len(running) + 64:  # forget the sequences that left
             live = {s.seq_id for s in running}
             for sid in [k for k in pol._seq if k not in live]:
@@ -573,12 +577,12 @@ class SpecDecoder:
         if key is not None:
             self._catch_up_before_window(seqs, behind)
             temps = [p.temperature for p in params] if sampled else None
-            res, ranks, packed = self.graphs.run_seqs(seqs, self.n, temps)
-            return self._emit(seqs, res, ranks, self.n, None, packed)
+            res, per_size, packed = self.graphs.run_seqs(seqs, self.n, temps)
+            return self._emit(seqs, res, per_size, self.n, None, packed)
         ctx, tables = self._context(seqs)
         states = self._eager_states(seqs, ctx, tables, behind)
         tree, _, logits, res, ranks = self._draft_and_verify(self._roots(seqs), states, ctx, tables, params, self.n)
-        return self._emit(seqs, res, ranks, tree.num_nodes, logits)
+        return self._emit(seqs, res, self._per_size(res, ranks), tree.num_nodes, logits)
 
     # ---- a speculative step whose verify forward carries other rows (the runner's fused step)
     @torch.inference_mode()
@@ -606,7 +610,7 @@ class SpecDecoder:
 
     def emit(self, prop: Proposal, res: AcceptResult, logits: torch.Tensor) -> list[list[int]]:
         """The host sync that ends a fused step's speculative half: each sequence's new tokens."""
-        return self._emit(prop.seqs, res, prop.ranks, prop.tree.num_nodes, logits)
+        return self._emit(prop.seqs, res, self._per_size(res, prop.ranks), prop.tree.num_nodes, logits)
 
     # ---- the step's parts
     def _roots(self, seqs) -> torch.Tensor:
@@ -616,7 +620,10 @@ class SpecDecoder:
         """The rows the draft must first run over (earlier plain steps'), counted in the stats. A
         step that first catches up pays a cost that steady speculation does not: its wall time
         says little of a step's."""
-        behind = self.rows_behind(seqs)
+        planned = self._plan_behind
+        # the scheduler runs plan() and then this step with nothing computed between: when the step
+        # takes every sequence plan() scanned (most steps), its count stands (a scan of the batch less)
+        behind = planned[1] if planned is not None and planned[0] == seqs else self.rows_behind(seqs)
         self.last_step_caught_up = behind > 0
         if behind:
             self.stats.caught_up_steps += 1
@@ -643,28 +650,42 @@ class SpecDecoder:
             self._caught_up(behind, t0)
         return states
 
-    def _emit(self, seqs, res: AcceptResult, ranks: torch.Tensor, n: int, logits,
+    def _sizes_on(self) -> torch.Tensor:
+        """The menu's sizes, int64 [S] on the device (made again if the menu changed)."""
+        key = tuple(self.sizes)
+        if self._sizes_t is None or self._sizes_t[0] != key:
+            self._sizes_t = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
+        return self._sizes_t[1]
+
+    def _per_size(self, res: AcceptResult, ranks: torch.Tensor) -> torch.Tensor | None:
+        """The policy's per-size acceptance of an eager step, on the device (None without a policy)."""
+        return None if self.policy is None else accepted_per_size(res.accepted, ranks, self._sizes_on())
+
+    def _emit(self, seqs, res: AcceptResult, per_size: torch.Tensor | None, n: int, logits,
               packed: torch.Tensor | None = None) -> list[list[int]]:
         """The step's one host sync and its bookkeeping: each sequence's new tokens (accepted + 1),
-        the policy's per-size acceptance, log-probabilities (logits [B, n, V], None on a graphed
-        step: no row asked), the stats. packed: a step graph's results in one int64 tensor, laid out
-        as the copy below (SpecStepGraphs.run)."""
+        the policy's per-size acceptance (per_size int64 [B, S]: ``accepted_per_size`` over the
+        menu, computed on the device), log-probabilities (logits [B, n, V], None on a graphed step:
+        no row asked), the stats. packed: a step graph's results in one int64 tensor, laid out as
+        the copy below (SpecStepGraphs.run)."""
         bsz = len(seqs)
         # what the host needs, packed into one copy (a copy and a kernel launch per tensor, and the
         # policy's per-size counts on the device, cost the H200's host ~0.3 ms a step at batch 1)
         width = res.tokens.shape[1]
         if packed is None:
             parts = [res.num_accepted.view(bsz, 1), res.tokens, res.accepted]
-            if self.policy is not None:
-                parts.append(ranks)
+            if per_size is not None:
+                parts.append(per_size)
             packed = torch.cat([p.to(torch.int64) for p in parts], dim=1)
-        host = packed.cpu()
-        num_acc = host[:, 0].tolist()
-        tokens = host[:, 1:1 + width].tolist()
+        h = packed.cpu().numpy()  # the sync; then numpy only (each torch call costs the host more)
+        num_acc = h[:, 0].tolist()
+        tokens = h[:, 1:1 + width].tolist()
         out = [tokens[b][:num_acc[b] + 1] for b in range(bsz)]
         if self.policy is not None:
-            h = host.numpy()
-            self._observe_sizes(seqs, h[:, 1 + width:1 + 2 * width], h[:, 1 + 2 * width:], n)
+            if per_size is None:  # graphs captured before the policy was asked for
+                raise RuntimeError("the adaptive policy needs each step's per-size acceptance; these speculative "
+                                   "step graphs were captured without it (make the graphs after setting adaptive)")
+            self._observe_sizes(seqs, h[:, 1 + 2 * width:], n)
         if logits is not None and any(s.params.logprobs is not None for s in seqs):
             self._record_logprobs(seqs, out, logits.reshape(bsz * n, -1), self._path_rows(res.accepted, n))
         st = self.stats
@@ -765,12 +786,12 @@ class SpecDecoder:
                          torch.where(res.accepted.reshape(-1) >= 0, slots, -1))
         return res
 
-    def _observe_sizes(self, seqs, accepted, ranks, n) -> None:
+    def _observe_sizes(self, seqs, per_size, n) -> None:
         """The policy's per-size acceptance: under each menu size m <= n, the accepted path cut at
-        its first node of rank >= m (exact under greedy acceptance). accepted, ranks: the step's
-        AcceptResult.accepted and node ranks, int64 [B, N] on the host."""
+        its first node of rank >= m (exact under greedy acceptance). per_size: int64 [B, S] on the
+        host, ``accepted_per_size`` over the menu (sorted: the sizes <= n come first)."""
         sizes = [m for m in self.sizes if m <= n]
-        self.policy.observe_many([s.seq_id for s in seqs], sizes, accepted_per_size(accepted, ranks, sizes).tolist())
+        self.policy.observe_many([s.seq_id for s in seqs], sizes, per_size[:, :len(sizes)].tolist())
 
     def _propose_medusa(self, roots: torch.Tensor, states: torch.Tensor, n: int):
         tree = self.trees[n]
@@ -838,7 +859,8 @@ class SpecStepGraphs:
     with b * n <= max_tokens, captured once at start, each the whole of a SpecDecoder step: the
     draft states (EAGLE: its catch-up over each sequence's last G = depth + 1 + CATCH_SLACK rows), the proposal,
     the verify forward, acceptance, the KV move and the feature store. Outputs: the
-    AcceptResult's tensors and the node ranks; the caller's one host sync reads them.
+    AcceptResult's tensors and the adaptive policy's per-size acceptance; the caller's one host
+    sync reads them.
 
     Greedy graphs accept greedily. Sampled graphs serve batches whose rows ask for a temperature
     and nothing else (``temperature_only``; a greedy row among them has temperature 0): the
@@ -850,8 +872,9 @@ class SpecStepGraphs:
     the root), ctx int64 [b], tables int32 [b, width], temps float32 [b]. A step graph reads them
     from host staging buffers laid out for its bucket (int64 [ids b x G | ctx b], int32 tables, float32
     temps; see cuda_graphs.HostStaging: the host writes them with numpy, the graph copies them in),
-    and outputs its results packed in one int64 [b, 1 + 3 N] (num_accepted, tokens, accepted path,
-    node ranks) for one read-back. The propose graphs read the same staging. Padding rows (past B)
+    and outputs its results packed in one int64 [b, 1 + 2 N + S] (num_accepted, tokens, accepted
+    path, and with the adaptive policy the draft tokens each of the S menu sizes would have
+    accepted, ``accepted_per_size``) for one read-back. The propose graphs read the same staging. Padding rows (past B)
     run in ``pad_block``, a block of the caches no sequence is given: their tables point only at
     it, so whatever they write lands there. ``eager_stand_in``: as DecodeGraphs' (the plumbing on a
     CPU)."""
@@ -860,6 +883,9 @@ class SpecStepGraphs:
                  eager_stand_in: bool = False) -> None:
         dev = spec.device
         self.spec, self.pad_block, self.width, self.g = spec, pad_block, width, spec.catch_rows
+        # the adaptive policy's per-size acceptance, computed in the graph (its read-back: S numbers a row)
+        self.sizes_t = spec._sizes_on() if spec.adaptive else None
+        self.num_sizes = 0 if self.sizes_t is None else self.sizes_t.shape[0]
         self.keys = sorted({(b, n, k) for n in sizes for b in graph_buckets(max_batch) for k in (False, True)
                             if b * n <= max_tokens})
         # the proposal alone (catch-up window, draft states, trees), for steps whose verify forward
@@ -891,8 +917,11 @@ class SpecStepGraphs:
         states = spec._states_fixed(ids, ctx, tables)
         _, _, _, res, ranks = spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n, inner=True,
                                                      temps=temps)
-        # what the host reads, one tensor: [num_accepted | tokens | accepted | ranks]
-        return (torch.cat([res.num_accepted.view(b, 1), res.tokens, res.accepted, ranks], dim=1).to(torch.int64),)
+        # what the host reads, one tensor: [num_accepted | tokens | accepted | accepted per menu size]
+        parts = [res.num_accepted.view(b, 1), res.tokens, res.accepted]
+        if self.sizes_t is not None:
+            parts.append(accepted_per_size(res.accepted, ranks, self.sizes_t))
+        return (torch.cat(parts, dim=1).to(torch.int64),)
 
     def _run_propose(self, b: int, n: int):
         spec = self.spec
@@ -927,12 +956,13 @@ class SpecStepGraphs:
 
     @torch.inference_mode()
     def run(self, ids, ctx, tables, n: int, temps=None):
-        """(AcceptResult, ranks, packed) of B sequences' step with trees of n nodes: ids int64 [B, G],
-        ctx int64 [B] (c >= 1), tables int32 [B, w <= width], temps float32 [B] (None: greedy, the
-        greedy graph), each a numpy array or a tensor (a device tensor is read back first: the
-        start-up profile's path); packed: the results in one int64 [B, 1 + 3 N] (see the class
-        docstring), the others views of it. The outputs are the graph's own (valid until its next
-        replay). Needs a bucket: ``bucket(B, n, temps is not None)`` is not None."""
+        """(AcceptResult, per_size, packed) of B sequences' step with trees of n nodes: ids int64
+        [B, G], ctx int64 [B] (c >= 1), tables int32 [B, w <= width], temps float32 [B] (None: greedy,
+        the greedy graph), each a numpy array or a tensor (a device tensor is read back first: the
+        start-up profile's path); packed: the results in one int64 [B, 1 + 2 N + S] (see the class
+        docstring), the others views of it (per_size None without the adaptive policy). The outputs
+        are the graph's own (valid until its next replay). Needs a bucket: ``bucket(B, n, temps is
+        not None)`` is not None."""
         ids, ctx, tables, temps = (t.cpu().numpy() if isinstance(t, torch.Tensor) else t
                                    for t in (ids, ctx, tables, temps))
         bsz = ids.shape[0]
@@ -943,8 +973,9 @@ class SpecStepGraphs:
         self.graphs[(b, n, sampled)].replay()
         self.fence.replayed()
         packed = self.outputs[(b, n, sampled)][0][:bsz]
-        m = (packed.shape[1] - 1) // 3  # the trees' nodes
-        return AcceptResult(packed[:, 1 + m:1 + 2 * m], packed[:, 0], packed[:, 1:1 + m]), packed[:, 1 + 2 * m:], packed
+        m = (packed.shape[1] - 1 - self.num_sizes) // 2  # the trees' nodes
+        per_size = packed[:, 1 + 2 * m:] if self.num_sizes else None
+        return AcceptResult(packed[:, 1 + m:1 + 2 * m], packed[:, 0], packed[:, 1:1 + m]), per_size, packed
 
     @torch.inference_mode()
     def run_propose_seqs(self, seqs, n: int):

@@ -83,11 +83,11 @@ def test_speculative_steps_replay_graphs_and_stay_exact(tiny_llama, tmp_path, me
     trees have their own graphs), ordinary steps through the decode graphs."""
     want, llm = _plain_then_speculative(tiny_llama, tmp_path, method)
     r = llm.engine.runner
-    if policy == "adaptive":  # a menu of smaller trees (each its own graphs)
+    if policy == "adaptive":  # a menu of smaller trees (each its own graphs, which count acceptance per size)
         r.spec.sizes = [2, 4, 6, r.spec.num_nodes]
+        r.spec.adaptive = True
     replays = _with_stand_in_graphs(llm, 8)
     if policy == "adaptive":  # the cost profile through the graphs; then costs under which trees pay
-        r.spec.adaptive = True
         r.spec.start()
         pol = r.spec.policy
         pol.cost = CostTable(pol.cost.batches, {n: [1.0 if n == 1 else 0.6 + 0.05 * n] * len(pol.cost.batches)

@@ -212,7 +212,8 @@ def test_accepted_per_size_equals_verifying_the_smaller_trees(seed):
     target = torch.randint(0, v, (bsz, n), generator=g)
     res = greedy_accept(tree, target)
     sizes = [2, 4, 9, n]
-    got = torch.from_numpy(accepted_per_size(res.accepted.numpy(), torch.arange(n).expand(bsz, n).numpy(), sizes))
+    got = accepted_per_size(res.accepted, torch.arange(n).expand(bsz, n), torch.tensor(sizes))
+    assert got.dtype == torch.int64 and got.shape == (bsz, len(sizes))
     for j, m in enumerate(sizes):
         small = StaticTree.from_choices(full.choices[1:m]).batch(roots, topk)
         want = greedy_accept(small, target[:, :m]).num_accepted
@@ -247,7 +248,7 @@ def test_accepted_per_size_equals_verifying_the_smaller_trees(seed):
 
     res = greedy_accept(big, target_of(big))
     sizes = [2, 5, 9, 13]
-    got = torch.from_numpy(accepted_per_size(res.accepted.numpy(), ranks.numpy(), sizes))
+    got = accepted_per_size(res.accepted, ranks, torch.tensor(sizes))
     for j, m in enumerate(sizes):
         t, _ = grow(m - 1)
         assert torch.equal(got[:, j], greedy_accept(t, target_of(t)).num_accepted), m
