@@ -15,6 +15,9 @@ catch-up steps after a prefill, eager), the most frequent, and the median host �
 step whose batch is all decodes. --policy fixed: the fixed policy's trees. --policy adaptive: the
 adaptive policy runs as in service (its choice, its per-size observations, its cost ratios) on a
 cost table that makes the largest tree win every step, so its host work is in each step.
+--policy adaptive-plain: the adaptive policy on a cost table under which no tree can win, so every
+step is a plain one as the policy runs it (a busy server's case: the draft engine's plain steps
+beside the plain engine's).
 --host-only: the host µs with the replays switched off during the timed rounds (no stand-in model
 runs between the host's parts, as on a GPU none runs on the host), median of 3 rounds' steps.
 """
@@ -63,7 +66,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tree", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed")
+    ap.add_argument("--policy", choices=["fixed", "adaptive", "adaptive-plain"], default="fixed")
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--host-only", action="store_true")
@@ -74,9 +77,9 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",")]
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
     kw = dict(model=a.model, device="cpu", dtype="float32", max_num_seqs=max(batches))
-    spec_name = f"trees of {a.tree}" + (", adaptive" if a.policy == "adaptive" else "")
+    spec_name = f"trees of {a.tree}" + ("" if a.policy == "fixed" else f", {a.policy}")
     engines = {"plain": LLM(**kw),
-               spec_name: LLM(**kw, draft=a.draft, spec_policy=a.policy, spec_num_draft=a.tree,
+               spec_name: LLM(**kw, draft=a.draft, spec_policy=a.policy.split("-")[0], spec_num_draft=a.tree,
                               spec_top_k=a.top_k, spec_depth=a.depth)}
     print("| batch | engine | aten ops a decode step: median (mean) | host µs a decode step | steps "
           "| most frequent ops |\n|---|---|---|---|---|---|")
@@ -89,9 +92,11 @@ def main() -> None:
             replays.wrap(r.spec.graphs.graphs)
         if r.spec is not None and r.spec.policy is not None:
             pol, big = r.spec.policy, max(r.spec.sizes)
-            # every tree cheaper than a plain step: the policy picks the largest at each step
-            pol.cost = CostTable(pol.cost.batches, {n: [10.0 if n == 1 else 1.0 + 1e-3 * n] * len(pol.cost.batches)
-                                                    for n in pol.cost.ms})
+            # adaptive: every tree cheaper than a plain step, the policy picks the largest at each step;
+            # adaptive-plain: every tree 100 plain steps
+            plain_ms, tree_ms = (10.0, 1.0) if a.policy == "adaptive" else (1.0, 100.0)
+            pol.cost = CostTable(pol.cost.batches, {n: [plain_ms if n == 1 else tree_ms + 1e-3 * n]
+                                                    * len(pol.cost.batches) for n in pol.cost.ms})
             pol.prior = None
             pol._global = {n: float(n - 1) for n in pol._global}
             assert big in pol.sizes

@@ -218,11 +218,14 @@ class Scheduler:
                 seq.first_token_time = time.monotonic()
             toks, computed = (tok, len(tok)) if isinstance(tok, list) else ((tok,), k)
             stop = None
-            for t in toks:
-                seq.append_token(t)
-                stop = self._stop(seq, t)
-                if stop is not None:
-                    break
+            if computed > 1 and self._cannot_stop(seq, toks):
+                seq.token_ids.extend(toks)  # (a speculative step's tokens, one call for them all)
+            else:
+                for t in toks:
+                    seq.append_token(t)
+                    stop = self._stop(seq, t)
+                    if stop is not None:
+                        break
             # the tokens first, then the KV progress: commit hashes the blocks' token ids
             seq.num_computed_tokens = min(seq.num_computed_tokens + computed, len(seq.token_ids))
             commit(seq)
@@ -281,6 +284,17 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         self._arrival.pop(seq.seq_id, None)
+
+    def _cannot_stop(self, seq: Sequence, toks) -> bool:
+        """Whether no token of toks, appended in order, can end the sequence (``_stop`` would return
+        None for each): none of them is an EOS (unless ignored) or a stop token id, and after the
+        last one the sequence is still short of max_tokens and of the longest sequence. A cheaper
+        test than ``_stop`` per token, that decides most speculative steps' tokens at once."""
+        p = seq.params
+        end = len(seq.token_ids) + len(toks)
+        return ((p.max_tokens is None or end - seq.num_prompt_tokens < p.max_tokens) and end < self.max_seq_len
+                and (p.ignore_eos or self.eos_token_ids.isdisjoint(toks))
+                and (not p.stop_token_ids or not any(t in p.stop_token_ids for t in toks)))
 
     def _stop(self, seq: Sequence, tok: int) -> tuple[FinishReason, int | None] | None:
         """Why the sequence ends after sampling `tok`, or None.

@@ -465,7 +465,7 @@ class SpecDecoder:
     def _params_allow(seq) -> bool:
         """What of eligibility the sequence's sampling parameters fix (no penalties; no per-request
         seed under sampling): worked out once and kept on the sequence."""
-        ok = seq.__dict__.get("spec_params_ok")
+        ok = seq.spec_params_ok
         if ok is None:
             p = seq.params
             ok = seq.spec_params_ok = not p.uses_penalties and (p.seed is None or p.temperature < GREEDY_EPS)
@@ -494,7 +494,7 @@ class SpecDecoder:
 
     def _upto(self, seq) -> int:
         """EAGLE: the positions the draft has run over (its KV), 0 after a preemption."""
-        st = getattr(seq, "spec_state", None)
+        st = seq.spec_state
         return st[1] if st is not None and st[0] == seq.num_preemptions else 0
 
     # ---- the draft states

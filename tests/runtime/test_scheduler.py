@@ -212,6 +212,45 @@ def test_stop_rules(params, tokens, n_out, reason, stop_reason):
     assert sched.block_manager.num_free_blocks == 64 and not sched.has_unfinished()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_step_of_several_tokens_stops_as_one_token_at_a_time(seed, monkeypatch):
+    """update() with a speculative step's token list appends them in one call when none can stop
+    the sequence (Scheduler._cannot_stop); the outcome equals appending them one at a time under the
+    stop rules, which the second scheduler does for every list: random lists of 2-6 tokens with EOS
+    and a stop token among them or not, min_tokens, ignore_eos, and max_tokens / max_model_len
+    reached before, at or after the list's end."""
+    rng = random.Random(seed)
+    fast_calls = []
+    for case in range(200):
+        max_tokens = rng.choice([None, 3, 5, 8])
+        params = dict(max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 2, 4]), max_tokens or 4),
+                      ignore_eos=rng.random() < 0.2, stop_token_ids=rng.choice([[], [9], [9, 11]]))
+        pool = [5, 6, 7, EOS, 9, 11] if rng.random() < 0.5 else [5, 6, 7]
+        lists = [[rng.choice(pool) for _ in range(rng.randint(2, 6))] for _ in range(3)]
+        outcomes = []
+        for per_token in (False, True):
+            sched = make_sched(max_model_len=random.Random(case).choice([16, 64]))
+            if per_token:
+                monkeypatch.setattr(sched, "_cannot_stop", lambda seq, toks: False)
+            else:
+                real = sched._cannot_stop
+                monkeypatch.setattr(sched, "_cannot_stop",
+                                    lambda seq, toks, real=real: fast_calls.append(r := real(seq, toks)) or r)
+            seq = make_seq(6, **params)
+            sched.add(seq)
+            step(sched, 5)  # the prefill samples a first token
+            for toks in lists:
+                if seq.is_finished:
+                    break
+                batch = sched.schedule()
+                assert batch.seqs == [seq] and batch.num_new_tokens == [1]
+                sched.update(batch, [list(toks)])
+            outcomes.append((seq.output_token_ids, seq.num_computed_tokens, seq.finish_reason, seq.stop_reason,
+                             sched.block_manager.num_free_blocks))
+        assert outcomes[0] == outcomes[1], (params, lists)
+    assert any(fast_calls) and not all(fast_calls)  # both paths were taken
+
+
 def test_length_stop_at_the_kv_cache_capacity():
     sched = make_sched(num_blocks=2, max_model_len=100)  # 16 slots in all
     seq = make_seq(10, max_tokens=None)
