@@ -7,14 +7,16 @@ the ops are counted). Uses only the public engine API and the graphs' ``replay``
 script measures two code trees (run it with each on PYTHONPATH).
 
     python benchmarks/step_host_ops.py --model DIR --draft DIR [--batches 1,8,64] [--tree 5]
-        [--policy fixed|adaptive] [--top-k 2 --depth 3] [--host-only]
+        [--policy fixed|adaptive|adaptive-plain] [--top-k 2 --depth 3] [--host-only]
 
 Per batch, for a plain engine and for a draft engine whose every step speculates (trees of --tree
 nodes), greedy, EOS ignored: aten ops a decode step, median and mean (the mean takes in the
 catch-up steps after a prefill, eager), the most frequent, and the median host µs of an engine
-step whose batch is all decodes. --policy fixed: the fixed policy's trees. --policy adaptive: the
-adaptive policy runs as in service (its choice, its per-size observations, its cost ratios) on a
-cost table that makes the largest tree win every step, so its host work is in each step.
+step whose batch is all decodes (and how many steps were timed, how many of them speculative).
+--policy fixed: the fixed policy's trees. --policy adaptive: the adaptive policy runs as in
+service (its choice, its per-size observations, its cost ratios, fed the table's own times: the
+stand-ins' step times mean nothing) on a cost table that makes the largest tree win every step,
+so its host work is in each step.
 --policy adaptive-plain: the adaptive policy on a cost table under which no tree can win, so every
 step is a plain one as the policy runs it (a busy server's case: the draft engine's plain steps
 beside the plain engine's).
@@ -81,7 +83,7 @@ def main() -> None:
     engines = {"plain": LLM(**kw),
                spec_name: LLM(**kw, draft=a.draft, spec_policy=a.policy.split("-")[0], spec_num_draft=a.tree,
                               spec_top_k=a.top_k, spec_depth=a.depth)}
-    print("| batch | engine | aten ops a decode step: median (mean) | host µs a decode step | steps "
+    print("| batch | engine | aten ops a decode step: median (mean) | host µs a decode step | steps timed "
           "| most frequent ops |\n|---|---|---|---|---|---|")
     for name, llm in engines.items():
         r, eng = llm.engine.runner, llm.engine
@@ -97,6 +99,9 @@ def main() -> None:
             plain_ms, tree_ms = (10.0, 1.0) if a.policy == "adaptive" else (1.0, 100.0)
             pol.cost = CostTable(pol.cost.batches, {n: [plain_ms if n == 1 else tree_ms + 1e-3 * n]
                                                     * len(pol.cost.batches) for n in pol.cost.ms})
+            # the engine's measured step times here are the CPU stand-ins' (meaningless as costs):
+            # the policy's ratio updates still run, on the table's own times
+            pol.observe_cost = lambda n, b, ms, f=pol.observe_cost, c=pol.cost: f(n, b, c.cost(n, b))
             pol.prior = None
             pol._global = {n: float(n - 1) for n in pol._global}
             assert big in pol.sizes
@@ -129,11 +134,15 @@ def main() -> None:
                 llm.generate(prompts, params)  # the stand-in outputs of real steps
                 host.clear()
                 replays.on = False
+                spec0 = r.spec.stats.steps if r.spec is not None else 0
                 for _ in range(3):
                     llm.generate(prompts, params)
                 replays.on = True
+                spec_steps = r.spec.stats.steps - spec0 if r.spec is not None else 0
             else:
+                spec0 = r.spec.stats.steps if r.spec is not None else 0
                 llm.generate(prompts, params)
+                spec_steps = r.spec.stats.steps - spec0 if r.spec is not None else 0
             # the ops, with the replays off (the tokens are then nonsense: the count does not depend on them)
             seen = []
 
@@ -154,8 +163,8 @@ def main() -> None:
             top = ", ".join(f"{k} {v / len(seen):.1f}" for k, v in total.most_common(5))
             ops = statistics.median(sum(c.values()) for c in seen)
             mean = sum(total.values()) / len(seen)
-            print(f"| {bs} | {name} | {ops:.0f} ({mean:.1f}) | {statistics.median(host):.0f} | {len(host)} | {top} |",
-                  flush=True)
+            print(f"| {bs} | {name} | {ops:.0f} ({mean:.1f}) | {statistics.median(host):.0f} | {len(host)} "
+                  f"({spec_steps} speculative) | {top} |", flush=True)
 
 
 if __name__ == "__main__":
