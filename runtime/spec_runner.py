@@ -243,6 +243,8 @@ class SpecDecoder:
         self.sizes = sorted({self.num_nodes} | ({max(2, self.num_nodes >> i) for i in range(1, 5)}
                                                 if options.policy == "adaptive" else set()))
         self.n = self.num_nodes  # this step's tree size (plan() sets it)
+        # eligible(): the longest sequence whose largest tree (or EAGLE's scratch rows) still fits
+        self._longest = runner.max_model_len - max(self.num_nodes, self.scratch) + 1
         self._planned: set[int] | None = None  # the seq ids plan()'s last scan found eligible
         # (the sequences plan() scanned, their rows_behind): a step of exactly those reuses the count
         self._plan_behind: tuple[list, int] | None = None
@@ -455,11 +457,14 @@ class SpecDecoder:
 
     # ---- which sequences speculate
     def eligible(self, seq) -> bool:
-        """Whether the sequence's next decode can be a speculative step."""
+        """Whether the sequence's next decode can be a speculative step (asked of every running
+        sequence when the policy scans: kept to attribute reads and one call the first time)."""
         num_tokens = len(seq.token_ids)
-        return (seq.num_computed_tokens > 0 and self._params_allow(seq)
-                and num_tokens - seq.num_prompt_tokens >= seq.params.min_tokens
-                and num_tokens + max(self.num_nodes, self.scratch) - 1 <= self.runner.max_model_len)
+        ok = seq.spec_params_ok
+        if ok is None:
+            ok = self._params_allow(seq)
+        return (ok and seq.num_computed_tokens > 0 and num_tokens <= self._longest
+                and num_tokens - seq.num_prompt_tokens >= seq.params.min_tokens)
 
     @staticmethod
     def _params_allow(seq) -> bool:

@@ -295,13 +295,15 @@ class AdaptivePolicy:
         glob, seqs = self._global, self._seq
         cols = [(j, n) for j, n in enumerate(sizes) if n in glob]
         gn = self._global_n
+        g = h = 0.0
         for sid, row in zip(seq_ids, rows):
             est = seqs.get(sid)
             if est is None:
                 est = seqs[sid] = dict(glob)
             gn += 1
-            g = min(0.98, 1.0 - 1.0 / (gn + 1))  # the prior counts as one observation
-            h = 1.0 - g
+            if g != 0.98:  # (0.98 from the 49th observation on)
+                g = min(0.98, 1.0 - 1.0 / (gn + 1))  # the prior counts as one observation
+                h = 1.0 - g
             for j, n in cols:
                 k = row[j]
                 est[n] = d * est[n] + e * k
