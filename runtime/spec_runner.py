@@ -674,8 +674,8 @@ class SpecDecoder:
         no row asked), the stats. packed: a step graph's results in one int64 tensor, laid out as
         the copy below (SpecStepGraphs.run)."""
         bsz = len(seqs)
-        # what the host needs, packed into one copy (a copy and a kernel launch per tensor, and the
-        # policy's per-size counts on the device, cost the H200's host ~0.3 ms a step at batch 1)
+        # what the host needs, packed into one copy (a read-back per tensor, each a copy and a kernel
+        # launch, cost the H200's host ~0.3 ms a step at batch 1)
         width = res.tokens.shape[1]
         if packed is None:
             parts = [res.num_accepted.view(bsz, 1), res.tokens, res.accepted]
