@@ -102,7 +102,6 @@ def main() -> None:
             # the engine's measured step times here are the CPU stand-ins' (meaningless as costs):
             # the policy's ratio updates still run, on the table's own times
             pol.observe_cost = lambda n, b, ms, f=pol.observe_cost, c=pol.cost: f(n, b, c.cost(n, b))
-            pol.prior = None
             pol._global = {n: float(n - 1) for n in pol._global}
             assert big in pol.sizes
         for bs in batches:

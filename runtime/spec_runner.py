@@ -666,6 +666,16 @@ class SpecDecoder:
         """The policy's per-size acceptance of an eager step, on the device (None without a policy)."""
         return None if self.policy is None else accepted_per_size(res.accepted, ranks, self._sizes_on())
 
+    @staticmethod
+    def _pack(res: AcceptResult, per_size: torch.Tensor | None) -> torch.Tensor:
+        """A step's results as the host reads them back, one int64 [B, 1 + 2 N (+ S)]: num_accepted,
+        tokens, the accepted path (and the accepted draft tokens per menu size). Eager steps and the
+        step graphs both: ``_emit`` parses this layout."""
+        parts = [res.num_accepted.view(-1, 1), res.tokens, res.accepted]
+        if per_size is not None:
+            parts.append(per_size)
+        return torch.cat([p.to(torch.int64) for p in parts], dim=1)
+
     def _emit(self, seqs, res: AcceptResult, per_size: torch.Tensor | None, n: int, logits,
               packed: torch.Tensor | None = None) -> list[list[int]]:
         """The step's one host sync and its bookkeeping: each sequence's new tokens (accepted + 1),
@@ -678,10 +688,7 @@ class SpecDecoder:
         # launch, cost the H200's host ~0.3 ms a step at batch 1)
         width = res.tokens.shape[1]
         if packed is None:
-            parts = [res.num_accepted.view(bsz, 1), res.tokens, res.accepted]
-            if per_size is not None:
-                parts.append(per_size)
-            packed = torch.cat([p.to(torch.int64) for p in parts], dim=1)
+            packed = self._pack(res, per_size)
         h = packed.cpu().numpy()  # the sync; then numpy only (each torch call costs the host more)
         num_acc = h[:, 0].tolist()
         tokens = h[:, 1:1 + width].tolist()
@@ -923,10 +930,8 @@ class SpecStepGraphs:
         _, _, _, res, ranks = spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n, inner=True,
                                                      temps=temps)
         # what the host reads, one tensor: [num_accepted | tokens | accepted | accepted per menu size]
-        parts = [res.num_accepted.view(b, 1), res.tokens, res.accepted]
-        if self.sizes_t is not None:
-            parts.append(accepted_per_size(res.accepted, ranks, self.sizes_t))
-        return (torch.cat(parts, dim=1).to(torch.int64),)
+        per_size = None if self.sizes_t is None else accepted_per_size(res.accepted, ranks, self.sizes_t)
+        return (spec._pack(res, per_size),)
 
     def _run_propose(self, b: int, n: int):
         spec = self.spec
