@@ -6,7 +6,7 @@
 #   PART=train  carry .carry2: the model assembled (device_stage.sh); two EAGLE-3 drafts trained
 #               side by side on the nineteenth session's self-distilled data (.carry-draft, PROMPTS
 #               of its 12288 sequences), SECS each: training-time test 4 steps (the nineteenth
-#               session's recipe, whose draft was lost) and 7 steps, into /root/d/e3-t4, /root/d/e3-t7;
+#               session's recipe, whose draft was lost, batch 16) and 7 steps at batch B7 (32), into /root/d/e3-t4, /root/d/e3-t7;
 #               meanwhile the GPU tests (speculative engine, step graphs incl. the adaptive policy's
 #               in-graph per-size counts, host-staged graphs, prefill graphs, EAGLE-2 growth)
 #   PART=eval   optllm eval of the float SmolLM2 with each draft, waves at BS (1,8,32,64), greedy;
@@ -45,9 +45,10 @@ PY
 case "${PART:-}" in
 train)
   gzip -dc .carry-draft/dataset_12288.jsonl.gz | head -n "${PROMPTS:-12288}" > /root/d/float_data.jsonl
-  for t in 4 7; do
+  for t in 4 7; do  # TTT 7 at batch B7 (32): a step more tokens, if the GPU has room beside the other run
+    b=16; [ $t = 7 ] && b=${B7:-32}
     timeout $(( ${SECS:-430} + 60 )) python3 -m optllm train-draft smollm2-135m --method eagle3 --out "/root/d/e3-t$t" \
-      --device cuda --ttt-steps "$t" --draft-vocab "${VOCAB:-16384}" --max-steps 40000 --batch-size 16 \
+      --device cuda --ttt-steps "$t" --draft-vocab "${VOCAB:-16384}" --max-steps 40000 --batch-size $b \
       --time-limit "${SECS:-430}" --overwrite --dataset /root/d/float_data.jsonl > "$OUT/logs/train_e3-t$t.log" 2>&1 &
   done
   timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
