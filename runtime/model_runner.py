@@ -224,7 +224,9 @@ class ModelRunner:
         if not any(batch.speculate):  # no sequence speculates: the plain step as a draft-less engine runs it
             decode = batch.decode_only
             out = self._plain_part(batch.seqs, batch.num_new_tokens, decode)
-            if decode and self.spec.policy is not None:  # a pure plain decode step: the engine times it
+            # a pure plain decode step: the engine times it -- one a scan of the policy (plan()), not
+            # each step of a plain stretch (the ratio moves slowly; each report cost the host ~2 µs)
+            if decode and self.spec.policy is not None and self.spec.scanned:
                 self.spec.pending_cost = (1, len(batch.seqs))
             return out
         result: list = [None] * len(batch.seqs)

@@ -161,9 +161,9 @@ class Proposal:
 
 class FeatureStore:
     """The draft's per-position inputs, paged like the KV cache: features[slot] for every cache
-    slot, plus one dump row (index num_slots) where rows with slot -1 (padding) go. ``store`` is
-    what every target forward calls on the rows it computed (the decode graphs call it inside
-    their capture). Holds no reference to the runner (the graphs keep it)."""
+    slot, plus one dump row (index num_slots, the last: slot -1 indexes it) where rows with slot -1
+    (padding) go. ``store`` is what every target forward calls on the rows it computed (the decode
+    graphs call it inside their capture). Holds no reference to the runner (the graphs keep it)."""
 
     def __init__(self, draft, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.draft = draft
@@ -174,10 +174,9 @@ class FeatureStore:
     def store(self, hidden: torch.Tensor, aux: torch.Tensor | None, slots: torch.Tensor) -> None:
         """hidden [T, H] (and EAGLE-3's aux [T, 3H]) of rows whose cache slots are slots [T] (-1: none)."""
         feats = self.draft.context_features(hidden, aux) if self.fused else hidden
-        # -1 to the dump row num_slots, every real slot to itself: one kernel (remainder takes the
-        # divisor's sign), where a comparison and a select were two
-        idx = torch.remainder(slots.long(), self.dump + 1)
-        self.features.index_copy_(0, idx, feats.to(self.features.dtype))
+        # slot -1 indexes the last row, the dump row (num_slots): one kernel, where an int64 copy of
+        # the slots, a remainder and index_copy_ were three (each a node of every decode graph)
+        self.features[slots] = feats.to(self.features.dtype)
 
     def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
         return self.features[slots]
@@ -255,6 +254,7 @@ class SpecDecoder:
         self.recheck_every = 8  # plan(): steps a choice of no speculation stands unscanned
         self._plan_sig: tuple | None = None
         self._plan_skips = 0
+        self.scanned = True  # whether the last plan() scanned the running sequences (else: a skipped step)
         self._sizes_t: tuple[tuple, torch.Tensor] | None = None  # (sizes, int64 [S] on the device)
 
     def bind(self, num_blocks: int) -> None:
@@ -326,17 +326,22 @@ class SpecDecoder:
         sig = (len(running), id(running[0]), id(running[-1]))
         if self.n == 1 and sig == self._plan_sig and self._plan_skips < self.recheck_every:
             self._plan_skips += 1
+            self.scanned = False
             pol.idle()
             return 0
-        self._plan_sig, self._plan_skips = sig, 0
+        self._plan_sig, self._plan_skips, self.scanned = sig, 0, True
         seqs = self.eligible_decodes(running)
         ids, behind = [s.seq_id for s in seqs], self.rows_behind(seqs)
         self._planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
         self._plan_behind = (seqs, behind)
-        if len(pol._seq) > 2 * len(running) + 64:  # forget the sequences that left
+        tracked = pol.tracked()
+        if len(tracked) > 2 * len(running) + 64:  # forget the sequences that left
             live = {s.seq_id for s in running}
-            for sid in [k for k in pol._seq if k not in live]:
+            for sid in [k for k in tracked if k not in live]:
                 pol.forget(sid)
+        for s in seqs:  # a new sequence starts from its class's estimates (greedy or sampled)
+            if s.seq_id not in tracked:
+                pol.track(s.seq_id, s.params.temperature >= GREEDY_EPS)
         self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind)
         return self.lookahead if self.n > 1 else 0
 
@@ -803,7 +808,7 @@ class SpecDecoder:
         its first node of rank >= m (exact under greedy acceptance). per_size: int64 [B, S] on the
         host, ``accepted_per_size`` over the menu (sorted: the sizes <= n come first)."""
         sizes = [m for m in self.sizes if m <= n]
-        self.policy.observe_many([s.seq_id for s in seqs], sizes, per_size[:, :len(sizes)].tolist())
+        self.policy.observe_many([s.seq_id for s in seqs], sizes, per_size[:, :len(sizes)])
 
     def _propose_medusa(self, roots: torch.Tensor, states: torch.Tensor, n: int):
         tree = self.trees[n]

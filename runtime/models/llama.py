@@ -171,13 +171,21 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        aux = {} if self.aux_layer_ids else None
+        ids = self.aux_layer_ids
+        if ids:  # each stream written into its columns of one buffer: no concatenation after
+            h = x.shape[-1]
+            aux = x.new_empty(x.shape[0], len(ids) * h)
         for i, layer in enumerate(self.layers):
-            if aux is not None and i in self.aux_layer_ids:
-                aux[i] = x.clone() if residual is None else x + residual  # the layers may update in place
+            if ids and i in ids:
+                for c in (c for c, j in enumerate(ids) if j == i):
+                    out = aux[:, c * h:(c + 1) * h]
+                    if residual is None:  # (a copy: the layers may update x in place)
+                        out.copy_(x)
+                    else:
+                        torch.add(x, residual, out=out)
             x, residual = layer(positions, x, residual, meta)
-        if aux is not None:
-            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)
+        if ids:
+            self.aux_hidden = aux
         x, _ = self.norm(x, residual)
         return x
 

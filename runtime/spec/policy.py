@@ -53,14 +53,27 @@ and corrected by a measured ratio like the steps'). A step whose sequences are b
 carries catch_up(R) spread over the speculative steps a switch is expected to last (the running
 mean length of the stretches of speculative steps so far, 4 before any): the H200 measured
 catch-ups of 6000-7500 rows at 7-12 ms each at batch 64 (docs/BENCHMARKS.md, sixteenth session),
-5-8 plain steps' worth, that the policy did not see. Plain Python, no torch.
+5-8 plain steps' worth, that the policy did not see.
+
+Greedy and sampled sequences keep separate engine-wide estimates (``track``): rejection sampling
+accepts about half the tokens greedy acceptance does, and on the H100 a sampled request that
+started from the greedy requests' record speculated its first steps (and paid the draft's
+catch-up of its prompt) at a loss, 2-3% of a temperature-1 run.
+
+Host arithmetic only, no torch: the per-sequence estimates are rows of one numpy array (a
+sequence's slot), so a step's observations and its choice's sums are a few array operations, not
+a dictionary update per sequence and size (a choice and its step's observations: 67 -> 26 µs at
+batch 64 on the CPU runner, 6 -> 9 µs at batch 1).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import KeysView
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -113,11 +126,12 @@ class AdaptivePolicy:
     explore_budget: float = 0.01
     relax: float = 0.9  # a plain step keeps this share of each sequence's distance from the engine-wide estimate
     cost_decay: float = 0.9  # weight of the past in each measured / profiled ratio
-    _seq: dict[int, dict[int, float]] = field(default_factory=dict)
+    # sampled sequences' engine-wide estimate starts at this share of the prior (greedy acceptance):
+    # on the H100, SmolLM2's EAGLE-3 draft accepted 0.43-0.55x as many tokens at temperature 1 as
+    # at 0 (docs/BENCHMARKS.md, twenty-fifth session)
+    sampled_prior: float = 0.5
     _ratio: dict[tuple[int, int], float] = field(default_factory=dict)
     _ratio_n: dict[tuple[int, int], int] = field(default_factory=dict)
-    _global: dict[int, float] = field(default_factory=dict)
-    _global_n: int = 0
     _idle: int = 0
     _plain_run: int = 0  # plain steps since the last speculative one (the estimates' relaxation)
     last_choice: int = 1
@@ -142,7 +156,68 @@ class AdaptivePolicy:
             raise ValueError(f"the cost table has no times for tree sizes {missing}")
         base = self.prior or {n: 1.0 * (n - 1) / (self.sizes[-1] - 1) if self.sizes[-1] > 1 else 0.0
                               for n in self.sizes}
-        self._global = {n: float(base.get(n, 0.0)) for n in self.sizes}
+        self._col = {n: j for j, n in enumerate(self.sizes)}
+        g = np.array([float(base.get(n, 0.0)) for n in self.sizes])
+        # the engine-wide estimates of greedy (0) and sampled (1) sequences, and their observation counts
+        self._G = np.stack([g, g * self.sampled_prior])
+        self._gn = [0, 0]
+        self._n_sampled = 0  # tracked sampled sequences
+        self._slot: dict[int, int] = {}  # a sequence's row of _est (and of _cls: its class)
+        self._est = np.zeros((64, len(self.sizes)))
+        self._cls = np.zeros(64, dtype=np.int64)
+        self._free: list[int] = []
+        self._wcache: dict[int, tuple[np.ndarray, float]] = {}
+        self._menus: dict[tuple, tuple] = {}  # observe_many's column maps by the sizes it was given
+
+    @property
+    def _global(self) -> dict[int, float]:
+        """The greedy sequences' engine-wide estimates by tree size (a copy)."""
+        return dict(zip(self.sizes, self._G[0].tolist()))
+
+    @_global.setter
+    def _global(self, values: dict[int, float]) -> None:
+        """Sets both classes' engine-wide estimates (tests and benchmarks that force a choice)."""
+        self._G[:] = np.array([float(values[n]) for n in self.sizes])
+        self._version += 1
+
+    @property
+    def _global_n(self) -> int:
+        """Observations so far (both classes)."""
+        return self._gn[0] + self._gn[1]
+
+    def track(self, seq_id: int, sampled: bool) -> None:
+        """A sequence about to be chosen for: from now on it has estimates of its own, starting
+        from its class's engine-wide ones (greedy or sampled: rejection sampling accepts fewer
+        tokens, and greedy observations must not make a sampled request's first steps speculate,
+        nor the other way round). A sequence never tracked counts as greedy."""
+        if seq_id not in self._slot:
+            c = 1 if sampled else 0
+            j = self._new_slot(seq_id, self._G[c])  # (may grow _cls: index it after)
+            self._cls[j] = c
+            self._n_sampled += c
+            self._version += 1
+
+    @property
+    def _seq(self) -> dict[int, dict[int, float]]:
+        """Each tracked sequence's estimates by tree size (a copy, for tests and reports)."""
+        return {sid: dict(zip(self.sizes, self._est[j].tolist())) for sid, j in self._slot.items()}
+
+    def tracked(self) -> KeysView[int]:
+        """The sequences with estimates of their own (a view: forget() changes it)."""
+        return self._slot.keys()
+
+    def _new_slot(self, sid: int, init: np.ndarray) -> int:
+        if self._free:
+            j = self._free.pop()
+        else:
+            j = len(self._slot)
+            if j == len(self._est):
+                self._est = np.concatenate([self._est, np.zeros_like(self._est)])
+                self._cls = np.concatenate([self._cls, np.zeros_like(self._cls)])
+        self._slot[sid] = j
+        self._est[j] = init
+        self._cls[j] = 0
+        return j
 
     @staticmethod
     def _bucket(batch: int) -> int:
@@ -187,7 +262,8 @@ class AdaptivePolicy:
         return w * ratio + (1.0 - w) * min(max(measured, 0.25), 20.0)
 
     def expected(self, seq_id: int) -> dict[int, float]:
-        return self._seq.get(seq_id) or self._global
+        j = self._slot.get(seq_id)
+        return self._global if j is None else dict(zip(self.sizes, self._est[j].tolist()))
 
     def choose(self, seq_ids: list[int], budget: int | None = None, behind: int = 0) -> int:
         """The tree size for a step whose eligible decodes are seq_ids (1: no speculation);
@@ -244,9 +320,10 @@ class AdaptivePolicy:
             self._plain_run += 1
         elif self._plain_run:  # the estimates this choice saw become the ones the verify updates
             keep = self.relax ** self._plain_run
-            for est in self._seq.values():
-                for n, g in self._global.items():
-                    est[n] = g + (est[n] - g) * keep
+            if self._slot:
+                rows = list(self._slot.values())
+                g = self._G[self._cls[rows]]
+                self._est[rows] = g + (self._est[rows] - g) * keep
             self._version += 1
             self._plain_run = 0
         self.last_choice = best
@@ -259,7 +336,8 @@ class AdaptivePolicy:
         if not self._plain_run or self.relax >= 1.0:
             return sums
         keep = self.relax ** self._plain_run
-        return {n: b * self._global[n] + (v - b * self._global[n]) * keep for n, v in sums.items()}
+        g = self._global_summed(self._sums[3])  # summed over the same sequences as sums (_summed's)
+        return {n: g[j] + (v - g[j]) * keep for j, (n, v) in enumerate(sums.items())}
 
     def idle(self) -> None:
         """A step the caller decided plainly without asking (nothing changed since a choice of 1):
@@ -272,13 +350,25 @@ class AdaptivePolicy:
         key = tuple(seq_ids)
         if self._sums is not None and self._sums[0] == self._version and self._sums[1] == key:
             return self._sums[2]
-        sums = dict.fromkeys(self.sizes, 0.0)
-        for s in seq_ids:
-            e = self._seq.get(s) or self._global
-            for n in self.sizes:
-                sums[n] += e[n]
-        self._sums = (self._version, key, sums)
+        slot = self._slot
+        rows = [slot.get(s, -1) for s in seq_ids]
+        if len(rows) == 1 and rows[0] >= 0:  # (batch 1: a row, without numpy's fancy indexing)
+            sums = dict(zip(self.sizes, self._est[rows[0]].tolist()))
+        else:
+            own = [j for j in rows if j >= 0]
+            total = self._est[own].sum(0) if own else np.zeros(len(self.sizes))
+            if len(own) < len(rows):  # the sequences without estimates of their own: the greedy engine-wide ones
+                total = total + (len(rows) - len(own)) * self._G[0]
+            sums = dict(zip(self.sizes, total.tolist()))
+        self._sums = (self._version, key, sums, rows)
         return sums
+
+    def _global_summed(self, rows: list[int]) -> list[float]:
+        """The engine-wide estimates of the classes of the sequences at these rows of _est (-1: one
+        without a row, greedy), summed per size."""
+        own = [j for j in rows if j >= 0]
+        total = self._G[self._cls[own]].sum(0) if own else np.zeros(len(self.sizes))
+        return (total + (len(rows) - len(own)) * self._G[0]).tolist()
 
     def observe(self, seq_id: int, accepted: dict[int, int]) -> None:
         """One verify's accepted draft tokens for sequence seq_id, per tree size it scores."""
@@ -287,32 +377,102 @@ class AdaptivePolicy:
     def observe_many(self, seq_ids, sizes, rows) -> None:
         """``observe`` for a step's sequences at once, in order: rows[i][j] = the draft tokens
         seq_ids[i]'s verify accepted under a tree of sizes[j] nodes (sizes outside the menu are
-        ignored). One call a step: a speculative step at batch 64 spent ~0.2 ms of host time
-        observing its sequences one call each."""
+        ignored; rows: nested lists or an array). Each sequence's estimate moves by decay, the
+        engine-wide one by g = 1 - 1 / (observations + 1) (the prior counts as one) capped at 0.98,
+        observation by observation; a sequence seen for the first time starts from the engine-wide
+        estimate as it stands when its row is reached. Once g is at its cap, the engine-wide
+        update of the whole step is one weighted sum: g^B G + (1 - g) sum_i g^(B-1-i) k_i."""
         self._version += 1
+        b = len(seq_ids)
+        if not b:
+            return
+        menu = self._menus.get(key := tuple(sizes))
+        if menu is None:  # which of these sizes the menu has, and where: (k's columns, _est's, the latter as an index)
+            keep = [(j, self._col[n]) for j, n in enumerate(sizes) if n in self._col]
+            src, cols = [j for j, _ in keep], [c for _, c in keep]
+            menu = self._menus[key] = (None if src == list(range(len(sizes))) else src, cols,
+                                       slice(None) if cols == list(range(len(self.sizes))) else cols)
+        src, cols, cs = menu
+        k = np.asarray(rows, dtype=np.float64)
+        if k.ndim != 2 or k.shape != (b, len(sizes)):
+            raise ValueError(f"rows: one row per sequence ({b}) of one count per size ({len(sizes)}), "
+                             f"got shape {k.shape}")
+        slot = self._slot
+        idx = [slot.get(s, -1) for s in seq_ids]
+        if self._n_sampled:  # each row's class (the untracked: greedy)
+            cl = [int(self._cls[j]) if j >= 0 else 0 for j in idx]
+        if not cols:
+            for i in range(b):
+                self._gn[cl[i] if self._n_sampled else 0] += 1
+            return
+        if src is not None:
+            k = k[:, src]
+        whole = isinstance(cs, slice)  # every menu size, in the menu's order: plain row indexing
+        if not self._n_sampled:  # every sequence greedy: one class
+            self._observe_class(0, range(b), seq_ids, idx, k, cs)
+        else:
+            for c in (0, 1):
+                pos = [i for i in range(b) if cl[i] == c]
+                if pos:
+                    self._observe_class(c, pos, seq_ids, idx, k, cs)
         d = self.decay
-        e = 1.0 - d
-        glob, seqs = self._global, self._seq
-        cols = [(j, n) for j, n in enumerate(sizes) if n in glob]
-        gn = self._global_n
-        g = h = 0.0
-        for sid, row in zip(seq_ids, rows):
-            est = seqs.get(sid)
-            if est is None:
-                est = seqs[sid] = dict(glob)
-            gn += 1
-            if g != 0.98:  # (0.98 from the 49th observation on)
-                g = min(0.98, 1.0 - 1.0 / (gn + 1))  # the prior counts as one observation
-                h = 1.0 - g
-            for j, n in cols:
-                k = row[j]
-                est[n] = d * est[n] + e * k
-                glob[n] = g * glob[n] + h * k
-        self._global_n = gn
+        if b == 1 and whole:  # (batch 1: the row in place)
+            row = self._est[idx[0]]
+            row *= d
+            row += (1.0 - d) * k[0]
+            return
+        sub = idx if whole else np.ix_(idx, cols)
+        self._est[sub] = d * self._est[sub] + (1.0 - d) * k
+
+    def _observe_class(self, c: int, pos, seq_ids, idx: list[int], k: np.ndarray, cs) -> None:
+        """The engine-wide estimate of class c after the observations k[pos] (in order), and the
+        untracked sequences among them given rows (idx[i], from that estimate as it stands when
+        their row is reached)."""
+        G, gn = self._G[c], self._gn[c]
+        b = len(pos)
+        every = isinstance(pos, range)
+        if not every:
+            k = k[pos]
+        self._gn[c] = gn + b
+        if gn >= 49:  # g at its cap from here on: the engine-wide update in closed form
+            w, gb = self._weights(b)
+            if (-1 in idx) if every else any(idx[i] < 0 for i in pos):
+                g0 = G.copy()
+                for r, i in enumerate(pos):
+                    if idx[i] < 0:  # first seen: the engine-wide estimate after the rows before it
+                        init = g0.copy()
+                        if r:
+                            init[cs] = 0.98 ** r * g0[cs] + w[b - r:] @ k[:r]
+                        idx[i] = self._new_slot(seq_ids[i], init)
+                        self._cls[idx[i]] = c
+            if isinstance(cs, slice):
+                G *= gb
+                G += w @ k
+            else:
+                G[cs] = gb * G[cs] + w @ k
+        else:
+            for r, i in enumerate(pos):  # a class's first 49 observations: one by one
+                gn += 1
+                g = min(0.98, 1.0 - 1.0 / (gn + 1))
+                if idx[i] < 0:
+                    idx[i] = self._new_slot(seq_ids[i], G)
+                    self._cls[idx[i]] = c
+                G[cs] = g * G[cs] + (1.0 - g) * k[r]
+
+    def _weights(self, b: int) -> tuple[np.ndarray, float]:
+        """The capped (g = 0.98) engine-wide update of b observations in order: each one's weight
+        (1 - g) g^(b-1-i), and g^b, the old estimate's."""
+        got = self._wcache.get(b)
+        if got is None:
+            got = self._wcache[b] = ((1.0 - 0.98) * 0.98 ** np.arange(b - 1, -1, -1, dtype=np.float64), 0.98 ** b)
+        return got
 
     def forget(self, seq_id: int) -> None:
         self._version += 1
-        self._seq.pop(seq_id, None)
+        j = self._slot.pop(seq_id, None)
+        if j is not None:
+            self._n_sampled -= int(self._cls[j])
+            self._free.append(j)
 
 
 def acceptance_prior(heldout_top1, depths: dict[int, int]) -> dict[int, float] | None:

@@ -4,6 +4,7 @@ verify, and the engine's output unchanged under the policy."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import write_draft
@@ -394,24 +395,114 @@ def test_a_rejected_streak_is_forgotten_over_plain_steps(relax):
         assert picks == [1] * 12
 
 
+def _observe_reference(glob: dict, seqs: dict, count: int, decay: float, sid: int, accepted: dict) -> int:
+    """One observation as the policy defines it, in plain dicts: the sequence's estimate (from the
+    engine-wide one when first seen) moves by decay, the engine-wide one by 1 - 1 / (count + 1)
+    capped at 0.98 (the prior one observation). Returns the new count."""
+    est = seqs.setdefault(sid, dict(glob))
+    count += 1
+    g = min(0.98, 1.0 - 1.0 / (count + 1))
+    for n, k in accepted.items():
+        if n in glob:
+            est[n] = decay * est[n] + (1 - decay) * k
+            glob[n] = g * glob[n] + (1 - g) * k
+    return count
+
+
 def test_observe_many_is_observe_per_sequence():
-    """A step's observations at once leave every estimate as observing each sequence in turn does
-    (new sequences start from the engine-wide estimate as it stands when they are reached)."""
+    """A step's observations at once (the array form, the engine-wide update in closed form once its
+    weight is capped) leave every estimate as observing each sequence in turn does in plain dicts,
+    new sequences starting from the engine-wide estimate as it stands when they are reached --
+    also mid-step, after the cap. Rows as lists and as an int64 array."""
     import random
+
+    import numpy as np
 
     rng = random.Random(0)
     sizes = [2, 5, 9]
-    one = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={2: 0.5, 5: 1.0, 9: 1.5})
-    many = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={2: 0.5, 5: 1.0, 9: 1.5})
-    for step in range(40):
+    prior = {2: 0.5, 5: 1.0, 9: 1.5}
+    many = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior=prior)
+    glob, seqs, count = dict(prior), {}, 0
+    fresh = iter(range(1000, 2000))
+    for step in range(60):
         ids = rng.sample(range(12), rng.randint(1, 8))
+        if step > 15:  # sequences first seen after the engine-wide weight reached its cap
+            ids[rng.randrange(len(ids))] = next(fresh)
+            ids.insert(rng.randrange(len(ids) + 1), next(fresh))
         menu = sizes[:rng.randint(1, 3)]  # a smaller tree scores only the sizes up to it
         rows = [[rng.randint(0, m - 1) for m in menu] for _ in ids]
         for sid, row in zip(ids, rows):
-            one.observe(sid, dict(zip(menu, row)))
-        many.observe_many(ids, menu, rows)
-        assert many._global == pytest.approx(one._global, rel=1e-12) and many._global_n == one._global_n
-        assert many._seq.keys() == one._seq.keys()
-        for sid in one._seq:
-            assert many._seq[sid] == pytest.approx(one._seq[sid], rel=1e-12)
-        assert many.choose(ids) == one.choose(ids)
+            count = _observe_reference(glob, seqs, count, many.decay, sid, dict(zip(menu, row)))
+        many.observe_many(ids, menu, np.array(rows, dtype=np.int64) if step % 2 else rows)
+        assert many._global == pytest.approx(glob, rel=1e-12, abs=1e-12) and many._global_n == count
+        assert many._seq.keys() == seqs.keys()
+        for sid in seqs:
+            assert many._seq[sid] == pytest.approx(seqs[sid], rel=1e-12, abs=1e-12)
+        sums = {n: sum(seqs.get(s, glob)[n] for s in ids) for n in sizes}
+        assert many._summed(ids) == pytest.approx(sums, rel=1e-12)
+    assert count > 200
+    for sid in list(seqs)[:5]:  # a forgotten sequence's slot is reused, from the engine-wide estimate
+        many.forget(sid)
+    many.observe_many([5000], sizes, [[1, 3, 4]])
+    count = _observe_reference(glob, {}, count, many.decay, 5000, {2: 1, 5: 3, 9: 4})
+    assert many._global == pytest.approx(glob, rel=1e-12) and len(many.tracked()) == len(seqs) - 4
+
+def test_sampled_sequences_start_from_their_own_class():
+    """Rejection sampling accepts fewer draft tokens than greedy acceptance: a sampled sequence starts
+    from the sampled sequences' engine-wide estimate (the prior times sampled_prior, then their own
+    observations), not from the greedy ones', and each class learns only from its own sequences. So
+    after greedy requests that accepted much, a sampled request whose class accepted little does not
+    speculate its first steps (the H100's temperature-1 runs after greedy ones paid a catch-up and a
+    tree for each new request), while a new greedy one does."""
+    sizes = [2, 5, 41]
+    costs = CostTable([1, 8], {1: [1.1, 1.2], 2: [1.2, 1.3], 5: [1.3, 1.5], 41: [1.6, 2.4]})
+    pol = AdaptivePolicy(sizes, costs, prior={2: 0.8, 5: 1.6, 41: 2.4}, explore_every=10**6)
+    assert pol._G[1].tolist() == pytest.approx([0.4, 0.8, 1.2])  # the sampled class: half the prior
+    for sid in range(100):  # greedy requests: much accepted
+        pol.track(sid, sampled=False)
+        pol.observe_many([sid], sizes, [[1, 4, 8]])
+    for sid in range(100, 200):  # sampled requests: nothing accepted
+        pol.track(sid, sampled=True)
+    pol.observe_many(list(range(100, 200)), sizes, np.zeros((100, 3), dtype=np.int64))
+    assert pol._G[0].tolist() == pytest.approx([1.0, 4.0, 8.0], abs=0.2)
+    assert pol._G[1].tolist() == pytest.approx([0.0, 0.0, 0.0], abs=0.05)
+    pol.track(1000, sampled=True)
+    pol.track(1001, sampled=False)
+    assert max(pol.expected(1000).values()) < 0.05 and pol.expected(1001)[41] > 7.5
+    assert pol.choose([1000]) == 1 and pol.choose([1001]) == 41
+    # a step of both kinds: each row updates its own class, in order
+    g0, g1 = pol._G[0].copy(), pol._G[1].copy()
+    pol.observe_many([1000, 1001], sizes, [[1, 1, 1], [0, 0, 0]])
+    assert pol._G[0].tolist() == pytest.approx((0.98 * g0).tolist())
+    assert pol._G[1].tolist() == pytest.approx((0.98 * g1 + 0.02).tolist())
+    # plain steps relax each sequence toward its own class's engine-wide estimate
+    e0, e1 = pol.expected(1000)[41], pol.expected(1001)[41]
+    for _ in range(5):
+        pol.idle()
+    keep = pol.relax ** 5
+    # what a choice now sees: the same relaxation, summed (a mixed batch)
+    want = {n: sum(pol._G[c][j] + (pol.expected(sid)[n] - pol._G[c][j]) * keep for sid, c in ((1000, 1), (1001, 0)))
+            for j, n in enumerate(sizes)}
+    assert pol._relaxed(pol._summed([1000, 1001]), 2) == pytest.approx(want)
+    pol._chose(41)
+    assert pol.expected(1000)[41] == pytest.approx(pol._G[1][2] + (e0 - pol._G[1][2]) * keep)
+    assert pol.expected(1001)[41] == pytest.approx(pol._G[0][2] + (e1 - pol._G[0][2]) * keep)
+    pol.forget(1000)
+    assert pol._n_sampled == 100
+
+
+def test_observations_in_any_size_order_land_on_their_sizes():
+    """observe() takes a dict (any order) and observe_many a list of sizes: a count belongs to its
+    size wherever it stands, sizes outside the menu are ignored, and a row of the wrong width is an
+    error, not a silent shift."""
+    sizes = [2, 5, 9]
+    a = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={2: 0.5, 5: 1.0, 9: 1.5})
+    b = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={2: 0.5, 5: 1.0, 9: 1.5})
+    a.observe(1, {9: 7, 2: 1, 5: 3})
+    b.observe_many([1], [2, 5, 9], [[1, 3, 7]])
+    assert a.expected(1) == pytest.approx(b.expected(1)) and a._global == pytest.approx(b._global)
+    a.observe(1, {5: 2, 4: 3})  # 4 is not on the menu
+    b.observe_many([1], [5], [[2]])
+    assert a.expected(1) == pytest.approx(b.expected(1)) and a._global == pytest.approx(b._global)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        b.observe_many([1, 2], [2, 5], [[1, 2, 3], [1, 2, 3]])
