@@ -12,6 +12,12 @@
 #   PART=eval   optllm eval of the float SmolLM2 with each draft, waves at BS (1,8,32,64), greedy;
 #               then temperature 1 and the continuous load (CBS 8,32,64) with the draft of the
 #               better batch-1 speedup, while the call's time lasts
+#   PART=host   (no staging; carry .carry-old: the tree before this session's host changes,
+#               `git archive f97b674`) the speculative engine's GPU tests; benchmarks/generate_host.py
+#               (CPU stand-ins: this host's Python speed) on both trees; then, if LIMIT leaves 150 s,
+#               the draft engine against the plain one where speculation stays off: optllm eval of
+#               a random-weight SmolLM2 with a random EAGLE-3 draft (benchmarks/random_smol.py),
+#               temperature 1, BS (1,64), this tree then the old one
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 T0=$(date +%s)
@@ -21,6 +27,35 @@ if [ "${PART:-}" = stage ]; then
   exit 0
 fi
 mkdir -p "$OUT/logs" /root/d
+if [ "${PART:-}" = host ]; then
+  export PYTHONPATH=$(dirname "$PWD") OPTLLM_COMMIT=${OPTLLM_COMMIT:-?}
+  ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
+  python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+  mkdir -p /tmp/old/optllm && tar xzf .carry-old/old.tgz -C /tmp/old/optllm
+  timeout "${TEST_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
+    > "$OUT/logs/gpu_tests_host.log" 2>&1
+  echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests_host.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests_host.log"
+  python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from conftest import make_tiny_model, \
+write_draft; write_draft(Path('/root/hp/D'), make_tiny_model(Path('/root/hp/M')), 'eagle')" > /dev/null 2>&1
+  for t in new old; do
+    pp=$PYTHONPATH; [ $t = old ] && pp=/tmp/old
+    PYTHONPATH=$pp timeout 60 python3 "$PWD/benchmarks/generate_host.py" --model /root/hp/M --draft /root/hp/D \
+      --batch 1 --rounds 4 2>&1 | grep "^| [pd]" | sed "s/^/$t /"
+  done
+  if [ "$(left)" -gt 150 ]; then
+    python3 benchmarks/random_smol.py /root/rs --method eagle3 > "$OUT/logs/random_smol.log" 2>&1
+    for t in new old; do
+      pp=$PYTHONPATH; [ $t = old ] && pp=/tmp/old
+      PYTHONPATH=$pp timeout $(( $(left) / 2 )) python3 -m optllm eval /root/rs/target --device cuda --no-ppl \
+        --draft /root/rs/eagle3 --spec-policy auto --temperatures 1 --batch-sizes "${BS:-1,64}" --out "/root/host_$t" \
+        > "$OUT/logs/host_$t.log" 2>&1 || echo "eval $t exited $?"
+      cp "/root/host_$t/report.json" "$OUT/host_$t.json" 2>/dev/null
+      grep "^| /root" "/root/host_$t/report.md" 2>/dev/null
+    done
+  fi
+  (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
+  exit 0
+fi
 source benchmarks/device_stage.sh
 
 evalspec() {  # evalspec NAME DRAFT SECONDS ARGS...: optllm eval of the float SmolLM2 with DRAFT
@@ -74,7 +109,7 @@ eval)
   evalspec "spec_${best}_cont" "/root/d/e3-$best" "$(left)" --temperatures 0 --batch-sizes "${CBS:-8,32,64}" \
     --spec-load continuous
   ;;
-*) echo "PART=${PART:-}: allowed stage, train, eval"; exit 2 ;;
+*) echo "PART=${PART:-}: allowed stage, train, eval, host"; exit 2 ;;
 esac
 for f in "$OUT"/spec_*.md; do [ -f "$f" ] && { echo "== $f"; grep "^|" "$f" | head -12; }; done
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)

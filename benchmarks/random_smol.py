@@ -4,7 +4,7 @@ timing the runtime's steps where the real weights do not matter (launch counts, 
 graph replays) without staging the GGUF on the device. The tokenizer is the tests' small BPE one
 (ids past it are never decoded: the timing scripts send token ids).
 
-    python benchmarks/random_smol.py OUT      # OUT/target, OUT/eagle
+    python benchmarks/random_smol.py OUT [--method eagle3]     # OUT/target, OUT/<method>
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--method", choices=["eagle", "eagle3"], default="eagle",
+                    help="eagle: a pass-through EAGLE layer; eagle3: a random EAGLE-3, 16384-token draft vocabulary")
     a = ap.parse_args()
     from conftest import tiny_tokenizer, write_draft
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -38,8 +40,11 @@ def main() -> None:
     target = a.out / "target"
     model.save_pretrained(target)
     tiny_tokenizer().save_pretrained(target)
-    write_draft(a.out / "eagle", target, "eagle")
-    print(f"wrote {target} and {a.out / 'eagle'}")
+    if a.method == "eagle":
+        write_draft(a.out / "eagle", target, "eagle")
+    else:
+        write_draft(a.out / "eagle3", target, "eagle3", seed=2, noise=0.3, draft_vocab=16384)
+    print(f"wrote {target} and {a.out / a.method}")
 
 
 if __name__ == "__main__":
