@@ -506,3 +506,21 @@ def test_observations_in_any_size_order_land_on_their_sizes():
     assert a.expected(1) == pytest.approx(b.expected(1)) and a._global == pytest.approx(b._global)
     with pytest.raises(ValueError, match="one row per sequence"):
         b.observe_many([1, 2], [2, 5], [[1, 2, 3], [1, 2, 3]])
+
+
+def test_the_engine_tracks_each_sequence_in_its_class(tiny_llama, tmp_path):
+    """plan() hands the policy each new eligible sequence with its class: a greedy and a sampled
+    request decoding together end up tracked as one of each, and each class's engine-wide estimate
+    learned only from its own sequences' verifies."""
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
+              spec_top_k=2, spec_depth=3, spec_num_draft=6)
+    pol = llm.engine.runner.spec.policy
+    pol.cost = CostTable(pol.cost.batches, {n: [1.0 if n == 1 else 0.5] * len(pol.cost.batches) for n in pol.cost.ms})
+    pol.observe_cost = lambda n, b, ms: None  # the CPU's step times: no cost ratios
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=None)
+    llm.generate(["The interpreter reads", "def main():\n    return"], [greedy, sampled])
+    classes = sorted(int(pol._cls[j]) for j in pol._slot.values())
+    assert classes == [0, 1] and pol._n_sampled == 1
+    assert pol._gn[0] > 0 and pol._gn[1] > 0  # both speculated (trees cost half a plain step here)
