@@ -168,7 +168,6 @@ class FeatureStore:
     def __init__(self, draft, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.draft = draft
         self.fused = draft.method in ("eagle", "eagle3")  # EAGLE's context_features (EAGLE-3: fc over 3 states)
-        self.dump = num_slots
         self.features = torch.zeros(num_slots + 1, draft.hidden_size, dtype=dtype, device=device)
 
     def store(self, hidden: torch.Tensor, aux: torch.Tensor | None, slots: torch.Tensor) -> None:

@@ -191,10 +191,7 @@ class AdaptivePolicy:
         tokens, and greedy observations must not make a sampled request's first steps speculate,
         nor the other way round). A sequence never tracked counts as greedy."""
         if seq_id not in self._slot:
-            c = 1 if sampled else 0
-            j = self._new_slot(seq_id, self._G[c])  # (may grow _cls: index it after)
-            self._cls[j] = c
-            self._n_sampled += c
+            self._new_slot(seq_id, 1 if sampled else 0, self._G[1 if sampled else 0])
             self._version += 1
 
     @property
@@ -206,7 +203,8 @@ class AdaptivePolicy:
         """The sequences with estimates of their own (a view: forget() changes it)."""
         return self._slot.keys()
 
-    def _new_slot(self, sid: int, init: np.ndarray) -> int:
+    def _new_slot(self, sid: int, c: int, init: np.ndarray) -> int:
+        """A row of _est for sequence sid, of class c, its estimates init."""
         if self._free:
             j = self._free.pop()
         else:
@@ -216,7 +214,8 @@ class AdaptivePolicy:
                 self._cls = np.concatenate([self._cls, np.zeros_like(self._cls)])
         self._slot[sid] = j
         self._est[j] = init
-        self._cls[j] = 0
+        self._cls[j] = c
+        self._n_sampled += c
         return j
 
     @staticmethod
@@ -287,7 +286,7 @@ class AdaptivePolicy:
                 continue  # slower than plain even if every draft token were accepted
             can_win.append(n)
             if sums is None:
-                sums = self._relaxed(self._summed(seq_ids), b)
+                sums = self._relaxed(self._summed(seq_ids))
             rate = (b + sums[n]) / spec_ms
             if rate > best_rate:
                 best, best_rate = n, rate
@@ -329,9 +328,9 @@ class AdaptivePolicy:
         self.last_choice = best
         return best
 
-    def _relaxed(self, sums: dict[int, float], b: int) -> dict[int, float]:
-        """Summed estimates of b sequences after the plain steps since the last speculative one:
-        each sequence's distance from the engine-wide estimate times relax per step (a sequence
+    def _relaxed(self, sums: dict[int, float]) -> dict[int, float]:
+        """The last _summed()'s sums after the plain steps since the last speculative one: each
+        sequence's distance from its class's engine-wide estimate times relax per step (a sequence
         without estimates of its own has none)."""
         if not self._plain_run or self.relax >= 1.0:
             return sums
@@ -443,8 +442,7 @@ class AdaptivePolicy:
                         init = g0.copy()
                         if r:
                             init[cs] = 0.98 ** r * g0[cs] + w[b - r:] @ k[:r]
-                        idx[i] = self._new_slot(seq_ids[i], init)
-                        self._cls[idx[i]] = c
+                        idx[i] = self._new_slot(seq_ids[i], c, init)
             if isinstance(cs, slice):
                 G *= gb
                 G += w @ k
@@ -455,8 +453,7 @@ class AdaptivePolicy:
                 gn += 1
                 g = min(0.98, 1.0 - 1.0 / (gn + 1))
                 if idx[i] < 0:
-                    idx[i] = self._new_slot(seq_ids[i], G)
-                    self._cls[idx[i]] = c
+                    idx[i] = self._new_slot(seq_ids[i], c, G)
                 G[cs] = g * G[cs] + (1.0 - g) * k[r]
 
     def _weights(self, b: int) -> tuple[np.ndarray, float]:

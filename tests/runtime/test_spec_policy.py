@@ -483,7 +483,7 @@ def test_sampled_sequences_start_from_their_own_class():
     # what a choice now sees: the same relaxation, summed (a mixed batch)
     want = {n: sum(pol._G[c][j] + (pol.expected(sid)[n] - pol._G[c][j]) * keep for sid, c in ((1000, 1), (1001, 0)))
             for j, n in enumerate(sizes)}
-    assert pol._relaxed(pol._summed([1000, 1001]), 2) == pytest.approx(want)
+    assert pol._relaxed(pol._summed([1000, 1001])) == pytest.approx(want)
     pol._chose(41)
     assert pol.expected(1000)[41] == pytest.approx(pol._G[1][2] + (e0 - pol._G[1][2]) * keep)
     assert pol.expected(1001)[41] == pytest.approx(pol._G[0][2] + (e1 - pol._G[0][2]) * keep)
