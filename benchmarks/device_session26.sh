@@ -31,7 +31,7 @@ train)
     --device cuda --ttt-steps 4 --draft-vocab 16384 --max-steps 40000 --batch-size 16 \
     --time-limit "${SECS:-300}" --overwrite --dataset /root/d/float_data.jsonl > "$OUT/logs/train_e3.log" 2>&1
   echo "train exited $?"; grep -v "^step" "$OUT/logs/train_e3.log" | tail -5
-  (cd /root/d && tar czf - e3 | split -b 15M - "$OUT/e3.tgz.part") && ls -la "$OUT"
+  (cd /root/d && tar czf - --exclude="checkpoint-*" --exclude=dataset.jsonl e3 | split -b 15M - "$OUT/e3.tgz.part") && ls -la "$OUT"
   timeout "$(( $(left) - 20 ))" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
     tests/runtime/test_cuda_graphs.py tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager \
     tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager tests/kernels/test_tree_grow.py \
