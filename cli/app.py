@@ -587,6 +587,8 @@ def train_draft(
     checkpoint_every: int = typer.Option(200, help="steps between checkpoints (OUT/checkpoint-STEP)"),
     eval_every: int = typer.Option(50, help="steps between held-out accuracy measurements"),
     resume: Optional[Path] = typer.Option(None, help="a checkpoint-STEP folder to continue from"),
+    init_from: Optional[Path] = typer.Option(None, help="the OUT of an earlier train-draft run (same method and "
+                                             "sizes): start from its weights, with a fresh optimizer and schedule"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     seed: int = typer.Option(0, help="seed of the prompts, the data order and the heads"),
     overwrite: bool = typer.Option(False, help="replace OUT (or an unfinished run of it) if it exists"),
@@ -609,7 +611,8 @@ def train_draft(
                           prompts=prompts, dataset=dataset, max_steps=max_steps, lr=lr, batch_size=batch_size,
                           grad_accum=grad_accum,
                           seq_len=seq_len, answer_tokens=answer_tokens, checkpoint_every=checkpoint_every,
-                          eval_every=eval_every, resume=resume, device=device, seed=seed, overwrite=overwrite,
+                          eval_every=eval_every, resume=resume, init_from=init_from, device=device, seed=seed,
+                          overwrite=overwrite,
                           ttt_steps=ttt_steps, draft_vocab=draft_vocab, time_limit=time_limit)
         result = run(cfg, log=typer.echo)
         if export == "vllm":

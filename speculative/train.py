@@ -47,6 +47,9 @@ class DraftConfig:
     resume: a checkpoint-STEP folder to continue from (same data, schedule and RNG).
     dataset: a dataset.jsonl an earlier run wrote (OUT/dataset.jsonl): train on those sequences
     instead of writing new ones (another method, or longer, on the same self-distilled answers).
+    init_from: the OUT folder of an earlier train-draft run of the same method and sizes whose
+    weights start this run (a fresh optimizer and schedule): a draft trained further, on more
+    data, or moved to another target (say, from the unquantized target to its AWQ checkpoint).
     time_limit: seconds the whole run may take (data included): after a few steps the step time
     is measured and, if max_steps would not fit, the cosine schedule is planned for the steps
     that do (the learning rate still decays to zero); past the limit training stops and the draft
@@ -75,6 +78,7 @@ class DraftConfig:
     eval_every: int = 50
     holdout: int = 4
     resume: Path | None = None
+    init_from: Path | None = None
     device: str = "auto"
     seed: int = 0
     overwrite: bool = False
@@ -85,6 +89,10 @@ class DraftConfig:
         self.prompts = Path(self.prompts) if self.prompts is not None else None
         self.resume = Path(self.resume) if self.resume is not None else None
         self.dataset = Path(self.dataset) if self.dataset is not None else None
+        self.init_from = Path(self.init_from) if self.init_from is not None else None
+        if self.init_from is not None and self.resume is not None:
+            raise UserError("init_from is not allowed with resume; allowed: one of them (a checkpoint restores the "
+                            "weights, optimizer and schedule; init_from only the weights)")
         if self.dataset is not None and (self.prompts is not None or self.resume is not None):
             raise UserError("dataset is not allowed with prompts or resume; allowed: one source of training data "
                             "(a dataset.jsonl, a prompt file, or the run a checkpoint belongs to)")
@@ -151,6 +159,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
     if cfg.resume is not None and not (cfg.resume.parent / "dataset.jsonl").is_file():
         raise UserError(f"--resume {cfg.resume}: its run folder has no dataset.jsonl to continue on")
     resuming_here = cfg.resume is not None and cfg.resume.resolve().parent == work.resolve()
+    init = _read_init(cfg.init_from, cfg.method) if cfg.init_from is not None else None  # before any data is written
 
     use_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
@@ -191,6 +200,13 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
     heads = method.build(target, cfg.num_heads, cfg)
     if hasattr(method, "fit"):
         method.fit(heads, train)
+    if init is not None:
+        try:
+            _apply_init(cfg.init_from, *init, heads, target_identity(folder), log)
+        except UserError:
+            if acc.is_main_process:
+                shutil.rmtree(work, ignore_errors=True)  # a run that never trained leaves nothing behind
+            raise
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.max_steps // 20
     plan = _Cosine(warmup, cfg.max_steps)
@@ -462,6 +478,50 @@ def _load_checkpoint(path: Path, heads, opt, sched) -> tuple[int, int, dict]:
         raise UserError(f"--resume {path}: cannot read the checkpoint ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return int(meta["step"]), int(meta["data_position"]), state["rng"]
+
+
+def _read_init(path: Path, method: str) -> tuple[dict, dict]:
+    """The config and weights of the draft folder `path` (train-draft's OUT) that is to start a run
+    of `method`; one clear error if it is not one, or of another method."""
+    from safetensors.torch import load_file
+
+    where = f"--init-from {path}"
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise UserError(f"{where}: not a draft folder (it needs config.json and model.safetensors, as train-draft "
+                        "writes them)")
+    try:
+        meta = json.loads((path / "config.json").read_text())
+        weights = load_file(path / "model.safetensors")
+    except Exception as e:  # json, OS and safetensors' own errors alike: the file is not what train-draft wrote
+        raise UserError(f"{where}: cannot read the draft ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(meta, dict) or meta.get("method") != method:
+        got = meta.get("method") if isinstance(meta, dict) else None
+        raise UserError(f"{where}: a {got!r} draft cannot start a --method {method} run; allowed: a draft of the "
+                        "same method")
+    return meta, weights
+
+
+def _apply_init(path: Path, meta: dict, weights: dict, heads: torch.nn.Module, identity: str,
+                log: Callable[[str], None]) -> None:
+    """Start heads from the weights _read_init returned: the same sizes, else one clear error; another
+    target's draft loads with a warning."""
+    where = f"--init-from {path}"
+    own = heads.state_dict()
+    wrong = sorted(set(own) ^ set(weights)) or [k for k in own if tuple(own[k].shape) != tuple(weights[k].shape)]
+    if wrong:
+        k = wrong[0]
+        have = tuple(weights[k].shape) if k in weights else "absent"
+        want = tuple(own[k].shape) if k in own else "absent"
+        raise UserError(f"{where}: its weights do not fit this run's draft ({k}: {have} there, {want} here); "
+                        f"allowed: a draft of the same sizes (heads, layers, draft vocabulary)")
+    heads.load_state_dict(weights)
+    target = meta.get("target") if isinstance(meta.get("target"), dict) else {}
+    if target.get("sha256") != identity:
+        log(f"warning: {where} was trained for another target ({target.get('model')}); its weights start this run "
+            "all the same")
+    steps = (meta.get("training") or {}).get("steps")
+    log(f"weights from {path} ({steps if steps is not None else '?'} steps trained there)")
 
 
 def _latest(work: Path) -> Path | None:

@@ -261,3 +261,65 @@ def test_a_quantized_target_trains_on_its_dequantized_weights(tiny_chat, tmp_pat
     result = train_draft(DraftConfig(target=str(ckpt), out=out, method="eagle", **{**SMALL, "max_steps": 2}))
     assert result.step == 2
     assert json.loads((out / "config.json").read_text())["target"]["sha256"] == target_identity(ckpt)
+
+
+def test_init_from_starts_from_an_earlier_draft(straight, tiny_chat, tmp_path):
+    """--init-from: the earlier draft's weights start the run (a learning rate too small to move them
+    leaves them as they were; without the load the heads start from their fresh initialisation)."""
+    _, first, _ = straight
+    logs: list[str] = []
+    out = tmp_path / "more"
+    small = {**SMALL, "max_steps": 1, "checkpoint_every": 1, "lr": 1e-12}
+    train_draft(DraftConfig(target=str(tiny_chat), out=out, dataset=first / "dataset.jsonl", init_from=first, **small),
+                log=logs.append)
+    a, b = load_file(first / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+    assert any(line.startswith(f"weights from {first} (4 steps") for line in logs)
+    assert not any(line.startswith("warning") for line in logs)
+    assert json.loads((out / "config.json").read_text())["training"]["init_from"] == str(first)
+    fresh = tmp_path / "fresh"
+    train_draft(DraftConfig(target=str(tiny_chat), out=fresh, dataset=first / "dataset.jsonl", **small),
+                log=lambda _: None)
+    assert not torch.allclose(a["medusa_head.0.0.linear.weight"], load_file(fresh / "model.safetensors")[
+        "medusa_head.0.0.linear.weight"], atol=1e-6, rtol=0)
+
+
+def test_init_from_another_target_warns(straight, tiny_chat, tmp_path):
+    _, first, _ = straight
+    other = tmp_path / "other"
+    shutil.copytree(tiny_chat, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5 if cfg.get("rms_norm_eps") != 1e-5 else 1e-6
+    (other / "config.json").write_text(json.dumps(cfg))
+    logs: list[str] = []
+    train_draft(DraftConfig(target=str(other), out=tmp_path / "o", dataset=first / "dataset.jsonl", init_from=first,
+                            **{**SMALL, "max_steps": 1, "checkpoint_every": 1}), log=logs.append)
+    assert any(line.startswith(f"warning: --init-from {first} was trained for another target") for line in logs)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("method", r"a 'medusa' draft cannot start a --method eagle run"),
+    ("sizes", r"its weights do not fit this run's draft \(medusa_head.2.0.linear.bias: \(64,\) there, absent here\)"),
+    ("folder", "not a draft folder"),
+    ("broken", "cannot read the draft"),
+])
+def test_init_from_bad_draft_is_one_clear_error(case, pattern, straight, tiny_chat, tmp_path):
+    _, first, _ = straight
+    src, extra = first, {}
+    if case == "method":
+        extra = {"method": "eagle"}
+    elif case == "sizes":
+        extra = {"num_heads": 2}
+    elif case == "folder":
+        src = tmp_path
+    else:
+        src = tmp_path / "broken"
+        src.mkdir()
+        shutil.copy(first / "config.json", src)
+        (src / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match=pattern):
+        train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "o", dataset=first / "dataset.jsonl",
+                                init_from=src, **{**SMALL, "max_steps": 1, **extra}), log=lambda _: None)
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()  # nothing left half-written
+    with pytest.raises(UserError, match="init_from is not allowed with resume"):
+        DraftConfig(target=str(tiny_chat), out=tmp_path / "o", init_from=first, resume=first / "checkpoint-2")
