@@ -9,6 +9,8 @@
 #               its steps to a quarter: the step is host-bound); then the GPU tests (speculative
 #               engine, step graphs, prefill graphs, EAGLE-2 growth, the tensor-core GEMV's variants);
 #               the draft comes back as $OUT/e3.tgz.part* (16 MiB a file)
+#               With INIT=DIR (a folder of e3.tgz.part* an earlier call brought back, carried in by a
+#               later call), the draft unpacked there starts the training (--init-from)
 #   PART=eval   optllm eval of the float SmolLM2 with /root/d/e3, waves at BS (1,8,32,64), temperature
 #               0 and 1, adaptive policy; then issue 13: benchmarks/w4a16_mma.py on the 8B shapes at
 #               M = 1, 8, 16 over CONFIGS (scales prefetched or not, 8 or 16 warps), then Nsight
@@ -27,7 +29,11 @@ source benchmarks/device_stage.sh
 case "${PART:-}" in
 train)
   gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
-  timeout $(( ${SECS:-300} + 90 )) python3 -m optllm train-draft smollm2-135m --method eagle3 --out /root/d/e3 \
+  init=()
+  if [ -n "${INIT:-}" ]; then
+    mkdir -p /root/d/init && cat "$INIT"/e3.tgz.part* | tar xzf - -C /root/d/init && init=(--init-from /root/d/init/e3)
+  fi
+  timeout $(( ${SECS:-300} + 90 )) python3 -m optllm train-draft smollm2-135m --method eagle3 --out /root/d/e3 "${init[@]}" \
     --device cuda --ttt-steps 4 --draft-vocab 16384 --max-steps 40000 --batch-size 16 \
     --time-limit "${SECS:-300}" --overwrite --dataset /root/d/float_data.jsonl > "$OUT/logs/train_e3.log" 2>&1
   echo "train exited $?"; grep -v "^step" "$OUT/logs/train_e3.log" | tail -5
