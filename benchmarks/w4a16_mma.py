@@ -37,17 +37,17 @@ from optllm.kernels import w4a16_mma as mk
 def parse_config(text: str) -> mk.MmaConfig:
     import re
 
-    hit = re.fullmatch(r"(\d+)x(\d+)([spaf]*)(?:c(\d))?", text)
+    hit = re.fullmatch(r"(\d+)x(\d+)([spa]*)(?:c(\d))?", text)
     if hit is None:
-        raise SystemExit(f"--configs: {text!r} is not WARPSxUNROLL[s][p][a][f][cN]")
+        raise SystemExit(f"--configs: {text!r} is not WARPSxUNROLL[s][p][a][cN]")
     warps, unroll, flags, persist = hit.groups()
     return mk.MmaConfig(int(warps), int(unroll), offset_mma="s" not in flags, xpre="p" in flags, ablate="a" in flags,
-                        persist=int(persist or 0), spre="f" in flags)
+                        persist=int(persist or 0))
 
 
 def cname(c: mk.MmaConfig) -> str:
     return (f"{c.warps}x{c.unroll}" + ("" if c.offset_mma else "s") + ("p" if c.xpre else "")
-            + ("a" if c.ablate else "") + ("f" if c.spre else "") + (f"c{c.persist}" if c.persist else ""))
+            + ("a" if c.ablate else "") + (f"c{c.persist}" if c.persist else ""))
 
 
 def main():
@@ -55,9 +55,9 @@ def main():
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head")
     ap.add_argument("--ms", default="1,2,4,8")
     ap.add_argument("--configs", default="4x2,4x4,8x2,8x4,8x8,16x4",
-                    help="WARPSxUNROLL[s][p][a][f][cN]: s the offset by a bf16x2 fma before each mma (no all-ones "
-                         "mma), p x prefetched with the weights, a no dequantization (timing only), f the "
-                         "scales (and zeros) prefetched with the weights, cN the persistent form with N CTAs a SM")
+                    help="WARPSxUNROLL[s][p][a][cN]: s the offset by a bf16x2 fma before each mma (no all-ones "
+                         "mma), p x prefetched with the weights, a no dequantization (timing only), cN the "
+                         "persistent form with N CTAs a SM")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
     if not mk.available():

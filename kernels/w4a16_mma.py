@@ -61,7 +61,6 @@ class MmaConfig:
     xpre: bool = False  # x loaded with the weights, unroll chunks ahead
     ablate: bool = False  # timing only: no dequantization (wrong numbers)
     persist: int = 0  # CTAs per SM of the persistent form (0: one CTA per 16-row tile)
-    spre: bool = False  # a group's scales (and zeros) loaded with its first chunk's weights, unroll chunks ahead
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8, 16):
@@ -163,17 +162,12 @@ _SOURCE = r"""
 // XPRE 1 (NT == 1 only): the x pairs of a chunk are loaded with its weights, UNROLL chunks ahead.
 // ABLATE 1 (timing only, wrong numbers): the raw words are the A operand, no dequantization.
 // NT: x column tiles of 8 rows (M <= 8 NT); each dequantized fragment feeds NT mmas.
-// SPRE 1 (per-tile form only): a group's scales (and zeros) are loaded with its first chunk's weights,
-// UNROLL chunks ahead, instead of when that chunk is computed (their latency then overlaps the loads').
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) W4 { u32 a, b, c, d; };
 struct Chunk { W4 w;
 #if XPRE
   W4 xa, xb;
-#endif
-#if SPRE
-  u32 sc, zc;  // the scales of rows n0, n1 (bf16, low half n0); the zeros' bytes (low byte n0)
 #endif
 };
 
@@ -227,24 +221,13 @@ __device__ __forceinline__ u32 neg_pair(float o) {  // -o as bf16x2 (o = 136 + z
   const u32 h = f2bf(-o);
   return h | (h << 16);
 }
-// A chunk's weight words (w: this lane's 16 bytes of it); with XPRE its x pairs (chunk-in-tile c of
-// the first column tile's rows); with SPRE, at a group's first chunk, the group's scales (and zeros)
-// of rows n0, n1.
-__device__ __forceinline__ void load_chunk(Chunk& ch, const W4* w, const W4* x0, int c, int n0, int n1, int N,
-                                           const u16* __restrict__ scales, const signed char* __restrict__ zeros) {
+// A chunk's weight words (w: this lane's 16 bytes of it) and, with XPRE, its x pairs (chunk-in-tile
+// c of the first column tile's rows).
+__device__ __forceinline__ void load_chunk(Chunk& ch, const W4* w, const W4* x0, int c) {
   ch.w = ld_stream(w);
 #if XPRE
   ch.xa = ld_cached(x0 + (size_t)c * 8);
   ch.xb = ld_cached(x0 + (size_t)c * 8 + 1);
-#endif
-#if SPRE
-  if (c % CPG == 0) {
-    const size_t gi = (size_t)(c / CPG) * N;
-    ch.sc = (u32)scales[gi + n0] | ((u32)scales[gi + n1] << 16);
-#if HAS_ZEROS
-    ch.zc = (u32)(unsigned char)zeros[gi + n0] | ((u32)(unsigned char)zeros[gi + n1] << 8);
-#endif
-  }
 #endif
 }
 // One word's A fragment: registers j = 0..3 are nibble pairs (j, j + 4) of word >> 4j; rows g, g + 8,
@@ -278,16 +261,6 @@ __device__ __forceinline__ void chunk_step(State& st, const Chunk& ch, const W4*
                                            int N, const u16* __restrict__ scales,
                                            const signed char* __restrict__ zeros) {
   if (c % CPG == 0) {  // a group starts: its scales (and zeros) load while its chunks compute
-#if SPRE
-    st.s0 = bf16f((u16)(ch.sc & 0xFFFFu));
-    st.s1 = bf16f((u16)(ch.sc >> 16));
-#if HAS_ZEROS
-    st.o0 = 136.f + (float)(signed char)(ch.zc & 0xFFu);
-    st.o1 = 136.f + (float)(signed char)((ch.zc >> 8) & 0xFFu);
-    st.nz0 = neg_pair(st.o0);
-    st.nz1 = neg_pair(st.o1);
-#endif
-#else
     const size_t gi = (size_t)(c / CPG) * N;
     st.s0 = bf16f(scales[gi + n0]);
     st.s1 = bf16f(scales[gi + n1]);
@@ -296,7 +269,6 @@ __device__ __forceinline__ void chunk_step(State& st, const Chunk& ch, const W4*
     st.o1 = 136.f + (float)zeros[gi + n1];
     st.nz0 = neg_pair(st.o0);
     st.nz1 = neg_pair(st.o1);
-#endif
 #endif
   }
   u32 a[4][4];
@@ -386,15 +358,14 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
   Chunk buf[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
-    if (c0 + u < c1) load_chunk(buf[u], wp + (size_t)(c0 + u) * 32, xp[0], c0 + u, n0, n1, N, scales, zeros);
+    if (c0 + u < c1) load_chunk(buf[u], wp + (size_t)(c0 + u) * 32, xp[0], c0 + u);
   for (int cb = c0; cb < c1; cb += UNROLL) {
     Chunk cur[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) cur[u] = buf[u];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-      if (cb + UNROLL + u < c1)
-        load_chunk(buf[u], wp + (size_t)(cb + UNROLL + u) * 32, xp[0], cb + UNROLL + u, n0, n1, N, scales, zeros);
+      if (cb + UNROLL + u < c1) load_chunk(buf[u], wp + (size_t)(cb + UNROLL + u) * 32, xp[0], cb + UNROLL + u);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (cb + u < c1) chunk_step(st, cur[u], xp, cb + u, n0, n1, N, scales, zeros);
@@ -448,7 +419,7 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
     if (f0 + u < f1) {
-      load_chunk(buf[u], wp + (f0 + u) * 32, xp[0], lc, 0, 0, N, scales, zeros);
+      load_chunk(buf[u], wp + (f0 + u) * 32, xp[0], lc);
       lc = lc + 1 == C ? 0 : lc + 1;
     }
   for (long long fb = f0; fb < f1; fb += UNROLL) {
@@ -458,7 +429,7 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (fb + UNROLL + u < f1) {
-        load_chunk(buf[u], wp + (fb + UNROLL + u) * 32, xp[0], lc, 0, 0, N, scales, zeros);
+        load_chunk(buf[u], wp + (fb + UNROLL + u) * 32, xp[0], lc);
         lc = lc + 1 == C ? 0 : lc + 1;
       }
 #pragma unroll
@@ -553,8 +524,7 @@ def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: i
     return (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n#define NT {nt}\n"
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
             f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre and nt == 1)}\n"
-            f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n"
-            f"#define SPRE {int(cfg.spre and not cfg.persist)}\n") + _SOURCE
+            f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n") + _SOURCE
 
 
 def nvrtc_ptx(lib, source: str, arch: str) -> str:

@@ -116,9 +116,7 @@ def test_from_w4a16_n_major_blocks_and_bad_shapes(monkeypatch):
                                  mk.MmaConfig(4, 2, offset_mma=False, xpre=True),
                                  mk.MmaConfig(8, 2, offset_mma=False, persist=3),
                                  mk.MmaConfig(4, 2, offset_mma=False, xpre=True, persist=2),
-                                 mk.MmaConfig(8, 4, persist=1), mk.MmaConfig(8, 2, offset_mma=False, spre=True),
-                                 mk.MmaConfig(16, 4, offset_mma=False, xpre=True, spre=True),
-                                 mk.MmaConfig(4, 2, spre=True)])
+                                 mk.MmaConfig(8, 4, persist=1)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
@@ -183,9 +181,7 @@ def _nvrtc():
 @pytest.mark.parametrize("cfg", sorted({*mk.MMA_CONFIGS.values(), mk.DEFAULT_CONFIG, mk.MmaConfig(),
                                         mk.MmaConfig(4, 4, offset_mma=False),
                                         mk.MmaConfig(8, 2, offset_mma=False, persist=3),
-                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, persist=2),
-                                        mk.MmaConfig(8, 2, offset_mma=False, spre=True),
-                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, spre=True)}, key=repr))
+                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, persist=2)}, key=repr))
 def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
     """Every variant the runtime uses, compiled on the CPU as the GPU would (NVRTC to PTX, then
     Triton's sm_90 ptxas): it builds, spills nothing, and at M <= 8 fits 3+ CTAs of its warps per SM
