@@ -11,6 +11,8 @@
 #               the draft comes back as $OUT/e3.tgz.part* (16 MiB a file)
 #               With INIT=DIR (a folder of e3.tgz.part* an earlier call brought back, carried in by a
 #               later call), the draft unpacked there starts the training (--init-from)
+#   PART=tests  carry .carry2: the model assembled, the GPU tests alone (no training): the middle call
+#               when the third carries .carry-e3 (.carry2 and the draft together pass the 64 MiB limit)
 #   PART=eval   optllm eval of the float SmolLM2 with /root/d/e3, waves at BS (1,8,32,64), temperature
 #               0 and 1, adaptive policy; then issue 13: benchmarks/w4a16_mma.py on the 8B shapes at
 #               M = 1, 8, 16 over CONFIGS (scales prefetched or not, 8 or 16 warps; the prefetch, `f`,
@@ -27,7 +29,15 @@ if [ "${PART:-}" = stage ]; then
 fi
 mkdir -p "$OUT/logs" /root/d
 source benchmarks/device_stage.sh
+gpu_tests() {
+  timeout "$(( $(left) - 20 ))" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
+    tests/runtime/test_cuda_graphs.py tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager \
+    tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager tests/kernels/test_tree_grow.py \
+    tests/kernels/test_w4a16_mma.py > "$OUT/logs/gpu_tests.log" 2>&1
+  echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
+}
 case "${PART:-}" in
+tests) gpu_tests ;;
 train)
   gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
   init=()
@@ -39,11 +49,7 @@ train)
     --time-limit "${SECS:-300}" --overwrite --dataset /root/d/float_data.jsonl > "$OUT/logs/train_e3.log" 2>&1
   echo "train exited $?"; grep -v "^step" "$OUT/logs/train_e3.log" | tail -5
   (cd /root/d && tar czf - --exclude="checkpoint-*" --exclude=dataset.jsonl e3 | split -b 15M - "$OUT/e3.tgz.part") && ls -la "$OUT"
-  timeout "$(( $(left) - 20 ))" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
-    tests/runtime/test_cuda_graphs.py tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager \
-    tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager tests/kernels/test_tree_grow.py \
-    tests/kernels/test_w4a16_mma.py > "$OUT/logs/gpu_tests.log" 2>&1
-  echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
+  [ -n "${INIT:-}" ] || gpu_tests  # with INIT the GPU tests ran in the call before (PART=tests)
   ;;
 eval)
   timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/e3 \
@@ -72,6 +78,6 @@ PY
     --section SchedulerStats python3 /tmp/ncu_mma.py > "$OUT/ncu_mma.txt" 2>&1 || echo "ncu exited $?"
   grep -E "w4a16_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_mma.txt" | head -40
   ;;
-*) echo "PART=${PART:-}: allowed stage, train, eval"; exit 2 ;;
+*) echo "PART=${PART:-}: allowed stage, tests, train, eval"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
