@@ -18,15 +18,7 @@
 #               the draft engine against the plain one where speculation stays off: optllm eval of
 #               a random-weight SmolLM2 with a random EAGLE-3 draft (benchmarks/random_smol.py),
 #               temperature 1, BS (1,64), this tree then the old one
-set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-T0=$(date +%s)
-left() { echo $(( ${LIMIT:-570} - ($(date +%s) - T0) )); }
-if [ "${PART:-}" = stage ]; then
-  mkdir -p /root/m && cp .carry1/*.part00 /root/m/ && ls -la /root/m && nvidia-smi -L
-  exit 0
-fi
-mkdir -p "$OUT/logs" /root/d
+source benchmarks/device_preamble.sh
 if [ "${PART:-}" = host ]; then
   export PYTHONPATH=$(dirname "$PWD") OPTLLM_COMMIT=${OPTLLM_COMMIT:-?}
   ln -sfn "$PWD" "$(dirname "$PWD")/optllm"

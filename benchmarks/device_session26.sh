@@ -19,15 +19,7 @@
 #               ran at d8c07ca and was removed after it lost, so `f` configs need that commit), then Nsight
 #               Compute on the runtime's GEMV variant at gate_up and down, M = 1 (SOL, memory,
 #               warp stalls, instruction statistics)
-set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-T0=$(date +%s)
-left() { echo $(( ${LIMIT:-570} - ($(date +%s) - T0) )); }
-if [ "${PART:-}" = stage ]; then
-  mkdir -p /root/m && cp .carry1/*.part00 /root/m/ && ls -la /root/m && nvidia-smi -L
-  exit 0
-fi
-mkdir -p "$OUT/logs" /root/d
+source benchmarks/device_preamble.sh
 source benchmarks/device_stage.sh
 gpu_tests() {
   timeout "$(( $(left) - 20 ))" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \

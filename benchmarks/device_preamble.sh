@@ -1,0 +1,13 @@
+# Sourced first by the device scripts that stage the real SmolLM2 (device_session25.sh,
+# device_session26.sh): the environment, left() (seconds of the call's LIMIT, 570, still to go),
+# PART=stage (.carry1's part copied to /root/m; the call ends there: the next, carrying .carry2,
+# must follow within the machine's warm time), the output folders.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+T0=$(date +%s)
+left() { echo $(( ${LIMIT:-570} - ($(date +%s) - T0) )); }
+if [ "${PART:-}" = stage ]; then
+  mkdir -p /root/m && cp .carry1/*.part00 /root/m/ && ls -la /root/m && nvidia-smi -L
+  exit 0
+fi
+mkdir -p "$OUT/logs" /root/d
