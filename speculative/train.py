@@ -520,7 +520,8 @@ def _apply_init(path: Path, meta: dict, weights: dict, heads: torch.nn.Module, i
     if target.get("sha256") != identity:
         log(f"warning: {where} was trained for another target ({target.get('model')}); its weights start this run "
             "all the same")
-    steps = (meta.get("training") or {}).get("steps")
+    training = meta.get("training") if isinstance(meta.get("training"), dict) else {}
+    steps = training.get("steps")
     log(f"weights from {path} ({steps if steps is not None else '?'} steps trained there)")
 
 
