@@ -148,6 +148,7 @@ def _cli(*args):
     ("no-template", "no chat template"),
     ("missing-prompts", "not found"),
     ("missing-dataset", "dataset file"),
+    ("init-from", "not a draft folder"),
 ])
 def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
     args = {"method": [str(tiny_chat), "--method", "eagle9", "--out", str(tmp_path / "o")],
@@ -155,6 +156,7 @@ def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
             "no-template": [str(tiny_llama), "--out", str(tmp_path / "o"), "--device", "cpu", "--num-prompts", "2"],
             "missing-prompts": [str(tiny_chat), "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "x.jsonl")],
             "missing-dataset": [str(tiny_chat), "--out", str(tmp_path / "o"), "--dataset", str(tmp_path / "x.jsonl")],
+            "init-from": [str(tiny_chat), "--out", str(tmp_path / "o"), "--init-from", str(tmp_path)],
             }[case]
     r = _cli(*args)
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
