@@ -37,17 +37,18 @@ from optllm.kernels import w4a16_mma as mk
 def parse_config(text: str) -> mk.MmaConfig:
     import re
 
-    hit = re.fullmatch(r"(\d+)x(\d+)([spa]*)(?:c(\d))?", text)
+    hit = re.fullmatch(r"(\d+)x(\d+)([spa]*)(?:c(\d))?(?:k(\d+))?", text)
     if hit is None:
-        raise SystemExit(f"--configs: {text!r} is not WARPSxUNROLL[s][p][a][cN]")
-    warps, unroll, flags, persist = hit.groups()
+        raise SystemExit(f"--configs: {text!r} is not WARPSxUNROLL[s][p][a][cN][kS]")
+    warps, unroll, flags, persist, split = hit.groups()
     return mk.MmaConfig(int(warps), int(unroll), offset_mma="s" not in flags, xpre="p" in flags, ablate="a" in flags,
-                        persist=int(persist or 0))
+                        persist=int(persist or 0), split_k=int(split or 1))
 
 
 def cname(c: mk.MmaConfig) -> str:
     return (f"{c.warps}x{c.unroll}" + ("" if c.offset_mma else "s") + ("p" if c.xpre else "")
-            + ("a" if c.ablate else "") + (f"c{c.persist}" if c.persist else ""))
+            + ("a" if c.ablate else "") + (f"c{c.persist}" if c.persist else "")
+            + (f"k{c.split_k}" if c.split_k > 1 else ""))
 
 
 def main():
@@ -57,7 +58,7 @@ def main():
     ap.add_argument("--configs", default="4x2,4x4,8x2,8x4,8x8,16x4",
                     help="WARPSxUNROLL[s][p][a][cN]: s the offset by a bf16x2 fma before each mma (no all-ones "
                          "mma), p x prefetched with the weights, a no dequantization (timing only), cN the "
-                         "persistent form with N CTAs a SM")
+                         "persistent form with N CTAs a SM, kS S CTAs a row tile (split-K)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
     if not mk.available():

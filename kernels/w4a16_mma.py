@@ -34,7 +34,10 @@ Limits: bf16 activations, N % 16 == 0, K % 64 == 0, G % 64 == 0 (G = K allowed w
 M <= 32 (the runtime sends M <= 16: at 32 it lost to the Triton path on some shapes, H200).
 Everything else (and the CPU, where nothing is compiled) stays on kernels/w4a16.py. A persistent
 form (MmaConfig.persist) streams a contiguous range of the weights per warp instead of one CTA per
-row tile.
+row tile. A split-K form (MmaConfig.split_k = S) gives each row tile S CTAs, each over a contiguous
+1/S of the groups, for shapes whose N / 16 tiles leave SMs idle (o and down of the 8B model: 256
+CTAs on 132 SMs, 0.6 waves and 24% occupancy in Nsight Compute on the H100); the S partial tiles
+meet in a workspace and the last CTA to arrive sums them in split order (deterministic).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class MmaConfig:
     xpre: bool = False  # x loaded with the weights, unroll chunks ahead
     ablate: bool = False  # timing only: no dequantization (wrong numbers)
     persist: int = 0  # CTAs per SM of the persistent form (0: one CTA per 16-row tile)
+    split_k: int = 1  # CTAs per row tile of the per-tile form, each over 1/split_k of the groups
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8, 16):
@@ -69,13 +73,15 @@ class MmaConfig:
             raise ValueError(f"unroll={self.unroll}: allowed 1, 2, 4, 8")
         if self.persist not in range(9):
             raise ValueError(f"persist={self.persist}: allowed 0 (one CTA per row tile) to 8 CTAs per SM")
+        if self.split_k not in range(1, 17) or (self.split_k > 1 and self.persist):
+            raise ValueError(f"split_k={self.split_k}: allowed 1..16, and 1 with the persistent form")
 
 
 @dataclass(frozen=True)
 class W4A16MmaWeight:
     """words int32 [N / 16, K / 64, 32, 4] (module docstring); scales bf16 [K / G, N]; zeros int8
-    [K / G, N] or None (symmetric); counters int32 [N / 16], zero between calls (the persistent
-    form's per-tile arrivals; one weight must not run on two streams at once)."""
+    [K / G, N] or None (symmetric); counters int32 [N / 16], zero between calls (the persistent and
+    split-K forms' per-tile arrivals; one weight must not run on two streams at once)."""
 
     words: torch.Tensor
     scales: torch.Tensor
@@ -338,17 +344,28 @@ __device__ __forceinline__ void x_rows(const W4** xp, const u16* x, int g, int t
 }
 
 #if !PERSIST
-// One CTA per 16-row tile; its warps take contiguous runs of groups, prefetch UNROLL chunks ahead,
-// and sum their partials in warp order through shared memory.
+// One CTA per 16-row tile (SPLITK > 1: SPLITK CTAs, blockIdx.y taking groups [y G / S, (y + 1) G / S));
+// its warps take contiguous runs of those groups, prefetch UNROLL chunks ahead, and sum their partials
+// in warp order through shared memory. Split: warp 0 of each CTA writes its partial tile to the
+// workspace ws [S][tiles][32][4 NT]; the last of the tile's S CTAs to arrive (the counter, which it
+// resets) sums the S partials in split order and stores y.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
                const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
+#if SPLITK > 1
+               float* __restrict__ ws, int* __restrict__ cnt,
+#endif
                int M, int N, int K, int ldx, int ldy) {
   __shared__ float red[WARPS][32][NT * 4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6, groups = chunks / CPG;
-  const int c0 = ((warp * groups) / WARPS) * CPG, c1 = (((warp + 1) * groups) / WARPS) * CPG;
+  const int chunks = K >> 6;
+#if SPLITK > 1
+  const int all = chunks / CPG, g0 = (blockIdx.y * all) / SPLITK, groups = ((blockIdx.y + 1) * all) / SPLITK - g0;
+#else
+  const int g0 = 0, groups = chunks / CPG;
+#endif
+  const int c0 = (g0 + (warp * groups) / WARPS) * CPG, c1 = (g0 + ((warp + 1) * groups) / WARPS) * CPG;
   const W4* wp = wq + (size_t)blockIdx.x * chunks * 32 + lane;
   const W4* xp[NT];
   x_rows(xp, x, g, t, M, ldx);
@@ -386,6 +403,33 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int q = 0; q < 4; ++q) v[j][q] += red[w][lane][4 * j + q];
+#if SPLITK > 1
+    const size_t tiles = gridDim.x;
+    float* mine = ws + (((size_t)blockIdx.y * tiles + blockIdx.x) * 32 + lane) * (4 * NT);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) mine[4 * j + q] = v[j][q];
+    __threadfence();
+    __syncwarp();
+    int old = 0;
+    if (lane == 0) old = atomicAdd(cnt + blockIdx.x, 1);
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old != SPLITK - 1) return;  // not the last of the tile's CTAs
+    __threadfence();
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v[j][q] = 0.f;
+    for (int s = 0; s < SPLITK; ++s) {
+      const float* p = ws + (((size_t)s * tiles + blockIdx.x) * 32 + lane) * (4 * NT);
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[j][q] += ld_cg(p + 4 * j + q);
+    }
+    if (lane == 0) cnt[blockIdx.x] = 0;
+#endif
     store_y(y, bias, v, n0, n1, t, M, ldy);
   }
 }
@@ -509,10 +553,10 @@ class _Launch:
         self.argv = (ctypes.c_void_p * len(self.slots))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in self.slots])
 
-    def __call__(self, grid: int, stream: int, values: tuple) -> None:
+    def __call__(self, grid: int, stream: int, values: tuple, grid_y: int = 1) -> None:
         for slot, v in zip(self.slots, values):
             slot.value = v
-        err = self.lib.cuLaunchKernel(self.func, grid, 1, 1, self.block, 1, 1, 0, self.ctypes.c_void_p(stream),
+        err = self.lib.cuLaunchKernel(self.func, grid, grid_y, 1, self.block, 1, 1, 0, self.ctypes.c_void_p(stream),
                                       self.argv, None)
         if err != 0:
             raise RuntimeError(f"w4a16_mma_gemv: cuLaunchKernel failed with CUDA error {err}")
@@ -524,7 +568,8 @@ def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: i
     return (f"#define WARPS {cfg.warps}\n#define UNROLL {cfg.unroll}\n#define CPG {cpg}\n#define NT {nt}\n"
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
             f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre and nt == 1)}\n"
-            f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n") + _SOURCE
+            f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n"
+            f"#define SPLITK {cfg.split_k}\n") + _SOURCE
 
 
 def nvrtc_ptx(lib, source: str, arch: str) -> str:
@@ -578,7 +623,7 @@ def _kernel(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: int =
     if kern is None:
         name = "w4a16_mma_gemv_persist" if cfg.persist else "w4a16_mma_gemv"
         compiled = _compile(cuda_source(cfg, cpg, has_zeros, has_bias, nt), name)
-        kern = _KERNELS[key] = _Launch(compiled, cfg.warps, pointers=8 if cfg.persist else 6)
+        kern = _KERNELS[key] = _Launch(compiled, cfg.warps, pointers=8 if cfg.persist or cfg.split_k > 1 else 6)
     return kern
 
 
@@ -618,8 +663,10 @@ def prepare(w: W4A16MmaWeight, has_bias: bool, config: Optional[MmaConfig] = Non
     inside a graph capture."""
     cfg = config or config_for(w.N, w.K)
     grid = persistent_grid(w, cfg, w.words.device)
-    if grid:
-        _workspace(w.words.device, grid * cfg.warps, 1)
+    for nt in range(1, (RUNTIME_MAX_M + 7) // 8 + 1):  # the rows the runtime sends
+        floats = _workspace_floats(w, cfg, grid, nt)
+        if floats:
+            _workspace(w.words.device, floats)
     _kernel(cfg if grid or not cfg.persist else dataclasses.replace(cfg, persist=0), w.group_size // CHUNK,
             w.zeros is not None, has_bias)
 
@@ -649,7 +696,7 @@ def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tens
 
 
 _SMS: dict = {}
-_WORKSPACES: dict = {}  # (device, warps in the grid, nt) -> fp32 partials; kept for the process's life
+_WORKSPACES: dict = {}  # (device, floats) -> fp32 partials; kept for the process's life
 
 
 def persistent_grid(w: W4A16MmaWeight, cfg: MmaConfig, device: torch.device) -> int:
@@ -664,14 +711,21 @@ def persistent_grid(w: W4A16MmaWeight, cfg: MmaConfig, device: torch.device) -> 
     return min(sms * cfg.persist, groups // cfg.warps)
 
 
-def _workspace(device: torch.device, warps: int, nt: int) -> torch.Tensor:
-    """Two 16 x 8 nt fp32 partial tiles per warp of the grid, one buffer per (device, grid size, nt),
-    never freed: captured graphs keep its address. Kernels of one stream run in order, so weights
-    share it."""
-    key = (device.index, warps, nt)
+def _workspace_floats(w: W4A16MmaWeight, cfg: MmaConfig, grid: int, nt: int) -> int:
+    """fp32 partials a call needs (0: none): the persistent form two 16 x 8 nt tiles per warp of its
+    grid, the split-K form one per (split, row tile)."""
+    if grid:
+        return grid * cfg.warps * 2 * 128 * nt
+    return cfg.split_k * (w.N // 16) * 128 * nt if cfg.split_k > 1 else 0
+
+
+def _workspace(device: torch.device, floats: int) -> torch.Tensor:
+    """One buffer per (device, size), never freed: captured graphs keep its address. Kernels of one
+    stream run in order, so weights share it."""
+    key = (device.index, floats)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = _WORKSPACES[key] = torch.empty(warps * 2 * 128 * nt, dtype=torch.float32, device=device)
+        ws = _WORKSPACES[key] = torch.empty(floats, dtype=torch.float32, device=device)
     return ws
 
 
@@ -686,9 +740,11 @@ def _run(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor], cfg: 
     zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
     head = (w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(), zeros.data_ptr(),
             (y if bias is None else bias).data_ptr(), y.data_ptr())
-    if grid:
-        head += (_workspace(x.device, grid * cfg.warps, nt).data_ptr(), w.counters.data_ptr())
-    kern(grid or w.N // 16, torch._C._cuda_getCurrentRawStream(x.device.index), head + (m, w.N, w.K, x.stride(0), w.N))
+    floats = _workspace_floats(w, cfg, grid, nt)
+    if floats:
+        head += (_workspace(x.device, floats).data_ptr(), w.counters.data_ptr())
+    kern(grid or w.N // 16, torch._C._cuda_getCurrentRawStream(x.device.index), head + (m, w.N, w.K, x.stride(0), w.N),
+         1 if grid else cfg.split_k)
     return y
 
 

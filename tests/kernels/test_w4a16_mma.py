@@ -116,7 +116,9 @@ def test_from_w4a16_n_major_blocks_and_bad_shapes(monkeypatch):
                                  mk.MmaConfig(4, 2, offset_mma=False, xpre=True),
                                  mk.MmaConfig(8, 2, offset_mma=False, persist=3),
                                  mk.MmaConfig(4, 2, offset_mma=False, xpre=True, persist=2),
-                                 mk.MmaConfig(8, 4, persist=1)])
+                                 mk.MmaConfig(8, 4, persist=1), mk.MmaConfig(8, 2, offset_mma=False, split_k=2),
+                                 mk.MmaConfig(4, 2, offset_mma=False, xpre=True, split_k=3),
+                                 mk.MmaConfig(8, 4, split_k=8)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
@@ -141,7 +143,8 @@ def test_kernel_gpu(cfg, asym):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [None, mk.MmaConfig(8, 2, offset_mma=False, persist=3)])
+@pytest.mark.parametrize("cfg", [None, mk.MmaConfig(8, 2, offset_mma=False, persist=3),
+                                 mk.MmaConfig(8, 2, offset_mma=False, split_k=4)])
 def test_kernel_gpu_graph_and_errors(cfg):
     """Replays of a captured call follow x (the persistent form's counters are back at zero after
     every call, or a replay would wait on arrivals that never come)."""
@@ -181,7 +184,9 @@ def _nvrtc():
 @pytest.mark.parametrize("cfg", sorted({*mk.MMA_CONFIGS.values(), mk.DEFAULT_CONFIG, mk.MmaConfig(),
                                         mk.MmaConfig(4, 4, offset_mma=False),
                                         mk.MmaConfig(8, 2, offset_mma=False, persist=3),
-                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, persist=2)}, key=repr))
+                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, persist=2),
+                                        mk.MmaConfig(8, 2, offset_mma=False, split_k=4),
+                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, split_k=2)}, key=repr))
 def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
     """Every variant the runtime uses, compiled on the CPU as the GPU would (NVRTC to PTX, then
     Triton's sm_90 ptxas): it builds, spills nothing, and at M <= 8 fits 3+ CTAs of its warps per SM
@@ -254,6 +259,27 @@ def test_what_the_runtime_sends_and_bad_configs():
     assert not mk.fits(x[:4, 1:121])  # starts 2 bytes past a 16-byte boundary
     assert not mk.fits(torch.zeros(4, 130, dtype=torch.bfloat16)[:, :128])  # row stride 130: rows misaligned
     assert not mk.fits(x[:4].t().contiguous().t())  # K not the unit-stride dimension
-    for bad in (dict(warps=3), dict(unroll=3), dict(persist=9)):
+    for bad in (dict(warps=3), dict(unroll=3), dict(persist=9), dict(split_k=0), dict(split_k=17),
+                dict(split_k=2, persist=1)):
         with pytest.raises(ValueError, match="allowed"):
             mk.MmaConfig(**bad)
+
+
+@pytest.mark.parametrize("groups,splits,warps", [(32, 4, 8), (112, 3, 8), (4, 8, 8), (7, 2, 16), (1, 1, 1),
+                                                 (224, 16, 4)])
+def test_split_k_covers_every_group_once(groups, splits, warps):
+    """The split-K form's index arithmetic, as the kernel writes it: CTA y of a row tile takes groups
+    [y G / S, (y + 1) G / S), its warp w the run [g0 + w n / W, g0 + (w + 1) n / W) of those n; every
+    group is one warp's of one split, and the workspace holds S tiles per row tile (one per split)."""
+    owner = [None] * groups
+    for y in range(splits):
+        g0 = y * groups // splits
+        n = (y + 1) * groups // splits - g0
+        for w in range(warps):
+            for grp in range(g0 + w * n // warps, g0 + (w + 1) * n // warps):
+                assert owner[grp] is None
+                owner[grp] = (y, w)
+    assert None not in owner and [o[0] for o in owner] == sorted(o[0] for o in owner)  # splits in K order
+    cfg = mk.MmaConfig(8, 2, split_k=splits)
+    w = mk.W4A16MmaWeight(torch.zeros(3, 1, 32, 4, dtype=torch.int32), torch.zeros(1, 48), None, 48, 64, 64)
+    assert mk._workspace_floats(w, cfg, 0, 2) == (splits * 3 * 256 if splits > 1 else 0)
