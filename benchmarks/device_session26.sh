@@ -15,7 +15,7 @@
 #               when the third carries .carry-e3 (.carry2 and the draft together pass the 64 MiB limit)
 #   PART=eval   optllm eval of the float SmolLM2 with /root/d/e3, waves at BS (1,8,32,64), temperature
 #               0 and 1, adaptive policy; then issue 13: benchmarks/w4a16_mma.py on the 8B shapes at
-#               M = 1, 8, 16 over CONFIGS (scales prefetched or not, 8 or 16 warps; the prefetch, `f`,
+#               M = 1, 8, 16 over CONFIGS (split-K `kS` or not, 8 or 16 warps; the scale prefetch, `f`,
 #               ran at d8c07ca and was removed after it lost, so `f` configs need that commit), then Nsight
 #               Compute on the runtime's GEMV variant at gate_up and down, M = 1 (SOL, memory,
 #               warp stalls, instruction statistics)
@@ -50,7 +50,7 @@ eval)
   cp /root/spec/report.md "$OUT/spec.md" 2>/dev/null; cp /root/spec/report.json "$OUT/spec.json" 2>/dev/null
   grep "^|" "$OUT/spec.md" | head -14
   timeout "$(( $(left) - 90 ))" python3 benchmarks/w4a16_mma.py --shapes qkv,o,gate_up,down --ms "${MS:-1,8,16}" \
-    --configs "${CONFIGS:-8x2s,8x2sp,16x2s,16x2sp}" --out "$OUT" > "$OUT/logs/mma.log" 2>&1 \
+    --configs "${CONFIGS:-8x2s,8x2sp,8x2spk2,8x2spk4,16x2sp}" --out "$OUT" > "$OUT/logs/mma.log" 2>&1 \
     || echo "w4a16_mma exited $?"
   grep "^|" "$OUT/logs/mma.log" | head -60
   cat > /tmp/ncu_mma.py <<'PY'
