@@ -335,6 +335,27 @@ __device__ __forceinline__ void store_y(u16* y, const u16* bias, const float (*v
     if (m1 < M) { y[(size_t)m1 * ldy + n0] = f2bf(v[j][1] + b0); y[(size_t)m1 * ldy + n1] = f2bf(v[j][3] + b1); }
   }
 }
+// Partial tiles across CTAs or warps (the split-K and persistent forms): publish writes a warp's partial
+// v (its lane's 4 NT floats at `mine`) and counts the warp's arrival at its tile's counter, returning
+// how many had arrived before it; the last to arrive fences and sums every partial with add_partial
+// (through L2, ld_cg) in a fixed order, then resets the counter.
+__device__ __forceinline__ int publish(float* mine, const float (*v)[4], int* counter, int lane) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) mine[4 * j + q] = v[j][q];
+  __threadfence();
+  __syncwarp();
+  int old = 0;
+  if (lane == 0) old = atomicAdd(counter, 1);
+  return __shfl_sync(0xffffffffu, old, 0);
+}
+__device__ __forceinline__ void add_partial(float (*v)[4], const float* p) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[j][q] += ld_cg(p + 4 * j + q);
+}
 __device__ __forceinline__ void x_rows(const W4** xp, const u16* x, int g, int t, int M, int ldx) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -406,28 +427,13 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
 #if SPLITK > 1
     const size_t tiles = gridDim.x;
     float* mine = ws + (((size_t)blockIdx.y * tiles + blockIdx.x) * 32 + lane) * (4 * NT);
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) mine[4 * j + q] = v[j][q];
-    __threadfence();
-    __syncwarp();
-    int old = 0;
-    if (lane == 0) old = atomicAdd(cnt + blockIdx.x, 1);
-    old = __shfl_sync(0xffffffffu, old, 0);
-    if (old != SPLITK - 1) return;  // not the last of the tile's CTAs
+    if (publish(mine, v, cnt + blockIdx.x, lane) != SPLITK - 1) return;  // not the last of the tile's CTAs
     __threadfence();
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) v[j][q] = 0.f;
-    for (int s = 0; s < SPLITK; ++s) {
-      const float* p = ws + (((size_t)s * tiles + blockIdx.x) * 32 + lane) * (4 * NT);
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) v[j][q] += ld_cg(p + 4 * j + q);
-    }
+    for (int s = 0; s < SPLITK; ++s) add_partial(v, ws + (((size_t)s * tiles + blockIdx.x) * 32 + lane) * (4 * NT));
     if (lane == 0) cnt[blockIdx.x] = 0;
 #endif
     store_y(y, bias, v, n0, n1, t, M, ldy);
@@ -488,16 +494,7 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
             store_y(y, bias, st.yv, n0, n1, t, M, ldy);
           } else {
             float* mine = ws + ((gw * 2 + (tile == first_tile ? 0 : 1)) * 32 + lane) * (4 * NT);
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-              for (int q = 0; q < 4; ++q) mine[4 * j + q] = st.yv[j][q];
-            __threadfence();
-            __syncwarp();
-            int old = 0;
-            if (lane == 0) old = atomicAdd(cnt + tile, 1);
-            old = __shfl_sync(0xffffffffu, old, 0);
-            if (old == hi - lo) {  // the last of hi - lo + 1 to arrive: sum all in warp order
+            if (publish(mine, st.yv, cnt + tile, lane) == hi - lo) {  // the last of hi - lo + 1: sum all in warp order
               __threadfence();
               float v[NT][4];
 #pragma unroll
@@ -506,11 +503,7 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
                 for (int q = 0; q < 4; ++q) v[j][q] = 0.f;
               for (int k = lo; k <= hi; ++k) {
                 const int fk = (int)(((long long)k * TG / W) / GPT);
-                const float* p = ws + (((long long)k * 2 + (tile == fk ? 0 : 1)) * 32 + lane) * (4 * NT);
-#pragma unroll
-                for (int j = 0; j < NT; ++j)
-#pragma unroll
-                  for (int q = 0; q < 4; ++q) v[j][q] += ld_cg(p + 4 * j + q);
+                add_partial(v, ws + (((long long)k * 2 + (tile == fk ? 0 : 1)) * 32 + lane) * (4 * NT));
               }
               store_y(y, bias, v, n0, n1, t, M, ldy);
               if (lane == 0) cnt[tile] = 0;
