@@ -475,9 +475,13 @@ def _load_checkpoint(path: Path, heads, opt, sched) -> tuple[int, int, dict]:
         sched.load_state_dict(state["scheduler"])
         meta = json.loads((path / _STATE).read_text())
     except (OSError, RuntimeError, KeyError, ValueError) as e:
-        raise UserError(f"--resume {path}: cannot read the checkpoint ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise UserError(f"--resume {path}: cannot read the checkpoint ({_why(e)})") from None
     return int(meta["step"]), int(meta["data_position"]), state["rng"]
+
+
+def _why(e: Exception) -> str:
+    """An exception as one line: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _read_init(path: Path, method: str) -> tuple[dict, dict]:
@@ -493,8 +497,7 @@ def _read_init(path: Path, method: str) -> tuple[dict, dict]:
         meta = json.loads((path / "config.json").read_text())
         weights = load_file(path / "model.safetensors")
     except Exception as e:  # json, OS and safetensors' own errors alike: the file is not what train-draft wrote
-        raise UserError(f"{where}: cannot read the draft ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise UserError(f"{where}: cannot read the draft ({_why(e)})") from None
     if not isinstance(meta, dict) or meta.get("method") != method:
         got = meta.get("method") if isinstance(meta, dict) else None
         raise UserError(f"{where}: a {got!r} draft cannot start a --method {method} run; allowed: a draft of the "
