@@ -17,15 +17,18 @@
 #               0 and 1, adaptive policy; then issue 13: benchmarks/w4a16_mma.py on the 8B shapes at
 #               M = 1, 8, 16 over CONFIGS (split-K `kS` or not, 8 or 16 warps; the scale prefetch, `f`,
 #               ran at d8c07ca and was removed after it lost, so `f` configs need that commit), then Nsight
-#               Compute on the runtime's GEMV variant at gate_up and down, M = 1 (SOL, memory,
-#               warp stalls, instruction statistics)
+#               Compute on the GEMV at gate_up and down, M = 1, in the runtime's config or each of NCU_CFGS
+#               (SOL, memory, warp stalls, instruction statistics)
+# TESTS / TESTS_S: the GPU tests' files and time limit (default all of ALL_TESTS, the call's time left)
 source benchmarks/device_preamble.sh
 source benchmarks/device_stage.sh
-gpu_tests() {
-  timeout "$(( $(left) - 20 ))" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
-    tests/runtime/test_cuda_graphs.py tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager \
-    tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager tests/kernels/test_tree_grow.py \
-    tests/kernels/test_w4a16_mma.py > "$OUT/logs/gpu_tests.log" 2>&1
+ALL_TESTS="tests/runtime/test_spec_gpu.py tests/runtime/test_cuda_graphs.py
+  tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager
+  tests/kernels/test_tree_grow.py tests/kernels/test_w4a16_mma.py"
+gpu_tests() {  # TESTS (default ALL_TESTS) within TESTS_S seconds (default: the call's time left)
+  # shellcheck disable=SC2086
+  timeout "${TESTS_S:-$(( $(left) - 20 ))}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-$ALL_TESTS} \
+    > "$OUT/logs/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
 }
 case "${PART:-}" in
@@ -54,7 +57,9 @@ eval)
     || echo "w4a16_mma exited $?"
   grep "^|" "$OUT/logs/mma.log" | head -60
   cat > /tmp/ncu_mma.py <<'PY'
+import os
 import torch
+from optllm.benchmarks.w4a16_mma import parse_config
 from optllm.kernels import w4a16 as w4k
 from optllm.kernels import w4a16_mma as mk
 for n, k in ((28672, 4096), (4096, 14336)):
@@ -62,13 +67,14 @@ for n, k in ((28672, 4096), (4096, 14336)):
     s = (torch.rand(n, k // 128, device="cuda") * 1e-3).to(torch.bfloat16)
     w = mk.from_w4a16(w4k.prepack_w4a16(q, s, None, 128, dtype=torch.bfloat16))
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    mk.w4a16_mma_gemv(x, w)
+    for c in [parse_config(c) for c in os.environ.get("NCU_CFGS", "").split(",") if c] or [None]:
+        mk.w4a16_mma_gemv(x, w, None, c)
 torch.cuda.synchronize()
 PY
   timeout "$(( $(left) - 5 ))" ncu --kernel-name regex:w4a16_mma --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
     --section SchedulerStats python3 /tmp/ncu_mma.py > "$OUT/ncu_mma.txt" 2>&1 || echo "ncu exited $?"
-  grep -E "w4a16_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_mma.txt" | head -40
+  grep -E "w4a16_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_mma.txt" | head -90
   ;;
 *) echo "PART=${PART:-}: allowed stage, tests, train, eval"; exit 2 ;;
 esac
