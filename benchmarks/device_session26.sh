@@ -19,9 +19,16 @@
 #               ran at d8c07ca and was removed after it lost, so `f` configs need that commit), then Nsight
 #               Compute on the GEMV at gate_up and down, M = 1, in the runtime's config or each of NCU_CFGS
 #               (SOL, memory, warp stalls, instruction statistics)
+#   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval
 # TESTS / TESTS_S: the GPU tests' files and time limit (default all of ALL_TESTS, the call's time left)
 source benchmarks/device_preamble.sh
-source benchmarks/device_stage.sh
+if [ "${PART:-}" = kernels ]; then  # no model: the kernels' tests and benchmarks
+  export PYTHONPATH=$(dirname "$PWD") OPTLLM_COMMIT=${OPTLLM_COMMIT:-?}
+  ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
+  python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+else
+  source benchmarks/device_stage.sh
+fi
 ALL_TESTS="tests/runtime/test_spec_gpu.py tests/runtime/test_cuda_graphs.py
   tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager
   tests/kernels/test_tree_grow.py tests/kernels/test_w4a16_mma.py"
@@ -31,31 +38,13 @@ gpu_tests() {  # TESTS (default ALL_TESTS) within TESTS_S seconds (default: the 
     > "$OUT/logs/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
 }
-case "${PART:-}" in
-tests) gpu_tests ;;
-train)
-  gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
-  init=()
-  if [ -n "${INIT:-}" ]; then
-    mkdir -p /root/d/init && cat "$INIT"/e3.tgz.part* | tar xzf - -C /root/d/init && init=(--init-from /root/d/init/e3)
-  fi
-  timeout $(( ${SECS:-300} + 90 )) python3 -m optllm train-draft smollm2-135m --method eagle3 --out /root/d/e3 "${init[@]}" \
-    --device cuda --ttt-steps 4 --draft-vocab 16384 --max-steps 40000 --batch-size 16 \
-    --time-limit "${SECS:-300}" --overwrite --dataset /root/d/float_data.jsonl > "$OUT/logs/train_e3.log" 2>&1
-  echo "train exited $?"; grep -v "^step" "$OUT/logs/train_e3.log" | tail -5
-  (cd /root/d && tar czf - --exclude="checkpoint-*" --exclude=dataset.jsonl e3 | split -b 15M - "$OUT/e3.tgz.part") && ls -la "$OUT"
-  [ -n "${INIT:-}" ] || gpu_tests  # with INIT the GPU tests ran in the call before (PART=tests)
-  ;;
-eval)
-  timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/e3 \
-    --spec-policy auto --out /root/spec --temperatures 0,1 --batch-sizes "${BS:-1,8,32,64}" \
-    > "$OUT/logs/spec.log" 2>&1 || echo "eval exited $?"
-  cp /root/spec/report.md "$OUT/spec.md" 2>/dev/null; cp /root/spec/report.json "$OUT/spec.json" 2>/dev/null
-  grep "^|" "$OUT/spec.md" | head -14
+mma_sweep() {
   timeout "$(( $(left) - 90 ))" python3 benchmarks/w4a16_mma.py --shapes qkv,o,gate_up,down --ms "${MS:-1,8,16}" \
     --configs "${CONFIGS:-8x2s,8x2sp,8x2spk2,8x2spk4,16x2sp}" --out "$OUT" > "$OUT/logs/mma.log" 2>&1 \
     || echo "w4a16_mma exited $?"
   grep "^|" "$OUT/logs/mma.log" | head -60
+}
+mma_ncu() {
   cat > /tmp/ncu_mma.py <<'PY'
 import os
 import torch
@@ -75,7 +64,32 @@ PY
     --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
     --section SchedulerStats python3 /tmp/ncu_mma.py > "$OUT/ncu_mma.txt" 2>&1 || echo "ncu exited $?"
   grep -E "w4a16_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_mma.txt" | head -90
+}
+case "${PART:-}" in
+tests) gpu_tests ;;
+kernels) gpu_tests; mma_sweep; mma_ncu ;;
+train)
+  gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
+  init=()
+  if [ -n "${INIT:-}" ]; then
+    mkdir -p /root/d/init && cat "$INIT"/e3.tgz.part* | tar xzf - -C /root/d/init && init=(--init-from /root/d/init/e3)
+  fi
+  timeout $(( ${SECS:-300} + 90 )) python3 -m optllm train-draft smollm2-135m --method eagle3 --out /root/d/e3 "${init[@]}" \
+    --device cuda --ttt-steps 4 --draft-vocab 16384 --max-steps 40000 --batch-size 16 \
+    --time-limit "${SECS:-300}" --overwrite --dataset /root/d/float_data.jsonl > "$OUT/logs/train_e3.log" 2>&1
+  echo "train exited $?"; grep -v "^step" "$OUT/logs/train_e3.log" | tail -5
+  (cd /root/d && tar czf - --exclude="checkpoint-*" --exclude=dataset.jsonl e3 | split -b 15M - "$OUT/e3.tgz.part") && ls -la "$OUT"
+  [ -n "${INIT:-}" ] || gpu_tests  # with INIT the GPU tests ran in the call before (PART=tests)
   ;;
-*) echo "PART=${PART:-}: allowed stage, tests, train, eval"; exit 2 ;;
+eval)
+  timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/e3 \
+    --spec-policy auto --out /root/spec --temperatures 0,1 --batch-sizes "${BS:-1,8,32,64}" \
+    > "$OUT/logs/spec.log" 2>&1 || echo "eval exited $?"
+  cp /root/spec/report.md "$OUT/spec.md" 2>/dev/null; cp /root/spec/report.json "$OUT/spec.json" 2>/dev/null
+  grep "^|" "$OUT/spec.md" | head -14
+  mma_sweep
+  mma_ncu
+  ;;
+*) echo "PART=${PART:-}: allowed stage, tests, train, eval, kernels"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)

@@ -37,18 +37,18 @@ from optllm.kernels import w4a16_mma as mk
 def parse_config(text: str) -> mk.MmaConfig:
     import re
 
-    hit = re.fullmatch(r"(\d+)x(\d+)([spa]*)(?:c(\d))?(?:k(\d+))?", text)
+    hit = re.fullmatch(r"(\d+)x(\d+)([spa]*)(?:c(\d))?(?:k(\d+))?(?:r(\d+))?", text)
     if hit is None:
-        raise SystemExit(f"--configs: {text!r} is not WARPSxUNROLL[s][p][a][cN][kS]")
-    warps, unroll, flags, persist, split = hit.groups()
+        raise SystemExit(f"--configs: {text!r} is not WARPSxUNROLL[s][p][a][cN][kS][rR]")
+    warps, unroll, flags, persist, split, ring = hit.groups()
     return mk.MmaConfig(int(warps), int(unroll), offset_mma="s" not in flags, xpre="p" in flags, ablate="a" in flags,
-                        persist=int(persist or 0), split_k=int(split or 1))
+                        persist=int(persist or 0), split_k=int(split or 1), ring=int(ring or 0))
 
 
 def cname(c: mk.MmaConfig) -> str:
     return (f"{c.warps}x{c.unroll}" + ("" if c.offset_mma else "s") + ("p" if c.xpre else "")
             + ("a" if c.ablate else "") + (f"c{c.persist}" if c.persist else "")
-            + (f"k{c.split_k}" if c.split_k > 1 else ""))
+            + (f"k{c.split_k}" if c.split_k > 1 else "") + (f"r{c.ring}" if c.ring else ""))
 
 
 def main():

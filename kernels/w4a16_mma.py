@@ -37,7 +37,11 @@ form (MmaConfig.persist) streams a contiguous range of the weights per warp inst
 row tile. A split-K form (MmaConfig.split_k = S) gives each row tile S CTAs, each over a contiguous
 1/S of the groups, for shapes whose N / 16 tiles leave SMs idle (o and down of the 8B model: 256
 CTAs on 132 SMs, 0.6 waves and 24% occupancy in Nsight Compute on the H100); the S partial tiles
-meet in a workspace and the last CTA to arrive sums them in split order (deterministic).
+meet in a workspace and the last CTA to arrive sums them in split order (deterministic); on the H100
+it lost to the plain form on every 8B shape (twenty-seventh session). A ring form (MmaConfig.ring = R)
+streams each warp's chunks through R slots of shared memory filled by cp.async R - 1 chunks ahead, for
+gate_up, which Nsight Compute found latency-bound (52% of stalls on L1TEX scoreboard, two chunks in
+flight a warp in registers at 56 registers and 50% occupancy): more bytes in flight, 40 registers.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class MmaConfig:
     ablate: bool = False  # timing only: no dequantization (wrong numbers)
     persist: int = 0  # CTAs per SM of the persistent form (0: one CTA per 16-row tile)
     split_k: int = 1  # CTAs per row tile of the per-tile form, each over 1/split_k of the groups
+    # the per-tile form's weights through a ring of `ring` chunk slots per warp in shared memory, filled
+    # by cp.async ring - 1 chunks ahead (0: registers, unroll chunks ahead); x then loads at compute time
+    ring: int = 0
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8, 16):
@@ -75,6 +82,11 @@ class MmaConfig:
             raise ValueError(f"persist={self.persist}: allowed 0 (one CTA per row tile) to 8 CTAs per SM")
         if self.split_k not in range(1, 17) or (self.split_k > 1 and self.persist):
             raise ValueError(f"split_k={self.split_k}: allowed 1..16, and 1 with the persistent form")
+        # static shared memory at M = 32: the ring (512 bytes a slot a warp) and the partials (2 KiB a warp)
+        if self.ring and (self.ring not in range(2, 17) or self.persist or self.xpre
+                          or self.warps * (self.ring * 512 + 2048) > 49152):
+            raise ValueError(f"ring={self.ring}: allowed 0, or 2..16 slots with warps * (ring + 4) <= 96 "
+                             "(48 KiB of shared memory), without the persistent form or xpre")
 
 
 @dataclass(frozen=True)
@@ -187,6 +199,16 @@ __device__ __forceinline__ W4 ld_cached(const W4* p) {
   W4 v;
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
   return v;
+}
+// cp.async: 16 bytes global -> shared through L2 only; a commit per chunk; wait until at most N are pending
+__device__ __forceinline__ void cp_async16(const void* smem, const void* g) {
+  u32 s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 __device__ __forceinline__ float ld_cg(const float* p) {
   float v;
@@ -393,6 +415,28 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
   const int n0 = blockIdx.x * 16 + g, n1 = n0 + 8;
   State st;
   state_init(st);
+#if RING
+  // each lane copies its 16 bytes of chunk c into slot (c - c0) % RING of its warp's ring and reads back
+  // only those: its own cp.async.wait_group is all the ordering it needs (no barrier)
+  __shared__ W4 ring[WARPS][RING][32];
+  W4* my = &ring[warp][0][lane];
+#pragma unroll
+  for (int u = 0; u < RING - 1; ++u) {
+    if (c0 + u < c1) cp_async16(my + u * 32, wp + (size_t)(c0 + u) * 32);
+    cp_commit();
+  }
+  int slot = 0;
+  for (int c = c0; c < c1; ++c) {
+    cp_wait<RING - 2>();  // chunk c's group is done (one group committed per chunk, empty ones too)
+    Chunk ch;
+    ch.w = my[slot * 32];
+    // chunk c + RING - 1 into the slot chunk c - 1 left
+    if (c + RING - 1 < c1) cp_async16(my + (slot == 0 ? RING - 1 : slot - 1) * 32, wp + (size_t)(c + RING - 1) * 32);
+    cp_commit();
+    slot = slot == RING - 1 ? 0 : slot + 1;
+    chunk_step(st, ch, xp, c, n0, n1, N, scales, zeros);
+  }
+#else
   Chunk buf[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
@@ -408,6 +452,7 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
     for (int u = 0; u < UNROLL; ++u)
       if (cb + u < c1) chunk_step(st, cur[u], xp, cb + u, n0, n1, N, scales, zeros);
   }
+#endif
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -562,7 +607,7 @@ def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: i
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
             f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre and nt == 1)}\n"
             f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n"
-            f"#define SPLITK {cfg.split_k}\n") + _SOURCE
+            f"#define SPLITK {cfg.split_k}\n#define RING {cfg.ring}\n") + _SOURCE
 
 
 def nvrtc_ptx(lib, source: str, arch: str) -> str:

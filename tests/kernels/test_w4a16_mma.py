@@ -118,7 +118,9 @@ def test_from_w4a16_n_major_blocks_and_bad_shapes(monkeypatch):
                                  mk.MmaConfig(4, 2, offset_mma=False, xpre=True, persist=2),
                                  mk.MmaConfig(8, 4, persist=1), mk.MmaConfig(8, 2, offset_mma=False, split_k=2),
                                  mk.MmaConfig(4, 2, offset_mma=False, xpre=True, split_k=3),
-                                 mk.MmaConfig(8, 4, split_k=8)])
+                                 mk.MmaConfig(8, 4, split_k=8), mk.MmaConfig(8, 2, offset_mma=False, ring=4),
+                                 mk.MmaConfig(4, 1, ring=2), mk.MmaConfig(8, 2, offset_mma=False, split_k=2, ring=6),
+                                 mk.MmaConfig(16, 2, offset_mma=False, ring=2)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
@@ -144,7 +146,8 @@ def test_kernel_gpu(cfg, asym):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("cfg", [None, mk.MmaConfig(8, 2, offset_mma=False, persist=3),
-                                 mk.MmaConfig(8, 2, offset_mma=False, split_k=4)])
+                                 mk.MmaConfig(8, 2, offset_mma=False, split_k=4),
+                                 mk.MmaConfig(8, 2, offset_mma=False, ring=4)])
 def test_kernel_gpu_graph_and_errors(cfg):
     """Replays of a captured call follow x (the persistent form's counters are back at zero after
     every call, or a replay would wait on arrivals that never come)."""
@@ -186,7 +189,9 @@ def _nvrtc():
                                         mk.MmaConfig(8, 2, offset_mma=False, persist=3),
                                         mk.MmaConfig(8, 2, offset_mma=False, xpre=True, persist=2),
                                         mk.MmaConfig(8, 2, offset_mma=False, split_k=4),
-                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, split_k=2)}, key=repr))
+                                        mk.MmaConfig(8, 2, offset_mma=False, xpre=True, split_k=2),
+                                        mk.MmaConfig(8, 2, offset_mma=False, ring=4), mk.MmaConfig(8, 2, ring=8),
+                                        mk.MmaConfig(8, 2, offset_mma=False, split_k=2, ring=6)}, key=repr))
 def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
     """Every variant the runtime uses, compiled on the CPU as the GPU would (NVRTC to PTX, then
     Triton's sm_90 ptxas): it builds, spills nothing, and at M <= 8 fits 3+ CTAs of its warps per SM
@@ -260,7 +265,8 @@ def test_what_the_runtime_sends_and_bad_configs():
     assert not mk.fits(torch.zeros(4, 130, dtype=torch.bfloat16)[:, :128])  # row stride 130: rows misaligned
     assert not mk.fits(x[:4].t().contiguous().t())  # K not the unit-stride dimension
     for bad in (dict(warps=3), dict(unroll=3), dict(persist=9), dict(split_k=0), dict(split_k=17),
-                dict(split_k=2, persist=1)):
+                dict(split_k=2, persist=1), dict(ring=1), dict(ring=17), dict(ring=4, xpre=True),
+                dict(ring=4, persist=2), dict(warps=16, ring=3), dict(ring=9)):
         with pytest.raises(ValueError, match="allowed"):
             mk.MmaConfig(**bad)
 
@@ -283,3 +289,32 @@ def test_split_k_covers_every_group_once(groups, splits, warps):
     cfg = mk.MmaConfig(8, 2, split_k=splits)
     w = mk.W4A16MmaWeight(torch.zeros(3, 1, 32, 4, dtype=torch.int32), torch.zeros(1, 48), None, 48, 64, 64)
     assert mk._workspace_floats(w, cfg, 0, 2) == (splits * 3 * 256 if splits > 1 else 0)
+
+
+@pytest.mark.parametrize("ring", range(2, 9))
+def test_ring_schedule_reads_each_chunk_once_it_landed(ring):
+    """The ring form's schedule, as the kernel writes it (RING - 1 chunks copied ahead, one commit group a
+    chunk, empty ones too; cp.async.wait_group RING - 2 before chunk c's slot is read; chunk c + RING - 1
+    copied into the slot chunk c - 1 left): every chunk of a warp's run is read from the slot its copy
+    went to, after its group completed, and no copy lands on a slot whose chunk is still unread."""
+    for n in range(0, 3 * ring + 2):  # the chunks of one warp's run [c0, c1)
+        groups: list[list[int]] = []  # commit groups in order: the chunks copied in each
+        slots: dict[int, int] = {}  # slot -> the chunk last copied into it
+        read: set[int] = set()
+
+        def copy(chunk, slot):
+            assert slots.get(slot) is None or slots[slot] in read, (ring, n, chunk, slot)  # overwrites a read chunk
+            slots[slot] = chunk
+            return chunk
+
+        for u in range(ring - 1):
+            groups.append([copy(u, u)] if u < n else [])
+        slot = 0
+        for c in range(n):
+            done = [x for g in groups[:max(len(groups) - (ring - 2), 0)] for x in g]  # wait_group RING - 2
+            assert c in done and slots[slot] == c, (ring, n, c)
+            read.add(c)
+            nxt = ring - 1 if slot == 0 else slot - 1
+            groups.append([copy(c + ring - 1, nxt)] if c + ring - 1 < n else [])
+            slot = 0 if slot == ring - 1 else slot + 1
+        assert read == set(range(n))
