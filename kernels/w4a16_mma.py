@@ -201,10 +201,19 @@ __device__ __forceinline__ W4 ld_cached(const W4* p) {
   return v;
 }
 // cp.async: 16 bytes global -> shared through L2 only; a commit per chunk; wait until at most N are pending
-__device__ __forceinline__ void cp_async16(const void* smem, const void* g) {
+__device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 s;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+__device__ __forceinline__ void cp_async16(u32 s, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(g) : "memory");
+}
+__device__ __forceinline__ W4 ld_shared(u32 s) {
+  W4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "r"(s) : "memory");
+  return v;
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_wait() {
@@ -419,22 +428,26 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
   // each lane copies its 16 bytes of chunk c into slot (c - c0) % RING of its warp's ring and reads back
   // only those: its own cp.async.wait_group is all the ordering it needs (no barrier)
   __shared__ W4 ring[WARPS][RING][32];
-  W4* my = &ring[warp][0][lane];
+  const u32 my = smem_addr(&ring[warp][0][lane]);  // slot s at my + 512 s
 #pragma unroll
   for (int u = 0; u < RING - 1; ++u) {
-    if (c0 + u < c1) cp_async16(my + u * 32, wp + (size_t)(c0 + u) * 32);
+    if (c0 + u < c1) cp_async16(my + 512 * u, wp + (size_t)(c0 + u) * 32);
     cp_commit();
   }
-  int slot = 0;
-  for (int c = c0; c < c1; ++c) {
-    cp_wait<RING - 2>();  // chunk c's group is done (one group committed per chunk, empty ones too)
-    Chunk ch;
-    ch.w = my[slot * 32];
-    // chunk c + RING - 1 into the slot chunk c - 1 left
-    if (c + RING - 1 < c1) cp_async16(my + (slot == 0 ? RING - 1 : slot - 1) * 32, wp + (size_t)(c + RING - 1) * 32);
-    cp_commit();
-    slot = slot == RING - 1 ? 0 : slot + 1;
-    chunk_step(st, ch, xp, c, n0, n1, N, scales, zeros);
+  // unrolled by RING: chunk cb + u is in slot u, chunk cb + u + RING - 1 goes to slot (u + RING - 1) % RING
+  for (int cb = c0; cb < c1; cb += RING) {
+#pragma unroll
+    for (int u = 0; u < RING; ++u) {
+      const int c = cb + u;
+      if (c < c1) {
+        cp_wait<RING - 2>();  // chunk c's group is done (one group committed per chunk, empty ones too)
+        Chunk ch;
+        ch.w = ld_shared(my + 512 * u);
+        if (c + RING - 1 < c1) cp_async16(my + 512 * ((u + RING - 1) % RING), wp + (size_t)(c + RING - 1) * 32);
+        cp_commit();
+        chunk_step(st, ch, xp, c, n0, n1, N, scales, zeros);
+      }
+    }
   }
 #else
   Chunk buf[UNROLL];
