@@ -41,7 +41,10 @@ meet in a workspace and the last CTA to arrive sums them in split order (determi
 it lost to the plain form on every 8B shape (twenty-seventh session). A ring form (MmaConfig.ring = R)
 streams each warp's chunks through R slots of shared memory filled by cp.async R - 1 chunks ahead, for
 gate_up, which Nsight Compute found latency-bound (52% of stalls on L1TEX scoreboard, two chunks in
-flight a warp in registers at 56 registers and 50% occupancy): more bytes in flight, 40 registers.
+flight a warp in registers at 56 registers and 50% occupancy): more bytes in flight, 40 registers, 66%
+occupancy. Under Nsight Compute's locked clocks it moved gate_up from 59% to 63% of DRAM throughput at
+the same instruction count, but in CUDA-graph replays it only tied the register form on gate_up (R = 3)
+and lost elsewhere (H100, twenty-seventh session): neither is in MMA_CONFIGS.
 """
 
 from __future__ import annotations

@@ -294,8 +294,9 @@ def test_split_k_covers_every_group_once(groups, splits, warps):
 @pytest.mark.parametrize("ring", range(2, 9))
 def test_ring_schedule_reads_each_chunk_once_it_landed(ring):
     """The ring form's schedule, as the kernel writes it (RING - 1 chunks copied ahead, one commit group a
-    chunk, empty ones too; cp.async.wait_group RING - 2 before chunk c's slot is read; chunk c + RING - 1
-    copied into the slot chunk c - 1 left): every chunk of a warp's run is read from the slot its copy
+    chunk, empty ones too; the loop unrolled by RING, so chunk c is in slot (c - c0) % RING;
+    cp.async.wait_group RING - 2 before it is read; chunk c + RING - 1 copied into the slot chunk c - 1
+    left): every chunk of a warp's run is read from the slot its copy
     went to, after its group completed, and no copy lands on a slot whose chunk is still unread."""
     for n in range(0, 3 * ring + 2):  # the chunks of one warp's run [c0, c1)
         groups: list[list[int]] = []  # commit groups in order: the chunks copied in each
