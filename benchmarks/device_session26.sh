@@ -20,6 +20,7 @@
 #               Compute on the GEMV at gate_up and down, M = 1, in the runtime's config or each of NCU_CFGS
 #               (SOL, memory, warp stalls, instruction statistics)
 #   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval
+# LOAD: eval's --spec-load (waves, the default, or continuous)
 # TESTS / TESTS_S: the GPU tests' files and time limit (default all of ALL_TESTS, the call's time left)
 source benchmarks/device_preamble.sh
 if [ "${PART:-}" = kernels ]; then  # no model: the kernels' tests and benchmarks
@@ -83,7 +84,7 @@ train)
   ;;
 eval)
   timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/e3 \
-    --spec-policy auto --out /root/spec --temperatures 0,1 --batch-sizes "${BS:-1,8,32,64}" \
+    --spec-policy auto --out /root/spec --temperatures 0,1 --batch-sizes "${BS:-1,8,32,64}" --spec-load "${LOAD:-waves}" \
     > "$OUT/logs/spec.log" 2>&1 || echo "eval exited $?"
   cp /root/spec/report.md "$OUT/spec.md" 2>/dev/null; cp /root/spec/report.json "$OUT/spec.json" 2>/dev/null
   grep "^|" "$OUT/spec.md" | head -14
