@@ -489,19 +489,17 @@ def _read_init(path: Path, method: str) -> tuple[dict, dict]:
     of `method`; one clear error if it is not one, or of another method."""
     from safetensors.torch import load_file
 
+    from ..runtime.models.draft import read_draft_json
+
     where = f"--init-from {path}"
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise UserError(f"{where}: not a draft folder (it needs config.json and model.safetensors, as train-draft "
-                        "writes them)")
+    meta = read_draft_json(path, "--init-from")
+    if meta.get("method") != method:
+        raise UserError(f"{where}: a {meta.get('method')!r} draft cannot start a --method {method} run; allowed: a "
+                        "draft of the same method")
     try:
-        meta = json.loads((path / "config.json").read_text())
         weights = load_file(path / "model.safetensors")
-    except Exception as e:  # json, OS and safetensors' own errors alike: the file is not what train-draft wrote
+    except Exception as e:  # OS and safetensors' own errors alike: the file is not what train-draft wrote
         raise UserError(f"{where}: cannot read the draft ({_why(e)})") from None
-    if not isinstance(meta, dict) or meta.get("method") != method:
-        got = meta.get("method") if isinstance(meta, dict) else None
-        raise UserError(f"{where}: a {got!r} draft cannot start a --method {method} run; allowed: a draft of the "
-                        "same method")
     return meta, weights
 
 

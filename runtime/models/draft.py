@@ -263,17 +263,26 @@ class Eagle3Draft(nn.Module):
         self.identity = self.draft_vocab_size == self.vocab_size and not bool(self.d2t.any())
 
 
-def read_draft_config(folder: str | Path) -> dict:
-    """The draft folder's config.json, checked for what the runtime needs; UserError otherwise."""
+def read_draft_json(folder: str | Path, flag: str = "--draft") -> dict:
+    """A draft folder's config.json (train-draft's OUT: config.json beside model.safetensors) as a
+    dict; UserError, naming the option `flag` that gave the folder, otherwise."""
     folder = Path(folder)
     path = folder / "config.json"
     if not path.is_file() or not (folder / "model.safetensors").is_file():
-        raise UserError(f"--draft {folder}: not a draft folder (needs config.json and model.safetensors, as "
+        raise UserError(f"{flag} {folder}: not a draft folder (needs config.json and model.safetensors, as "
                         "`optllm train-draft` writes)")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"--draft {folder}: config.json is not valid JSON ({e})") from None
+        raise UserError(f"{flag} {folder}: config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{flag} {folder}: config.json is not a JSON object")
+    return cfg
+
+
+def read_draft_config(folder: str | Path) -> dict:
+    """The draft folder's config.json, checked for what the runtime needs; UserError otherwise."""
+    cfg = read_draft_json(folder)
     method = cfg.get("method")
     if method not in DRAFT_METHODS:
         raise UserError(f"--draft {folder}: method {method!r} is not supported; supported: {', '.join(DRAFT_METHODS)}")

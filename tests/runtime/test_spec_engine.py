@@ -203,6 +203,9 @@ def test_bad_drafts_are_one_line(tiny_llama, drafts, tmp_path, caplog):
     for f in ("model.safetensors", "config.json"):
         (bad / f).write_bytes((drafts["medusa"] / f).read_bytes())
     cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps([cfg]))
+    with pytest.raises(UserError, match="config.json is not a JSON object"):
+        LLM(str(tiny_llama), device="cpu", draft=str(bad))
     (bad / "config.json").write_text(json.dumps({**cfg, "method": "lookahead"}))
     with pytest.raises(UserError, match="method 'lookahead' is not supported"):
         LLM(str(tiny_llama), device="cpu", draft=str(bad))
