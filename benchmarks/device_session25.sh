@@ -20,9 +20,7 @@
 #               temperature 1, BS (1,64), this tree then the old one
 source benchmarks/device_preamble.sh
 if [ "${PART:-}" = host ]; then
-  export PYTHONPATH=$(dirname "$PWD") OPTLLM_COMMIT=${OPTLLM_COMMIT:-?}
-  ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
-  python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+  no_model_env
   mkdir -p /tmp/old/optllm && tar xzf .carry-old/old.tgz -C /tmp/old/optllm
   timeout "${TEST_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_spec_gpu.py \
     > "$OUT/logs/gpu_tests_host.log" 2>&1

@@ -24,9 +24,7 @@
 # TESTS / TESTS_S: the GPU tests' files and time limit (default all of ALL_TESTS, the call's time left)
 source benchmarks/device_preamble.sh
 if [ "${PART:-}" = kernels ]; then  # no model: the kernels' tests and benchmarks
-  export PYTHONPATH=$(dirname "$PWD") OPTLLM_COMMIT=${OPTLLM_COMMIT:-?}
-  ln -sfn "$PWD" "$(dirname "$PWD")/optllm"
-  python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+  no_model_env
 else
   source benchmarks/device_stage.sh
 fi
