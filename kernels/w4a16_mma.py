@@ -50,7 +50,7 @@ and lost elsewhere (H100, twenty-seventh session): neither is in MMA_CONFIGS.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -105,6 +105,9 @@ class W4A16MmaWeight:
     K: int
     group_size: int
     counters: Optional[torch.Tensor] = None
+    # this weight's launches (w4a16_mma_linear), by (row tiles, bias or not, config or None): made on
+    # first use, its own pointers and sizes set once (not an argument: dataclasses.replace starts anew)
+    calls: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 def mma_supported(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
@@ -589,9 +592,9 @@ COMPILED_BY: list = []  # how each variant was built: "nvrtc", or the fallback a
 
 
 class _Launch:
-    """One compiled variant and a cuLaunchKernel call whose ctypes argument slots are made once:
-    a call sets eleven values and launches (torch's _CudaKernel.__call__ builds them anew each time,
-    tens of µs of host time per call)."""
+    """One compiled variant: its function, block size and argument layout (``pointers`` pointers,
+    then five ints); ``bound`` makes a weight's launches of it (torch's _CudaKernel.__call__ builds
+    the ctypes arguments anew each call, tens of µs of host time)."""
 
     def __init__(self, kernel, warps: int, pointers: int) -> None:
         import ctypes
@@ -603,15 +606,35 @@ class _Launch:
         self.func = kernel.func
         self.kernel = kernel  # keeps its module loaded
         self.block = 32 * warps
-        self.slots = [ctypes.c_void_p() for _ in range(pointers)] + [ctypes.c_int() for _ in range(5)]
+        self.pointers = pointers
+
+    def bound(self, grid: int, grid_y: int, fixed: dict[int, int]) -> _Bound:
+        """This variant's launches for one weight (``_Bound``): fixed, slot index -> value."""
+        return _Bound(self, grid, grid_y, fixed)
+
+
+class _Bound:
+    """One weight's launches of a variant, with argument slots of its own: the weight's pointers and
+    sizes (and the grid) set once, so a call sets five values -- x, bias or y, y, M and x's row
+    stride -- and launches (setting all eleven to thirteen each call, after the config, grid and
+    workspace lookups, cost 3.8 µs of Python a call on the CPU with a no-op launch; this, 2.3)."""
+
+    def __init__(self, launch: _Launch, grid: int, grid_y: int, fixed: dict[int, int]) -> None:
+        ctypes, p = launch.ctypes, launch.pointers
+        self.launch, self.grid, self.grid_y = launch, grid, grid_y
+        self.slots = [ctypes.c_void_p() for _ in range(p)] + [ctypes.c_int() for _ in range(5)]
         self.argv = (ctypes.c_void_p * len(self.slots))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in self.slots])
+        for i, v in fixed.items():
+            self.slots[i].value = v
+        # the pointers, then M, N, K, x's row stride, y's
+        self._x, self._b, self._y, self._m, self._sx = (self.slots[i] for i in (1, 4, 5, p, p + 3))
 
-    def __call__(self, grid: int, stream: int, values: tuple, grid_y: int = 1) -> None:
-        for slot, v in zip(self.slots, values):
-            slot.value = v
-        err = self.lib.cuLaunchKernel(self.func, grid, grid_y, 1, self.block, 1, 1, 0, self.ctypes.c_void_p(stream),
-                                      self.argv, None)
+    def run(self, stream: int, x_ptr: int, bias_ptr: int, y_ptr: int, m: int, sx: int) -> None:
+        self._x.value, self._b.value, self._y.value, self._m.value, self._sx.value = x_ptr, bias_ptr, y_ptr, m, sx
+        la = self.launch
+        err = la.lib.cuLaunchKernel(la.func, self.grid, self.grid_y, 1, la.block, 1, 1, 0, la.ctypes.c_void_p(stream),
+                                    self.argv, None)
         if err != 0:
             raise RuntimeError(f"w4a16_mma_gemv: cuLaunchKernel failed with CUDA error {err}")
 
@@ -713,16 +736,14 @@ def config_for(n: int, k: int) -> MmaConfig:
 
 
 def prepare(w: W4A16MmaWeight, has_bias: bool, config: Optional[MmaConfig] = None) -> None:
-    """Compile the variant a weight's calls will use, and make its workspace, now (at load), not
-    inside a graph capture."""
+    """Compile the variants a weight's runtime calls will use (one per row-tile count the runtime
+    sends: M <= 8 and M <= 16), make their workspace and bind their launches, now (at load), not at
+    a first call that may come inside a graph capture or mid-serving. config None: the tuned one,
+    as w4a16_mma_linear's config None."""
     cfg = config or config_for(w.N, w.K)
-    grid = persistent_grid(w, cfg, w.words.device)
     for nt in range(1, (RUNTIME_MAX_M + 7) // 8 + 1):  # the rows the runtime sends
-        floats = _workspace_floats(w, cfg, grid, nt)
-        if floats:
-            _workspace(w.words.device, floats)
-    _kernel(cfg if grid or not cfg.persist else dataclasses.replace(cfg, persist=0), w.group_size // CHUNK,
-            w.zeros is not None, has_bias)
+        kern, grid, grid_y, fixed = _variant(w, cfg, nt, has_bias, w.words.device)
+        w.calls[(nt, has_bias, config)] = kern.bound(grid, grid_y, fixed)
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -746,7 +767,7 @@ def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tens
     if bias is not None and (bias.shape != (w.N,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         raise ValueError(f"bias: must be a contiguous bf16 tensor of shape ({w.N},), got {bias.dtype} "
                          f"{tuple(bias.shape)}")
-    return _run(x, w, bias, config or config_for(w.N, w.K))
+    return w4a16_mma_linear(x, w, bias, config)
 
 
 _SMS: dict = {}
@@ -783,25 +804,37 @@ def _workspace(device: torch.device, floats: int) -> torch.Tensor:
     return ws
 
 
-def _run(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor], cfg: MmaConfig) -> torch.Tensor:
-    m = x.shape[0]
-    nt = (m + 7) // 8
-    y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
-    grid = persistent_grid(w, cfg, x.device)
+def _variant(w: W4A16MmaWeight, cfg: MmaConfig, nt: int, has_bias: bool, device: torch.device):
+    """(compiled variant, grid x, grid y, the weight's fixed arguments: slot index -> value) of a call
+    of w with nt row tiles; the arguments: the variant's pointers (words, x, scales, zeros, bias or y,
+    y[, workspace, counters]), then M, N, K, x's row stride, N."""
+    grid = persistent_grid(w, cfg, device)
     if cfg.persist and not grid:
         cfg = dataclasses.replace(cfg, persist=0)
-    kern = _kernel(cfg, w.group_size // CHUNK, w.zeros is not None, bias is not None, nt)
+    kern = _kernel(cfg, w.group_size // CHUNK, w.zeros is not None, has_bias, nt)
     zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
-    head = (w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(), zeros.data_ptr(),
-            (y if bias is None else bias).data_ptr(), y.data_ptr())
+    fixed = {0: w.words.data_ptr(), 2: w.scales.data_ptr(), 3: zeros.data_ptr()}
     floats = _workspace_floats(w, cfg, grid, nt)
-    if floats:
-        head += (_workspace(x.device, floats).data_ptr(), w.counters.data_ptr())
-    kern(grid or w.N // 16, torch._C._cuda_getCurrentRawStream(x.device.index), head + (m, w.N, w.K, x.stride(0), w.N),
-         1 if grid else cfg.split_k)
+    if floats:  # (the persistent and split-K variants: 8 pointers)
+        fixed.update({6: _workspace(device, floats).data_ptr(), 7: w.counters.data_ptr()})
+    p = kern.pointers
+    fixed.update({p + 1: w.N, p + 2: w.K, p + 4: w.N})
+    return kern, grid or w.N // 16, 1 if grid else cfg.split_k, fixed
+
+
+def w4a16_mma_linear(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
+                     config: Optional[MmaConfig] = None) -> torch.Tensor:
+    """The runtime's call: x already known to fit (fits(x)); no argument checks on the hot path;
+    config None: the tuned one for the weight's shape. The weight's launch for x's row tiles is made
+    once (``_Bound``): a call allocates y, sets five arguments and launches."""
+    m = x.shape[0]
+    key = ((m + 7) >> 3, bias is not None, config)
+    call = w.calls.get(key)
+    if call is None:
+        kern, grid, grid_y, fixed = _variant(w, config or config_for(w.N, w.K), key[0], key[1], x.device)
+        call = w.calls[key] = kern.bound(grid, grid_y, fixed)
+    y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
+    yp = y.data_ptr()
+    call.run(torch._C._cuda_getCurrentRawStream(x.device.index), x.data_ptr(), yp if bias is None else bias.data_ptr(),
+             yp, m, x.stride(0))
     return y
-
-
-def w4a16_mma_linear(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The runtime's call: x already known to fit (fits(x)); no argument checks on the hot path."""
-    return _run(x, w, bias, config_for(w.N, w.K))

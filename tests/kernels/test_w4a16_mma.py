@@ -319,3 +319,78 @@ def test_ring_schedule_reads_each_chunk_once_it_landed(ring):
             groups.append([copy(c + ring - 1, nxt)] if c + ring - 1 < n else [])
             slot = 0 if slot == ring - 1 else slot + 1
         assert read == set(range(n))
+
+
+class _FakeDriver:
+    """cuLaunchKernel as the kernels call it through ctypes, recording each launch's grid, stream and
+    the argument values its argv points at (P pointers, then five ints)."""
+
+    def __init__(self, pointers):
+        self.pointers, self.launches = pointers, []
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shm, stream, argv, extra):
+        import ctypes
+
+        p = self.pointers
+        vals = [ctypes.cast(argv[i], ctypes.POINTER(ctypes.c_void_p)).contents.value or 0 for i in range(p)]
+        vals += [ctypes.cast(argv[i], ctypes.POINTER(ctypes.c_int)).contents.value for i in range(p, p + 5)]
+        self.launches.append((gx, gy, stream.value or 0, tuple(vals)))
+        return 0
+
+
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(8, 2), mk.MmaConfig(8, 2, persist=2), mk.MmaConfig(4, 1, split_k=2)])
+@pytest.mark.parametrize("asym,with_bias", [(False, False), (True, True)])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_weights_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias, explicit):
+    """w4a16_mma_linear's launch, made once per weight and row-tile count (and config, when one is
+    given) with the weight's pointers and sizes fixed, passes the kernel the grid, the current stream
+    and every argument it reads -- the weight's words, scales, zeros (the scales' address when
+    symmetric), bias or y, y, the persistent and split-K forms' workspace and counters, M, N, K and
+    x's row stride -- for 1 to 16 rows; checked on the CPU through a stand-in for the driver's
+    cuLaunchKernel."""
+    import ctypes
+
+    n, k, group = 256, 512, 128
+    q, s, z = _quantized(n, k, group, asym, seed=5)
+    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    drivers, compiled = {}, []
+
+    def kernel(c, cpg, has_zeros, has_bias, nt=1):
+        compiled.append(c)
+        la = mk._Launch.__new__(mk._Launch)
+        la.pointers = 8 if c.persist or c.split_k > 1 else 6
+        la.lib = drivers.setdefault(nt, _FakeDriver(la.pointers))
+        la.ctypes, la.func, la.kernel, la.block = ctypes, None, None, 32 * c.warps
+        return la
+
+    monkeypatch.setattr(mk, "_kernel", kernel)
+    monkeypatch.setattr(mk, "config_for", lambda n_, k_: mk.MmaConfig(16, 1) if explicit else cfg)
+    monkeypatch.setattr(mk, "_SMS", {None: 3})  # the CPU device's "SMs": a persistent grid of 3 * persist
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+    x_all = torch.randn(16, k).to(torch.bfloat16)
+    grid = min(3 * cfg.persist, (n // 16) * (k // group) // cfg.warps)
+    for m in (1, 8, 9, 16, 1):
+        x = x_all[:m]
+        y = mk.w4a16_mma_linear(x, w, bias, cfg if explicit else None)
+        d = drivers[(m + 7) // 8]
+        gx, gy, stream, vals = d.launches[-1]
+        p = d.pointers
+        assert y.shape == (m, n) and stream == 77
+        assert (gx, gy) == ((grid, 1) if cfg.persist else (n // 16, cfg.split_k))
+        assert vals[:6] == (w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(),
+                            (w.zeros if asym else w.scales).data_ptr(), (bias if with_bias else y).data_ptr(),
+                            y.data_ptr())
+        assert vals[p:] == (m, n, k, x.stride(0), n)
+        assert p == (8 if cfg.persist or cfg.split_k > 1 else 6)
+        assert p == 6 or vals[7] == w.counters.data_ptr() and vals[6] != 0
+    assert set(compiled) == {cfg} and len(compiled) == 2  # one variant per row-tile count, bound once
+    assert set(w.calls) == {(1, with_bias, cfg if explicit else None), (2, with_bias, cfg if explicit else None)}
+    # prepare() (at load) binds the launches of every row-tile count the runtime sends: no first-call work
+    w2 = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
+    mk.prepare(w2, with_bias, cfg if explicit else None)
+    assert set(w2.calls) == set(w.calls) and len(compiled) == 4
+    for m in (1, 16):
+        mk.w4a16_mma_linear(x_all[:m], w2, bias, cfg if explicit else None)
+        assert drivers[(m + 7) // 8].launches[-1][3][0] == w2.words.data_ptr()
+    assert len(compiled) == 4
