@@ -157,3 +157,17 @@ def write_results(out: str | Path | None, name: str, table: str, payload: dict) 
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(table + "\n")
     (out / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def stub_graph_replays(llm) -> None:
+    """Every graph replay of llm's runner (decode, extend, speculative) does nothing from now on: the
+    host-time scripts' CPU engines, whose graphs are eager stand-ins, then time host code alone."""
+    r = llm.engine.runner
+    groups = [r.graphs.graphs]
+    if r.extend_graphs is not None:
+        groups.append(r.extend_graphs.graphs)
+    if r.spec is not None and r.spec.graphs is not None:
+        groups.append(r.spec.graphs.graphs)
+    for g in groups:
+        for x in g.values():
+            x.replay = lambda: None

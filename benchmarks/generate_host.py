@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=8)
     a = ap.parse_args()
+    from common import stub_graph_replays
+
     from optllm import LLM, SamplingParams
     from optllm.runtime.spec.policy import CostTable
 
@@ -47,14 +49,7 @@ def main() -> None:
             # the CPU stand-ins' step times mean nothing as costs: the ratios learn the table's own
             pol.observe_cost = lambda n, b, ms, f=pol.observe_cost, c=pol.cost: f(n, b, c.cost(n, b))
         llm.generate(prompts, params)  # warm-up, with the stand-ins' real outputs
-        graphs = [r.graphs.graphs]
-        if r.extend_graphs is not None:
-            graphs.append(r.extend_graphs.graphs)
-        if r.spec is not None and r.spec.graphs is not None:
-            graphs.append(r.spec.graphs.graphs)
-        for g in graphs:
-            for x in g.values():
-                x.replay = lambda: None
+        stub_graph_replays(llm)
         spec0 = r.spec.stats.steps if r.spec is not None else 0
         total, runner, steps = [], [], 0
         for _ in range(a.rounds):

@@ -119,7 +119,8 @@ def main() -> None:
         t = sum(v for (p, _), v in triton.items() if p == label)
         o = sum(v for (p, _), v in ops.items() if p == label)
         if t or o:
-            rows[label] = dict(triton=t, torch=o, torch_ops={n: v for (p, n), v in ops.items() if p == label})
+            rows[label] = dict(triton=t, torch=o, torch_ops={n: v for (p, n), v in ops.items() if p == label},
+                               triton_kernels={n: v for (p, n), v in triton.items() if p == label})
             lines.append(f"| {label} | {t} | {o} | {t + o} |")
     tt, to = sum(triton.values()), sum(ops.values())
     lines.append(f"| **the step** | {tt} | {to} | **{tt + to}** |")

@@ -30,6 +30,7 @@ import argparse
 import collections
 import statistics
 import time
+from pathlib import Path
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--host-only", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="with --host-only: cProfile of the timed rounds, "
+                    "per engine and batch, the functions by own time and ours by cumulative time, µs a step")
     a = ap.parse_args()
     from optllm import LLM, SamplingParams
     from optllm.runtime.spec.policy import CostTable
@@ -134,9 +137,13 @@ def main() -> None:
                 host.clear()
                 replays.on = False
                 spec0 = r.spec.stats.steps if r.spec is not None else 0
+                prof = _profiler(a.profile)
                 for _ in range(3):
                     llm.generate(prompts, params)
                 replays.on = True
+                if prof is not None:
+                    prof.disable()
+                    _report(prof, f"{name}, batch {bs}", len(host))
                 spec_steps = r.spec.stats.steps - spec0 if r.spec is not None else 0
             else:
                 spec0 = r.spec.stats.steps if r.spec is not None else 0
@@ -164,6 +171,32 @@ def main() -> None:
             mean = sum(total.values()) / len(seen)
             print(f"| {bs} | {name} | {ops:.0f} ({mean:.1f}) | {statistics.median(host):.0f} | {len(host)} "
                   f"({spec_steps} speculative) | {top} |", flush=True)
+
+
+def _profiler(on: bool):
+    if not on:
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _report(prof, title: str, steps: int, top: int = 25) -> None:
+    import pstats
+
+    st = pstats.Stats(prof).stats
+    rows = [(f"{Path(f).name}:{ln}({fn})", 1e6 * tt / steps, 1e6 * ct / steps, nc / steps)
+            for (f, ln, fn), (_cc, nc, tt, ct, _c) in st.items()]
+    print(f"\n{title}: own µs a step (calls a step)")
+    for k, own, _cum, n in sorted(rows, key=lambda r: -r[1])[:top]:
+        print(f"{own:8.2f} ({n:6.2f})  {k}")
+    print(f"\n{title}: ours by cumulative µs a step")
+    ours = [r for r in rows if "/optllm/" in r[0] or not r[0].startswith("~")]
+    for k, _own, cum, n in sorted(ours, key=lambda r: -r[2])[:top]:
+        print(f"{cum:8.2f} ({n:6.2f})  {k}")
+    print(flush=True)
 
 
 if __name__ == "__main__":

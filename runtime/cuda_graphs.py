@@ -22,6 +22,7 @@ import functools
 import numpy as np
 import torch
 
+from .inference import inference
 from .layers.attention import AttentionMetadata
 from .step_inputs import HostBatch
 
@@ -123,6 +124,76 @@ class HostStaging:
         return self.dev[:n]
 
 
+class HostReadback:
+    """The other direction: a captured graph's last node copies its results into a host buffer
+    (pinned on CUDA), so that after the replay's fence the host reads them through the numpy view
+    ``np`` with no torch op (the read-back of a speculative step made ten: the output's slices, the
+    copy, numpy's conversions). The reader must wait for the replay (``ReplayFence``) and be done
+    reading before the next one."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()
+
+    def download(self, t: torch.Tensor) -> None:
+        """Inside a capture (or the eager stand-in's run): the copy of t into the host buffer."""
+        self.host.copy_(t, non_blocking=True)
+
+
+def download_into(table: dict, key, t: torch.Tensor, device: torch.device) -> None:
+    """A graph's last node: t copied into table[key]'s HostReadback, which its warm-up run (outside
+    the capture) makes."""
+    rb = table.get(key)
+    if rb is None:
+        rb = table[key] = HostReadback(tuple(t.shape), t.dtype, device)
+    rb.download(t)
+
+
+class HostTokens:
+    """A decode graph's argmax as the graph itself copied it to the host (``HostReadback``), in the
+    place of the device tensor: ``tolist()`` waits for the replay (its fence) and reads the numpy
+    view, with no torch op (a device tensor's read-back makes 4-6: the copy, numpy's conversions)."""
+
+    __slots__ = ("fence", "np")
+
+    def __init__(self, fence: ReplayFence, view: np.ndarray) -> None:
+        self.fence, self.np = fence, view
+
+    def tolist(self) -> list[int]:
+        self.fence.wait()
+        return self.np.tolist()
+
+
+_DOWNLOAD_OK: dict = {}  # device -> whether a captured device-to-host copy lands at each replay
+
+
+def captured_download_ok(device: torch.device) -> bool:
+    """Once per device: whether a captured copy into a pinned buffer writes the replay's values
+    there (HostReadback relies on it); False sends the callers back to reading the graph's device
+    outputs. A CPU (the eager stand-ins: every copy runs) is True."""
+    if device.type != "cuda":
+        return True
+    if device not in _DOWNLOAD_OK:
+        st, rb = HostStaging(8, torch.int64, device), HostReadback((8,), torch.int64, device)
+        with torch.inference_mode():
+            rb.download(st.upload(8) + 1)  # warm-up
+            torch.cuda.synchronize(device)
+            g = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(g):
+                    rb.download(st.upload(8) + 1)
+                ok = True
+                for k in (3, 11):
+                    st.np[:] = np.arange(8) * k
+                    g.replay()
+                    torch.cuda.synchronize(device)
+                    ok = ok and rb.np.tolist() == [i * k + 1 for i in range(8)]
+            except RuntimeError:
+                ok = False
+        _DOWNLOAD_OK[device] = ok
+    return _DOWNLOAD_OK[device]
+
+
 class ReplayFence:
     """An event recorded after each replay: ``wait`` returns once the last replay (and so its
     copies out of the staging buffers) is done. Steps read their results back before the next
@@ -157,6 +228,10 @@ class DecodeGraphs:
         self.fence = ReplayFence(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple] = {}  # bucket -> (logits, argmax), refilled by each replay
+        # the argmax also copied to the host by the graph (a buffer a bucket, made at its warm-up run)
+        self.device = device
+        self.readback: dict | None = {} if captured_download_ok(device) else None
+        self._views: dict = {}  # (bucket, rows) -> what replay() returns: views of the static outputs
         self.num_splits_for = num_splits_for
         self._capture(device)
 
@@ -170,7 +245,10 @@ class DecodeGraphs:
         if self.sink is not None:
             self.sink(hidden, getattr(self.model.model, "aux_hidden", None), slots)
         logits = self.model.compute_logits(hidden)
-        return logits, logits[:, :self.vocab_size].argmax(dim=-1)  # (a padded LM head's columns excluded)
+        greedy = logits[:, :self.vocab_size].argmax(dim=-1)  # (a padded LM head's columns excluded)
+        if self.readback is not None:
+            download_into(self.readback, b, greedy, self.device)
+        return logits, greedy
 
     def _capture(self, device) -> None:
         # the warm-up runs' batch: all padding (slot -1: nothing stored; one key)
@@ -192,10 +270,11 @@ class DecodeGraphs:
         i[b:size] = 1
         i[size + b * self.width:size + size * self.width] = 0
 
-    @torch.inference_mode()
-    def replay(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [b, vocab], argmax int64 [b]) of a decode batch (b <= max_batch): the graph's
-        outputs, valid until its next replay."""
+    @inference
+    def replay(self, hb: HostBatch) -> tuple:
+        """(logits [b, vocab], argmax) of a decode batch (b <= max_batch): the graph's outputs, valid
+        until its next replay; the argmax as ``HostTokens`` (the graph's own host copy) where the
+        captured download works, else int64 [b] on the device."""
         b = len(hb.ids)
         size = self.bucket(b)
         width = hb.table.shape[1]
@@ -210,8 +289,12 @@ class DecodeGraphs:
             self._write_padding(size, b)
         self.graphs[size].replay()
         self.fence.replayed()
-        logits, greedy = self.outputs[size]
-        return logits[:b], greedy[:b]
+        views = self._views.get((size, b))
+        if views is None:  # (made once: a slice is a torch op, ~2-4 us of the host's time at each step)
+            logits, greedy = self.outputs[size]
+            views = self._views[(size, b)] = (logits[:b], greedy[:b] if self.readback is None
+                                              else HostTokens(self.fence, self.readback[size].np[:b]))
+        return views
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -297,7 +380,7 @@ class ExtendGraphs:
         if not b:
             i[bb] = 0
 
-    @torch.inference_mode()
+    @inference
     def replay(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [R, vocab], argmax int64 [R]) of the step's R logits rows (hb.logits_rows, which
         are its sampling rows: ``fits`` holds). The graph's outputs: valid until its next replay."""
@@ -367,7 +450,7 @@ class VerifyGraphs:
     def bucket(self, bsz: int, n: int) -> int | None:
         return next((b for b, m in self.keys if m == n and b >= bsz), None)
 
-    @torch.inference_mode()
+    @inference
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             seq_lens: torch.Tensor, mask: torch.Tensor):
         """hidden [B * n, H] of B trees: tokens / positions int64 [B, n], slots int64 [B * n], tables

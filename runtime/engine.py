@@ -123,8 +123,10 @@ class LLMEngine:
             return self._step()
         t0 = time.perf_counter()
         out = self._step()
-        # the whole step's time (host included) for the adaptive policy, when it was a pure one
-        spec.observe_step((time.perf_counter() - t0) * 1e3)
+        # the whole step's time (host included) for the adaptive policy, when it was a pure one that
+        # reports (pending_cost: set by the runner; most plain steps of a stretch report nothing)
+        if spec.pending_cost is not None:
+            spec.observe_step((time.perf_counter() - t0) * 1e3)
         return out
 
     def _step(self) -> list[RequestOutput]:

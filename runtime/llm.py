@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
@@ -43,12 +45,14 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = _bar(len(ids)) if use_tqdm else None
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+            # one inference_mode for the loop: the step's entry points then only check it (runtime/inference.py)
+            with torch.inference_mode():
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
         finally:
             if bar is not None:
                 bar.close()

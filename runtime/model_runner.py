@@ -21,6 +21,7 @@ from ..kernels.paged_attention import default_num_splits
 from .block_table import BlockTables
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
+from .inference import inference
 from .kv_cache import KVCache, KVCacheSpec, cache_dtype
 from .layers.attention import AttentionMetadata
 from .loader import ModelSource, build_model, init_random_weights, load_weights
@@ -206,7 +207,7 @@ class ModelRunner:
         return peak
 
     # ---- one step
-    @torch.inference_mode()
+    @inference
     def execute(self, batch) -> list:
         """Run one scheduled step; returns each sequence's sampled token id (None where the
         step does not complete the sequence; for a speculative decode, the list of tokens it

@@ -35,7 +35,9 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass
 class SamplerOutput:
-    """token_ids int64 [B] on the logits' device. When any row asked for logprobs (else
+    """token_ids int64 [B] on the logits' device (from a decode graph's all-greedy step: the
+    graph's own host copy of its argmax, cuda_graphs.HostTokens, read with tolist()). When any
+    row asked for logprobs (else
     None): logprobs float32 [B] (of the sampled token), ranks int64 [B] (1 = most likely),
     topk_ids int64 [B, K] and topk_logprobs float32 [B, K], K = the largest request, sorted
     by decreasing log-probability. All log-probabilities are of the raw logits."""
@@ -250,7 +252,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], greedy: torch.Tensor | None = None) -> SamplerOutput:
         """logits [B, >= vocab_size] (any float dtype), row i for seqs[i] -> SamplerOutput.
         greedy: int64 [B], the logits' argmax over the vocabulary if the caller has it (a decode
-        graph computes it inside): taken as is when every row decodes greedily, unmodified."""
+        graph computes it inside; or that graph's host copy, HostTokens): taken as is when every
+        row decodes greedily, unmodified."""
         logits = self._check(logits, seqs)
         st = self._scan(seqs)
         all_greedy, any_greedy = all(st.greedy), any(st.greedy)

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from optllm import LLM, SamplingParams
-from optllm.runtime.cuda_graphs import HostStaging, ReplayFence, check_captured_upload
+from optllm.runtime.cuda_graphs import (
+    HostReadback,
+    HostStaging,
+    HostTokens,
+    ReplayFence,
+    captured_download_ok,
+    check_captured_upload,
+)
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [11, 12, 13], list(range(20, 61)), [300, 1, 300, 2] * 5, [9, 8, 7, 6]]
 
@@ -29,7 +36,7 @@ def _generate(llm: LLM, params, graphs: bool):
             return replay(hb)
 
         r.graphs.replay = counted
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)], replays
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)], replays, llm.engine.runner
 
 
 @pytest.mark.parametrize("mix", ["greedy", "mixed"])
@@ -45,10 +52,12 @@ def test_graph_steps_equal_eager_steps(tiny_llama, mix):
                   SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=20),
                   SamplingParams(temperature=1.0, seed=3, max_tokens=11, min_tokens=9),
                   SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
-    want, _ = _generate(LLM(str(tiny_llama), device="cpu", dtype="float32"), params, graphs=False)
-    got, replays = _generate(LLM(str(tiny_llama), device="cpu", dtype="float32"), params, graphs=True)
+    want, _, _ = _generate(LLM(str(tiny_llama), device="cpu", dtype="float32"), params, graphs=False)
+    got, replays, runner = _generate(LLM(str(tiny_llama), device="cpu", dtype="float32"), params, graphs=True)
     assert got == want
     assert 5 in replays and len(set(replays)) > 1, replays  # padded to 8, and smaller batches later
+    # the argmax reaches the host through the graphs' own copy (HostTokens), not a device read-back
+    assert runner.graphs._views and all(isinstance(v[1], HostTokens) for v in runner.graphs._views.values())
 
 
 def test_padding_rows_of_a_bucket_are_written_each_step(tiny_llama):
@@ -130,21 +139,9 @@ def test_extend_padding_leaves_no_sequence_behind(tiny_llama):
     assert (i[9 + 2 * w:9 + 4 * w] == 0).all() and (i[9:9 + 2 * w] == 77).all()
 
 
-@pytest.mark.gpu
-def test_a_captured_upload_reads_the_host_buffer_at_every_replay():
-    """The mechanism the decode and speculative step graphs rely on: the captured copy out of the
-    pinned buffer re-reads it at each replay (values written after the capture arrive), and the
-    fence waits for the replay."""
-    dev = torch.device("cuda")
-    st = HostStaging(64, torch.int64, dev)
-    fence = ReplayFence(dev)
-    assert st.host.is_pinned()
-    st.np[:] = np.arange(64)
-    out = {}
-
-    def run():
-        out["y"] = st.upload(16) * 3 + 1
-
+def _replays_see_each_new_input(st: HostStaging, fence: ReplayFence, run, read) -> None:
+    """Capture run (after a warm-up), then replay it over fresh values written into st's host
+    buffer: read() must give each replay's (values[:16] * 3 + 1)."""
     run()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -156,5 +153,38 @@ def test_a_captured_upload_reads_the_host_buffer_at_every_replay():
         st.np[:] = vals
         g.replay()
         fence.replayed()
-        assert out["y"].tolist() == (vals[:16] * 3 + 1).tolist()
+        assert read() == (vals[:16] * 3 + 1).tolist()
+
+
+@pytest.mark.gpu
+def test_a_captured_upload_reads_the_host_buffer_at_every_replay():
+    """The mechanism the decode and speculative step graphs rely on: the captured copy out of the
+    pinned buffer re-reads it at each replay (values written after the capture arrive), and the
+    fence waits for the replay."""
+    dev = torch.device("cuda")
+    st = HostStaging(64, torch.int64, dev)
+    assert st.host.is_pinned()
+    out = {}
+
+    def run():
+        out["y"] = st.upload(16) * 3 + 1
+
+    _replays_see_each_new_input(st, ReplayFence(dev), run, lambda: out["y"].tolist())
     check_captured_upload(dev)  # the runtime's own start-up check passes
+
+
+@pytest.mark.gpu
+def test_a_captured_download_writes_the_host_buffer_at_every_replay():
+    """The graphs' read-back: a captured copy into a pinned buffer lands each replay's values there
+    once the fence has passed, read through the numpy view without a torch op."""
+    dev = torch.device("cuda")
+    st, rb = HostStaging(64, torch.int64, dev), HostReadback((4, 4), torch.int64, dev)
+    fence = ReplayFence(dev)
+    assert rb.host.is_pinned()
+
+    def read():
+        fence.wait()
+        return rb.np.reshape(-1).tolist()
+
+    _replays_see_each_new_input(st, fence, lambda: rb.download((st.upload(16) * 3 + 1).view(4, 4)), read)
+    assert captured_download_ok(dev)  # the runtime's own start-up check passes

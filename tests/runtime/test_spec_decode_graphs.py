@@ -145,16 +145,25 @@ def test_step_graphs_accept_what_the_eager_step_accepts(tiny_llama, tmp_path, me
     draft = write_draft(tmp_path / method, tiny_llama, method, seed=3, noise=noise)
     prompts, params = PROMPTS[:4], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs = []
-    for graphs in (False, True):
+    # the graphs read their results back through the host copy they make themselves, and (the
+    # fallback where a captured download fails its start-up check) from their device outputs
+    for graphs in (False, True, "device read-back"):
         llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
                   spec_num_draft=10, spec_policy="fixed", max_num_seqs=4)
         if graphs:
             _with_stand_in_graphs(llm, 4)
+            sg = llm.engine.runner.spec.graphs
+            assert sg.readback and set(sg.readback) == set(sg.keys)
+            if graphs == "device read-back":
+                sg.readback = None
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if graphs is True:  # each key's host copy holds what its last replay output
+            assert all((rb.np == sg.outputs[k][0].numpy()).all() for k, rb in sg.readback.items())
         runs.append((out, llm.engine.stats().speculation))
-    (want, eager), (got, graphed) = runs
-    assert got == want
-    assert graphed["histogram"] == eager["histogram"] and eager["accepted"] > eager["seq_steps"] // 4, (eager, graphed)
+    (want, eager), *graphed = runs
+    for got, stats in graphed:
+        assert got == want
+        assert stats["histogram"] == eager["histogram"] and eager["accepted"] > eager["seq_steps"] // 4, (eager, stats)
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
