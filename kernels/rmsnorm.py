@@ -7,7 +7,9 @@ Rows are all leading dims of x [..., H]; each row is one program's (or, for smal
 rows share one program). The row addressing is two-level (outer, inner), so a
 [T, heads, head_dim] view whose tokens are not contiguous with each other (Qwen3's per-head
 q/k norm on a slice of the fused qkv output) is read in place; only the last dim must have
-unit stride. Outputs are new contiguous tensors of x's shape.
+unit stride. Outputs are new contiguous tensors of x's shape, but for the fused add's
+new_residual when the caller gives where it goes (``residual_out``: rows of any stride, e.g. a
+column block of the EAGLE-3 aux buffer, which then costs no copy of its own).
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ def _normed(v, w, H, eps, dtype: tl.constexpr):
 # sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
 @triton.jit(do_not_specialize=["R", "inner"])
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, R, H, inner,
-                     sx_o, sx_i, sr_o, sr_i, eps,
+                     sx_o, sx_i, sr_o, sr_i, s_ro, eps,
                      HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """grid (cdiv(R, BLOCK_R),): rows [pid * BLOCK_R, +BLOCK_R); row r lives at
-    (r // inner) * s_o + (r % inner) * s_i; out / res_out are contiguous [R, H]."""
+    (r // inner) * s_o + (r % inner) * s_i; out is contiguous [R, H], res_out [R, H] of row stride
+    s_ro."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
@@ -55,7 +58,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, R, H, inner,
         r = tl.load(r_ptr + (outer * sr_o + in_row * sr_i)[:, None] + cols[None, :], mask=mask, other=0.0)
         # one rounding of the exact-in-fp32-or-nearly sum: what torch's x + r does in x.dtype
         h = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        tl.store(res_out_ptr + dst, h, mask=mask)
+        tl.store(res_out_ptr + rows[:, None] * s_ro + cols[None, :], h, mask=mask)
         v = h.to(tl.float32)
     else:
         v = x.to(tl.float32)
@@ -90,10 +93,11 @@ def _rows(t: torch.Tensor, name: str):
     return t, 1, 0, 0
 
 
-def _launch(x, weight, eps, residual):
+def _launch(x, weight, eps, residual, residual_out=None):
     H = x.shape[-1]
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    res_out = torch.empty_like(out) if residual is not None else out
+    res_out = residual_out if residual_out is not None else torch.empty_like(out) if residual is not None else out
+    s_ro = res_out.stride(0) if residual_out is not None else H
     R = x.numel() // H
     if R == 0:
         return out, res_out
@@ -108,22 +112,26 @@ def _launch(x, weight, eps, residual):
     num_warps = min(16, max(1, block_r * block_h // 256))
     r = x3 if residual is None else residual
     # the key: what Triton specializes on (R and inner are do_not_specialize: their width only)
-    key = (x3.dtype, r.dtype, weight.dtype, H, sx_o, sx_i, sr_o, sr_i, int_kind(R), int_kind(inner),
+    key = (x3.dtype, r.dtype, weight.dtype, H, sx_o, sx_i, sr_o, sr_i, s_ro, int_kind(R), int_kind(inner),
            residual is not None, block_r, block_h, num_warps)
-    _RMS(key, (-(-R // block_r), 1, 1), (x3, r, weight, out, res_out, R, H, inner, sx_o, sx_i, sr_o, sr_i, eps),
+    _RMS(key, (-(-R // block_r), 1, 1), (x3, r, weight, out, res_out, R, H, inner, sx_o, sx_i, sr_o, sr_i, s_ro,
+                                         eps),
          dict(HAS_RES=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h), dict(num_warps=num_warps))
     return out, res_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: Optional[torch.Tensor] = None,
-             backend: str = "auto") -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+             backend: str = "auto", residual_out: Optional[torch.Tensor] = None,
+             ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm of each row of x [..., H] (H <= 16384; last dim unit-stride, rows any
     strides that two levels describe, e.g. [T, heads, head_dim] views of a fused qkv).
 
     weight [H] in x.dtype; eps added to the mean square. With residual [..., H] (x's shape
     and dtype): returns (out, new_residual) where new_residual = x + residual in x.dtype and
     out is the norm of it, both contiguous; else returns out. Numerics as HF LlamaRMSNorm.
+    residual_out (with residual; x 2-D [T, H]): a [T, H] view of x's dtype with unit last stride and
+    any row stride that new_residual is written into and returned as.
     backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
     """
     if x.dim() == 0 or x.dtype not in DTYPES or not 0 < x.shape[-1] <= MAX_H:
@@ -135,11 +143,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual: must be {x.dtype} of shape {tuple(x.shape)}, got "
                          f"{residual.dtype} {tuple(residual.shape)}")
+    if residual_out is not None and (residual is None or x.dim() != 2 or residual_out.shape != x.shape
+                                     or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1):
+        raise ValueError(f"residual_out: must come with a residual and be {x.dtype} [T, H] of x's shape "
+                         f"{tuple(x.shape)} with unit last stride, got "
+                         f"{None if residual_out is None else (residual_out.dtype, tuple(residual_out.shape))}")
     if not use_triton(backend, x):
-        return rms_norm_ref(x, weight, eps, residual)
+        if residual_out is None:
+            return rms_norm_ref(x, weight, eps, residual)
+        out, h = rms_norm_ref(x, weight, eps, residual)
+        return out, residual_out.copy_(h)
     if weight.stride(0) != 1:
         weight = weight.contiguous()
-    out, res_out = _launch(x, weight, eps, residual)
+    out, res_out = _launch(x, weight, eps, residual, residual_out)
     return out if residual is None else (out, res_out)
 
 

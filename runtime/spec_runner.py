@@ -55,7 +55,15 @@ from ..kernels.spec_slots import step_slots
 from ..kernels.topk import topk_logprobs
 from ..kernels.tree_grow import MAX_NODES as TREE_MAX_NODES
 from ..kernels.tree_grow import grow, new_pool, pool_size, select
-from .cuda_graphs import HostStaging, ReplayFence, capture_graphs, graph_buckets
+from .cuda_graphs import (
+    HostStaging,
+    ReplayFence,
+    capture_graphs,
+    captured_download_ok,
+    download_into,
+    graph_buckets,
+)
+from .inference import inference
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import AttentionMetadata
 from .sampler import token_logprobs
@@ -250,7 +258,12 @@ class SpecDecoder:
         self.policy = None
         self.adaptive = options.policy == "adaptive"
         self.pending_cost: tuple[int, int] | None = None  # this step's (tree size, batch) when pure
-        self.recheck_every = 8  # plan(): steps a choice of no speculation stands unscanned
+        # plan(): steps a choice of no speculation stands unscanned, doubled after each scan that
+        # confirms it for the same running set, up to recheck_most (by ~30 plain steps each
+        # sequence's estimates have relaxed to its class's, which no plain step moves: what is left
+        # to change the choice is the running set and the exploration's turn, which bounds the skip)
+        self.recheck_every, self.recheck_most = 8, 64
+        self._recheck = self.recheck_every
         self._plan_sig: tuple | None = None
         self._plan_skips = 0
         self.scanned = True  # whether the last plan() scanned the running sequences (else: a skipped step)
@@ -314,8 +327,10 @@ class SpecDecoder:
         """Called by the scheduler before it schedules a step: picks this step's tree size from
         the running sequences that would speculate; returns the lookahead (0: no speculation).
         While the policy keeps speculation off and the running set looks the same (its size and
-        its ends), the choice stands for up to ``recheck_every`` steps without a scan of every
-        sequence (a scan cost about 1 µs a sequence on the H200's host, every step)."""
+        its ends), the choice stands for ``recheck_every`` steps without a scan of every sequence
+        (a scan cost about 1 µs a sequence on the H200's host, every step), then for twice as many
+        after each scan that confirms it, up to ``recheck_most``, and never past the policy's turn
+        to explore."""
         self.pending_cost = None
         self._planned = self._plan_behind = None
         if self.policy is None:
@@ -323,26 +338,34 @@ class SpecDecoder:
             return self.lookahead
         pol = self.policy
         sig = (len(running), id(running[0]), id(running[-1]))
-        if self.n == 1 and sig == self._plan_sig and self._plan_skips < self.recheck_every:
+        if self.n == 1 and sig == self._plan_sig and self._plan_skips < self._recheck:
             self._plan_skips += 1
             self.scanned = False
             pol.idle()
             return 0
+        confirm = self.n == 1 and sig == self._plan_sig  # a scan after a skipped stretch of the same set
         self._plan_sig, self._plan_skips, self.scanned = sig, 0, True
-        seqs = self.eligible_decodes(running)
-        ids, behind = [s.seq_id for s in seqs], self.rows_behind(seqs)
-        self._planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
+        seqs, ids, behind, sampled = self._scan(running)
+        self._planned = planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
         self._plan_behind = (seqs, behind)
         tracked = pol.tracked()
         if len(tracked) > 2 * len(running) + 64:  # forget the sequences that left
             live = {s.seq_id for s in running}
             for sid in [k for k in tracked if k not in live]:
                 pol.forget(sid)
-        for s in seqs:  # a new sequence starts from its class's estimates (greedy or sampled)
-            if s.seq_id not in tracked:
-                pol.track(s.seq_id, s.params.temperature >= GREEDY_EPS)
-        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind)
-        return self.lookahead if self.n > 1 else 0
+        if not tracked >= planned:  # (most scans: every one tracked already, a subset test in C)
+            for s in seqs:  # a new sequence starts from its class's estimates (greedy or sampled)
+                if s.seq_id not in tracked:
+                    pol.track(s.seq_id, s.params.temperature >= GREEDY_EPS)
+        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind, sampled=sampled)
+        if self.n > 1:
+            self._recheck = self.recheck_every
+            return self.lookahead
+        # the next scan: doubled while plain choices repeat for one running set, no later than the
+        # step whose choice could explore
+        skip = min(2 * self._recheck, self.recheck_most) if confirm else self.recheck_every
+        self._recheck = min(skip, max(pol.explore_due - 1, 0))
+        return 0
 
     def observe_step(self, ms: float) -> None:
         """The engine's whole step (scheduling, runner, output bookkeeping) took ms: the policy
@@ -401,11 +424,10 @@ class SpecDecoder:
                 return
             ids = torch.zeros(b, self.catch_rows, dtype=torch.int64, device=dev)
             if self.graphs is not None and self.graphs.bucket(b, n) is not None:
-                out = self.graphs.run(ids, ctx, tables, n)[0]
+                self.graphs.run(ids, ctx, tables, n)  # (its read-back: the step's sync)
             else:
                 states = self._states_fixed(ids[:, -2:] if self.eagle else ids, ctx, tables)
-                out = self._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n)[3]
-            out.num_accepted.tolist()
+                self._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n)[3].num_accepted.tolist()
             sync()
 
         ms: dict[int, list[float]] = {}
@@ -462,7 +484,9 @@ class SpecDecoder:
     # ---- which sequences speculate
     def eligible(self, seq) -> bool:
         """Whether the sequence's next decode can be a speculative step (asked of every running
-        sequence when the policy scans: kept to attribute reads and one call the first time)."""
+        sequence when the policy scans: kept to attribute reads and one call the first time). plan()'s
+        ``_scan`` has these conditions written out: change both (test_eligible_decodes_is_eligible_per_decode
+        checks that they agree)."""
         num_tokens = len(seq.token_ids)
         ok = seq.spec_params_ok
         if ok is None:
@@ -483,8 +507,35 @@ class SpecDecoder:
     def eligible_decodes(self, running) -> list:
         """The running sequences whose next step is a decode (one token to compute) that can
         speculate (``eligible``)."""
-        eligible = self.eligible
-        return [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and eligible(s)]
+        return self._scan(running)[0]
+
+    def _scan(self, running) -> tuple[list, list[int], int, bool]:
+        """plan()'s one pass over the running sequences: ``eligible_decodes(running)``, their seq ids,
+        their ``rows_behind``, and whether any of them samples, with ``eligible`` and ``_upto`` written
+        out (a method call less per sequence, each of two passes fewer: a scan at batch 64 cost ~21 ->
+        ~11 µs on the CPU)."""
+        longest, allow = self._longest, self._params_allow
+        g = self.catch_rows if self.eagle else None
+        seqs, ids, behind, sampled = [], [], 0, False
+        for s in running:
+            n, c = len(s.token_ids), s.num_computed_tokens
+            if n - c != 1:
+                continue
+            ok = s.spec_params_ok
+            if ok is None:
+                ok = allow(s)
+            if not (ok and c > 0 and n <= longest and n - s.num_prompt_tokens >= s.params.min_tokens):
+                continue
+            seqs.append(s)
+            ids.append(s.seq_id)
+            if not sampled and s.params.temperature >= GREEDY_EPS:
+                sampled = True
+            if g is not None:
+                st = s.spec_state
+                r = c - (st[1] if st is not None and st[0] == s.num_preemptions else 0) - g
+                if r > 0:
+                    behind += r
+        return seqs, ids, behind, sampled
 
     def speculates(self, seq) -> bool:
         """The scheduler's question for each decode of a step whose plan() returned a lookahead:
@@ -572,7 +623,7 @@ class SpecDecoder:
         return pred.view(bsz, g, -1)[:, -1]
 
     # ---- the speculative step
-    @torch.inference_mode()
+    @inference
     def step(self, seqs) -> list[list[int]]:
         """One speculative step for sequences that are all eligible decodes (their blocks cover
         num_computed_tokens + lookahead); returns each one's new tokens (accepted + 1)."""
@@ -586,15 +637,15 @@ class SpecDecoder:
         if key is not None:
             self._catch_up_before_window(seqs, behind)
             temps = [p.temperature for p in params] if sampled else None
-            res, per_size, packed = self.graphs.run_seqs(seqs, self.n, temps)
-            return self._emit(seqs, res, per_size, self.n, None, packed)
+            h = self.graphs.run_seqs(seqs, self.n, temps)
+            return self._emit_host(seqs, h, self.n, (h.shape[1] - 1 - self.graphs.num_sizes) // 2)
         ctx, tables = self._context(seqs)
         states = self._eager_states(seqs, ctx, tables, behind)
         tree, _, logits, res, ranks = self._draft_and_verify(self._roots(seqs), states, ctx, tables, params, self.n)
         return self._emit(seqs, res, self._per_size(res, ranks), tree.num_nodes, logits)
 
     # ---- a speculative step whose verify forward carries other rows (the runner's fused step)
-    @torch.inference_mode()
+    @inference
     def propose(self, seqs, ctx: torch.Tensor, tables: torch.Tensor) -> Proposal:
         """The first half of a speculative step for eligible decodes whose trees the runner
         verifies in one forward with the step's plain rows (prefill chunks, plain decodes): the
@@ -680,29 +731,31 @@ class SpecDecoder:
             parts.append(per_size)
         return torch.cat([p.to(torch.int64) for p in parts], dim=1)
 
-    def _emit(self, seqs, res: AcceptResult, per_size: torch.Tensor | None, n: int, logits,
-              packed: torch.Tensor | None = None) -> list[list[int]]:
-        """The step's one host sync and its bookkeeping: each sequence's new tokens (accepted + 1),
-        the policy's per-size acceptance (per_size int64 [B, S]: ``accepted_per_size`` over the
-        menu, computed on the device), log-probabilities (logits [B, n, V], None on a graphed step:
-        no row asked), the stats. packed: a step graph's results in one int64 tensor, laid out as
-        the copy below (SpecStepGraphs.run)."""
+    def _emit(self, seqs, res: AcceptResult, per_size: torch.Tensor | None, n: int, logits) -> list[list[int]]:
+        """An eager step's one host sync and its bookkeeping (``_emit_host``): res and per_size (int64
+        [B, S]: ``accepted_per_size`` over the menu, on the device) read back in one copy (a
+        read-back per tensor, each a copy and a kernel launch, cost the H200's host ~0.3 ms a step at
+        batch 1); logits [B, n, V] for the rows that asked for log-probabilities."""
+        h = self._pack(res, per_size).cpu().numpy()  # the sync; then numpy only (each torch call costs the host more)
+        return self._emit_host(seqs, h, n, res.tokens.shape[1], logits, res)
+
+    def _emit_host(self, seqs, h: np.ndarray, n: int, width: int, logits=None,
+                   res: AcceptResult | None = None) -> list[list[int]]:
+        """A step's bookkeeping from its results on the host, h int64 [B, 1 + 2 width (+ S)]
+        (``_pack``'s layout, width the trees' nodes: a step graph's read-back, SpecStepGraphs.run):
+        each sequence's new tokens (accepted + 1), the policy's per-size acceptance,
+        log-probabilities (logits and res: an eager step whose rows asked; a graphed step has
+        none), the stats."""
         bsz = len(seqs)
-        # what the host needs, packed into one copy (a read-back per tensor, each a copy and a kernel
-        # launch, cost the H200's host ~0.3 ms a step at batch 1)
-        width = res.tokens.shape[1]
-        if packed is None:
-            packed = self._pack(res, per_size)
-        h = packed.cpu().numpy()  # the sync; then numpy only (each torch call costs the host more)
         num_acc = h[:, 0].tolist()
         tokens = h[:, 1:1 + width].tolist()
         out = [tokens[b][:num_acc[b] + 1] for b in range(bsz)]
         if self.policy is not None:
-            if per_size is None:  # graphs captured before the policy was asked for
+            if h.shape[1] == 1 + 2 * width:  # graphs captured before the policy was asked for
                 raise RuntimeError("the adaptive policy needs each step's per-size acceptance; these speculative "
                                    "step graphs were captured without it (make the graphs after setting adaptive)")
             self._observe_sizes(seqs, h[:, 1 + 2 * width:], n)
-        if logits is not None and any(s.params.logprobs is not None for s in seqs):
+        if logits is not None and res is not None and any(s.params.logprobs is not None for s in seqs):
             self._record_logprobs(seqs, out, logits.reshape(bsz * n, -1), self._path_rows(res.accepted, n))
         st = self.stats
         st.steps += 1
@@ -843,8 +896,8 @@ class SpecDecoder:
                 slot_mapping=slots_lv[d - 1].view(-1), block_tables=tables, seq_lens=lens_lv[d - 1], decode=False,
                 cu_seqlens_q=cu, max_seqlen_q=k, mask=front.mask.view(-1), mask_offsets=off_lv[d - 1],
                 mask_cols=d * k)
-            out = self.draft(front.features.view(bsz * k, h), front.tokens.view(-1), pos_lv[d - 1].view(-1), meta)
-            lp, ids = self.draft.ranked(out, k)
+            out, lp, ids = self.draft.forward_ranked(front.features.view(bsz * k, h), front.tokens.view(-1),
+                                                     pos_lv[d - 1].view(-1), meta, k)
             front = grow(pool, size, lp.view(bsz, k, k), ids.view(bsz, k, k), out.view(bsz, k, h), front=front,
                          last=d == depth - 1, backend=be)
             size += k * k
@@ -907,11 +960,15 @@ class SpecStepGraphs:
         # the proposal alone (catch-up window, draft states, trees), for steps whose verify forward
         # also carries plain rows (eager, ragged): keys (b, n)
         self.propose_keys = sorted({(b, n) for b, n, _ in self.keys})
+        self._buckets: dict = {}
         big = max((b for b, _, _ in self.keys), default=1)
         self.i64 = HostStaging(big * (self.g + 1), torch.int64, dev)
         self.i32 = HostStaging(big * width, torch.int32, dev)
         self.f32 = HostStaging(big, torch.float32, dev)
         self.fence = ReplayFence(dev)
+        # each step graph's packed results also copied to the host inside the graph (a buffer a key,
+        # made at its warm-up run): the step reads them with no torch op
+        self.readback: dict | None = {} if captured_download_ok(dev) else None
         self.graphs: dict = {}
         runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: (-k[0] * k[1], k[2]))}
         runs |= {("propose", *k): functools.partial(self._run_propose, *k)
@@ -935,7 +992,10 @@ class SpecStepGraphs:
                                                      temps=temps)
         # what the host reads, one tensor: [num_accepted | tokens | accepted | accepted per menu size]
         per_size = None if self.sizes_t is None else accepted_per_size(res.accepted, ranks, self.sizes_t)
-        return (spec._pack(res, per_size),)
+        packed = spec._pack(res, per_size)
+        if self.readback is not None:
+            download_into(self.readback, (b, n, sampled), packed, self.spec.device)
+        return (packed,)
 
     def _run_propose(self, b: int, n: int):
         spec = self.spec
@@ -944,10 +1004,22 @@ class SpecStepGraphs:
         return tree.tokens, tree.parents, tree.sizes, tree.depths, tree.mask, tree.paths, ranks
 
     def bucket(self, bsz: int, n: int, sampled: bool = False) -> int | None:
-        return next((b for b, m, k in self.keys if m == n and k == sampled and b >= bsz), None)
+        """The smallest captured batch bucket >= bsz for trees of n nodes (None: no graph)."""
+        return self._smallest(self.keys, (bsz, n, sampled))
 
     def propose_bucket(self, bsz: int, n: int) -> int | None:
-        return next((b for b, m in self.propose_keys if m == n and b >= bsz), None)
+        return self._smallest(self.propose_keys, (bsz, n))
+
+    def _smallest(self, keys: list[tuple], key: tuple) -> int | None:
+        """The smallest b >= key[0] of the sorted keys (b, *rest) whose rest is key[1:]; memoised,
+        the keys being fixed at capture (a scan of them cost ~3 µs, twice a step). The two key
+        lists' keys differ in length, so one memo serves both."""
+        try:
+            return self._buckets[key]
+        except KeyError:
+            bsz, rest = key[0], key[1:]
+            b = self._buckets[key] = next((k[0] for k in keys if k[1:] == rest and k[0] >= bsz), None)
+            return b
 
     def _write(self, b: int, bsz: int, ids, ctx, tables, temps=None) -> None:
         """The host staging of bucket b: bsz rows of ids (numpy int64 [bsz, G]), ctx ([bsz]), tables
@@ -968,30 +1040,31 @@ class SpecStepGraphs:
         t[bsz:] = self.pad_block
         self.f32.np[bsz:b] = 0.0
 
-    @torch.inference_mode()
-    def run(self, ids, ctx, tables, n: int, temps=None):
-        """(AcceptResult, per_size, packed) of B sequences' step with trees of n nodes: ids int64
-        [B, G], ctx int64 [B] (c >= 1), tables int32 [B, w <= width], temps float32 [B] (None: greedy,
-        the greedy graph), each a numpy array or a tensor (a device tensor is read back first: the
-        start-up profile's path); packed: the results in one int64 [B, 1 + 2 N + S] (see the class
-        docstring), the others views of it (per_size None without the adaptive policy). The outputs
-        are the graph's own (valid until its next replay). Needs a bucket: ``bucket(B, n, temps is
-        not None)`` is not None."""
-        ids, ctx, tables, temps = (t.cpu().numpy() if isinstance(t, torch.Tensor) else t
-                                   for t in (ids, ctx, tables, temps))
+    @inference
+    def run(self, ids, ctx, tables, n: int, temps=None) -> np.ndarray:
+        """B sequences' step with trees of n nodes, read back: int64 [B, 1 + 2 N + S] on the host
+        (numpy; the class docstring's layout: num_accepted, tokens, accepted path, per-size
+        acceptance), valid until the next replay. ids int64 [B, G], ctx int64 [B] (c >= 1), tables
+        int32 [B, w <= width], temps float32 [B] (None: greedy, the greedy graph), each a numpy array
+        or a tensor (a device tensor is read back first: the start-up profile's path). The step's
+        host sync: the graph copied its results to the host itself (``HostReadback``), so this waits
+        for the replay and slices numpy; without that copy, it reads the device output back. Needs
+        a bucket: ``bucket(B, n, temps is not None)`` is not None."""
+        if not isinstance(ids, np.ndarray):
+            ids, ctx, tables, temps = (t.cpu().numpy() if isinstance(t, torch.Tensor) else t
+                                       for t in (ids, ctx, tables, temps))
         bsz = ids.shape[0]
-        sampled = temps is not None
-        b = self.bucket(bsz, n, sampled)
+        key = (self.bucket(bsz, n, temps is not None), n, temps is not None)
         self.fence.wait()
-        self._write(b, bsz, ids, ctx, tables, temps)
-        self.graphs[(b, n, sampled)].replay()
+        self._write(key[0], bsz, ids, ctx, tables, temps)
+        self.graphs[key].replay()
         self.fence.replayed()
-        packed = self.outputs[(b, n, sampled)][0][:bsz]
-        m = (packed.shape[1] - 1 - self.num_sizes) // 2  # the trees' nodes
-        per_size = packed[:, 1 + 2 * m:] if self.num_sizes else None
-        return AcceptResult(packed[:, 1 + m:1 + 2 * m], packed[:, 0], packed[:, 1:1 + m]), per_size, packed
+        if self.readback is None:
+            return self.outputs[key][0][:bsz].cpu().numpy()
+        self.fence.wait()
+        return self.readback[key].np[:bsz]
 
-    @torch.inference_mode()
+    @inference
     def run_propose_seqs(self, seqs, n: int):
         """(TreeBatch, ranks) of the scheduled sequences' proposal, trees of n nodes (the graph's
         outputs: valid until its next replay). Needs ``propose_bucket(B, n)``."""

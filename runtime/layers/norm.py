@@ -31,5 +31,6 @@ class RMSNorm(nn.Module):
     def process_weights_after_loading(self) -> None:
         pass
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual=residual, backend=self.backend)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+        """residual_out: where x + residual goes (kernels/rmsnorm.py's rms_norm)."""
+        return rms_norm(x, self.weight, self.eps, residual=residual, backend=self.backend, residual_out=residual_out)

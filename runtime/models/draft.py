@@ -91,8 +91,12 @@ class _EagleAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # views of the fused output, as the target's attention takes them
         q, k, v = F.linear(x, self.qkv_weight).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        attn = self.attn
+        if self.rotary_emb.fuses_store(attn.k_cache):  # rotary + KV store in one kernel, as the target's
+            q = self.rotary_emb.rotate_and_store(positions, q, k, v, attn.k_cache, attn.v_cache, meta.slot_mapping)
+            return self.o_proj(attn(q, None, None, meta))
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(attn(q, k, v, meta))
 
 
 class _EagleMLP(nn.Module):
@@ -169,6 +173,12 @@ class EagleDraft(nn.Module):
         (kernels/topk.py)."""
         return topk_logprobs(self.logits(out), k, self.backend)
 
+    def forward_ranked(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(forward's outputs, then ``ranked`` of them): a tree level of the proposal."""
+        out = self(features, next_ids, positions, meta)
+        return (out, *self.ranked(out, k))
+
 
 class _Eagle3Attention(_EagleAttention):
     """q / k / v read the 2H of [normed embedding, normed hidden]."""
@@ -199,9 +209,12 @@ class _Eagle3Layer(nn.Module):
         return rms_norm_pair(embed.weight, self.input_layernorm.weight, hidden, self.hidden_norm.weight,
                              self.hidden_norm.eps, ids, backend=self.input_layernorm.backend)
 
-    def forward(self, positions, hidden, x, meta):
-        """x: ``inputs``' [normed embedding, normed hidden]."""
+    def forward(self, positions, hidden, x, meta, final_norm: RMSNorm | None = None):
+        """x: ``inputs``' [normed embedding, normed hidden]. final_norm: also the output through it,
+        (final_norm(out), out), the residual add in the norm's launch (one kernel less)."""
         normed, x = self.post_attention_layernorm(self.self_attn(positions, x, meta), hidden)
+        if final_norm is not None:
+            return final_norm(self.mlp(normed), x)
         return x + self.mlp(normed)
 
 
@@ -253,8 +266,18 @@ class Eagle3Draft(nn.Module):
     def ranked(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As EagleDraft.ranked: over the draft's own vocabulary, its ids mapped to the target's
         (the log-softmax over the target's vocabulary with -inf elsewhere is the same)."""
-        return topk_logprobs(self.lm_head(self.norm(out)), k, self.backend,
-                             id_map=None if self.identity else self.target_ids)
+        return self._ranked_normed(self.norm(out), k)
+
+    def _ranked_normed(self, normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return topk_logprobs(self.lm_head(normed), k, self.backend, id_map=None if self.identity else self.target_ids)
+
+    def forward_ranked(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(forward's outputs, then ``ranked`` of them): a tree level of the proposal, the layer's
+        last residual add inside the final norm's launch."""
+        x = self.midlayer.inputs(self._target[0].model.embed_tokens, next_ids, features)
+        normed, out = self.midlayer(positions, features, x, meta, final_norm=self.norm)
+        return (out, *self._ranked_normed(normed, k))
 
     def set_d2t(self, d2t: torch.Tensor) -> None:
         """The draft-to-target id offsets (target id = draft id + d2t[draft id])."""

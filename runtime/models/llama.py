@@ -145,12 +145,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, opt.dtype, opt.device, opt.backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, opt.dtype, opt.device, opt.backend)
 
-    def forward(self, positions, x, residual, meta):
+    def forward(self, positions, x, residual, meta, stream_out=None):
+        """stream_out: a [T, H] view the residual stream at this layer's input is written into
+        (EAGLE-3's aux columns; with a residual, by the fused add itself: no kernel of its own)."""
         if residual is None:
+            if stream_out is not None:  # (a copy: the layers may update x in place)
+                stream_out.copy_(x)
             residual = x
             x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, residual_out=stream_out)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -176,14 +180,14 @@ class LlamaModel(nn.Module):
             h = x.shape[-1]
             aux = x.new_empty(x.shape[0], len(ids) * h)
         for i, layer in enumerate(self.layers):
-            if ids and i in ids:
-                for c in (c for c, j in enumerate(ids) if j == i):
-                    out = aux[:, c * h:(c + 1) * h]
-                    if residual is None:  # (a copy: the layers may update x in place)
-                        out.copy_(x)
-                    else:
-                        torch.add(x, residual, out=out)
-            x, residual = layer(positions, x, residual, meta)
+            if not ids or i not in ids:
+                x, residual = layer(positions, x, residual, meta)
+                continue
+            cols = [c for c, j in enumerate(ids) if j == i]  # (a layer named twice: its stream copied)
+            first = aux[:, cols[0] * h:(cols[0] + 1) * h]
+            x, residual = layer(positions, x, residual, meta, stream_out=first)
+            for c in cols[1:]:
+                aux[:, c * h:(c + 1) * h].copy_(first)
         if ids:
             self.aux_hidden = aux
         x, _ = self.norm(x, residual)

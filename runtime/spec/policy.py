@@ -45,7 +45,12 @@ a running ratio measured / profiled, per tree size and power-of-two batch bucket
 counts as one observation; each ratio is clamped to [1/4, 20] against a stray stall). A tree
 that looked cheap at start-up but is slow in service stops being chosen. The engine times the
 whole step (scheduling, the runner, the output bookkeeping), so the host's share, which grows
-with the batch and the tokens a step emits, is in the ratio too.
+with the batch and the tokens a step emits, is in the ratio too. Steps where a row samples keep
+ratios of their own (``choose(sampled=True)``): the profile times greedy steps, and on the H100 a
+sampled speculative step of 2 nodes at batch 64 took 2.07 ms (catch-ups aside) against its greedy
+profile's 1.50 (a plain step: 1.33), yet under one shared ratio, learned mostly from greedy steps, the policy
+chose it in 88 of 759 steps of a temperature-1 run, 7% slower than no draft (docs/BENCHMARKS.md,
+twenty-eighth session).
 
 Switching speculation on has a cost of its own: EAGLE's draft must first run over every row the
 plain steps computed without it (``catch_up``: c0 + c1 * rows milliseconds, profiled at start-up
@@ -130,11 +135,16 @@ class AdaptivePolicy:
     # on the H100, SmolLM2's EAGLE-3 draft accepted 0.43-0.55x as many tokens at temperature 1 as
     # at 0 (docs/BENCHMARKS.md, twenty-fifth session)
     sampled_prior: float = 0.5
-    _ratio: dict[tuple[int, int], float] = field(default_factory=dict)
-    _ratio_n: dict[tuple[int, int], int] = field(default_factory=dict)
+    # measured / profiled step time by (tree size, batch bucket, cost class: 1 when a row samples)
+    _ratio: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    _ratio_n: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    _cost_cls: int = 0  # the cost class of the last choose()'s step (observe_cost's)
     _idle: int = 0
     _plain_run: int = 0  # plain steps since the last speculative one (the estimates' relaxation)
     last_choice: int = 1
+    # choose()'s last plain choice: the plain steps after it until one could explore (inf: no tree
+    # could win at that batch however good its acceptance)
+    explore_due: float = math.inf
     # the draft's catch-up over rows of plain steps: (c0 ms, c1 ms a row) from the start-up profile
     # (None: free, Medusa's), times a measured ratio; the mean length of speculative stretches
     catch_up: tuple[float, float] | None = None
@@ -143,7 +153,8 @@ class AdaptivePolicy:
     _cu_n: int = 0
     _run: int = 0
     # the summed estimates of the last choose()'s sequences, kept while neither the set nor any
-    # estimate changed (a plain stretch observes nothing: each of its steps costs a tuple compare)
+    # estimate changed (a plain stretch observes nothing: each of its steps costs a tuple compare),
+    # with their classes' engine-wide ones once _relaxed() needed them
     _version: int = 0
     _sums: tuple | None = None
 
@@ -224,16 +235,17 @@ class AdaptivePolicy:
         return 1 << max(batch - 1, 0).bit_length()
 
     def step_cost(self, n: int, batch: int) -> float:
-        """Expected milliseconds of a step of `batch` decodes with trees of n nodes (1: plain):
-        the profile's time times the measured ratio of its (n, batch bucket), 1 until measured."""
-        return self.cost.cost(n, batch) * self._ratio.get((n, self._bucket(batch)), 1.0)
+        """Expected milliseconds of a step of `batch` decodes with trees of n nodes (1: plain), in
+        the last choose()'s cost class: the profile's time times the measured ratio of its (n, batch
+        bucket, class), 1 until measured."""
+        return self.cost.cost(n, batch) * self._ratio.get((n, self._bucket(batch), self._cost_cls), 1.0)
 
     def observe_cost(self, n: int, batch: int, ms: float) -> None:
         """A pure step's measured wall milliseconds: `batch` decodes, all plain (n = 1) or all
-        verifying trees of n nodes."""
+        verifying trees of n nodes; the step the last choose() decided (its cost class)."""
         if n not in self.cost.ms or batch < 1 or not ms > 0:
             return
-        key = (n, self._bucket(batch))
+        key = (n, self._bucket(batch), self._cost_cls)
         count = self._ratio_n.get(key, 0) + 1
         self._ratio_n[key] = count
         self._ratio[key] = self._updated_ratio(self._ratio.get(key, 1.0), count, ms / self.cost.cost(n, batch))
@@ -264,43 +276,53 @@ class AdaptivePolicy:
         j = self._slot.get(seq_id)
         return self._global if j is None else dict(zip(self.sizes, self._est[j].tolist()))
 
-    def choose(self, seq_ids: list[int], budget: int | None = None, behind: int = 0) -> int:
+    def choose(self, seq_ids: list[int], budget: int | None = None, behind: int = 0, sampled: bool = False) -> int:
         """The tree size for a step whose eligible decodes are seq_ids (1: no speculation);
         budget: the step's token budget (sizes whose B * n exceeds it are not considered);
-        behind: the rows the draft must catch up on first (their cost spread over a stretch)."""
+        behind: the rows the draft must catch up on first (their cost spread over a stretch);
+        sampled: whether any of them samples (the step's cost class: its times are measured apart)."""
+        self._cost_cls = cls = int(sampled)
         b = len(seq_ids)
         if b == 0:
             return self._chose(1)
         extra = self.catch_up_cost(behind) / max(self.run_len, 1.0)
-        plain_ms = self.step_cost(1, b)
+        # step_cost(n, b) written out, the batch's bucket found once (a scan of a plain stretch: ~30%
+        # of choose()'s time was these calls)
+        cost, ratio, bucket = self.cost.cost, self._ratio, self._bucket(b)
+        plain_ms = cost(1, b) * ratio.get((1, bucket, cls), 1.0)
         plain = b / plain_ms
         best, best_rate = 1, plain * self.margin
-        can_win = []
+        win = best_rate  # what a tree must beat even if every draft token were accepted
+        max_accept = self.max_accept or {}
+        last = None  # (size, step_cost) of the largest size that could win
         sums = None
         for n in self.sizes:
             if budget is not None and b * n > budget:
                 continue
-            top = (self.max_accept or {}).get(n, n - 1)
-            spec_ms = self.step_cost(n, b) + extra
-            if b * (1.0 + top) / spec_ms <= plain * self.margin:
+            step_ms = cost(n, b) * ratio.get((n, bucket, cls), 1.0)
+            spec_ms = step_ms + extra
+            if b * (1.0 + max_accept.get(n, n - 1)) / spec_ms <= win:
                 continue  # slower than plain even if every draft token were accepted
-            can_win.append(n)
+            last = (n, step_ms)
             if sums is None:
                 sums = self._relaxed(self._summed(seq_ids))
             rate = (b + sums[n]) / spec_ms
             if rate > best_rate:
                 best, best_rate = n, rate
+        self.explore_due = math.inf
         if best == 1:
             self._idle += 1
-            if can_win:
-                n = can_win[-1]
+            if last is not None:
+                n, step_ms = last
                 # an exploring step is one step, so it pays the whole catch-up, not a stretch's share
                 # (charged a share, explorations after long plain stretches took ~3% of a batch-8
                 # run on the H200 against the 1% budget)
-                over = max((self.step_cost(n, b) + self.catch_up_cost(behind)) / plain_ms - 1.0, 0.0)
-                if self._idle >= max(self.explore_every, math.ceil(over / self.explore_budget)):
+                over = max((step_ms + self.catch_up_cost(behind)) / plain_ms - 1.0, 0.0)
+                need = max(self.explore_every, math.ceil(over / self.explore_budget))
+                if self._idle >= need:
                     self._idle = 0
                     return self._chose(n, explored=True)
+                self.explore_due = need - self._idle
         else:
             self._idle = 0
         return self._chose(best)
@@ -335,14 +357,20 @@ class AdaptivePolicy:
         if not self._plain_run or self.relax >= 1.0:
             return sums
         keep = self.relax ** self._plain_run
-        g = self._global_summed(self._sums[3])  # summed over the same sequences as sums (_summed's)
+        g = self._sums[4]  # summed over the same sequences as sums (_summed's), kept with them
+        if g is None:
+            g = self._global_summed(self._sums[3])
+            self._sums = (*self._sums[:4], g)
         return {n: g[j] + (v - g[j]) * keep for j, (n, v) in enumerate(sums.items())}
 
     def idle(self) -> None:
         """A step the caller decided plainly without asking (nothing changed since a choice of 1):
         counts toward exploring as a choice of 1 would."""
         self._idle += 1
-        self._chose(1)
+        if self._run or self.last_choice != 1:
+            self._chose(1)
+        else:  # (what _chose(1) does after a choice of 1, without the call)
+            self._plain_run += 1
 
     def _summed(self, seq_ids: list[int]) -> dict[int, float]:
         """Per tree size, the expected accepted draft tokens summed over seq_ids."""
@@ -359,7 +387,7 @@ class AdaptivePolicy:
             if len(own) < len(rows):  # the sequences without estimates of their own: the greedy engine-wide ones
                 total = total + (len(rows) - len(own)) * self._G[0]
             sums = dict(zip(self.sizes, total.tolist()))
-        self._sums = (self._version, key, sums, rows)
+        self._sums = (self._version, key, sums, rows, None)  # (the last: _relaxed's engine-wide sums)
         return sums
 
     def _global_summed(self, rows: list[int]) -> list[float]:
@@ -389,8 +417,12 @@ class AdaptivePolicy:
         if menu is None:  # which of these sizes the menu has, and where: (k's columns, _est's, the latter as an index)
             keep = [(j, self._col[n]) for j, n in enumerate(sizes) if n in self._col]
             src, cols = [j for j, _ in keep], [c for _, c in keep]
+            # _est's columns as a slice where they are a run (the usual case: a step of n nodes scores
+            # the menu's sizes <= n, its first ones): a view, where a list indexes by copy (np.ix_ and
+            # the fancy update cost ~10 us a step at batch 1)
+            run = bool(cols) and cols == list(range(cols[0], cols[0] + len(cols)))
             menu = self._menus[key] = (None if src == list(range(len(sizes))) else src, cols,
-                                       slice(None) if cols == list(range(len(self.sizes))) else cols)
+                                       slice(cols[0], cols[0] + len(cols)) if run else cols)
         src, cols, cs = menu
         k = np.asarray(rows, dtype=np.float64)
         if k.ndim != 2 or k.shape != (b, len(sizes)):
@@ -406,7 +438,7 @@ class AdaptivePolicy:
             return
         if src is not None:
             k = k[:, src]
-        whole = isinstance(cs, slice)  # every menu size, in the menu's order: plain row indexing
+        run = isinstance(cs, slice)  # a run of the menu's columns (all of them, or the first few)
         if not self._n_sampled:  # every sequence greedy: one class
             self._observe_class(0, range(b), seq_ids, idx, k, cs)
         else:
@@ -415,12 +447,12 @@ class AdaptivePolicy:
                 if pos:
                     self._observe_class(c, pos, seq_ids, idx, k, cs)
         d = self.decay
-        if b == 1 and whole:  # (batch 1: the row in place)
-            row = self._est[idx[0]]
+        if b == 1 and run:  # (batch 1: the row's columns in place, a view)
+            row = self._est[idx[0], cs]
             row *= d
             row += (1.0 - d) * k[0]
             return
-        sub = idx if whole else np.ix_(idx, cols)
+        sub = (idx, cs) if run else np.ix_(idx, cols)
         self._est[sub] = d * self._est[sub] + (1.0 - d) * k
 
     def _observe_class(self, c: int, pos, seq_ids, idx: list[int], k: np.ndarray, cs) -> None:
@@ -443,9 +475,10 @@ class AdaptivePolicy:
                         if r:
                             init[cs] = 0.98 ** r * g0[cs] + w[b - r:] @ k[:r]
                         idx[i] = self._new_slot(seq_ids[i], c, init)
-            if isinstance(cs, slice):
-                G *= gb
-                G += w @ k
+            if isinstance(cs, slice):  # (a view: in place)
+                g = G[cs]
+                g *= gb
+                g += w @ k
             else:
                 G[cs] = gb * G[cs] + w @ k
         else:

@@ -106,6 +106,28 @@ def test_matches_hf_llama_rmsnorm(dtype):
     _close(y, rms_norm_ref(h, w, 1e-5))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_residual_into_a_column_block(dtype, backend):
+    """residual_out: x + residual written into a [T, H] column block of a wider buffer (EAGLE-3's aux
+    streams: row stride 3H), returned as that view; the buffer's other columns untouched, out as
+    without it."""
+    t, h = 13, 96
+    x, w, r = _data((t, h), dtype, seed=11, residual=True)
+    buf = torch.full((t, 3 * h), 7.0, device=DEV, dtype=dtype)
+    view = buf[:, h:2 * h]
+    y, got = rms_norm(x, w, 1e-5, residual=r, residual_out=view, backend=backend)
+    y0, h0 = rms_norm(x, w, 1e-5, residual=r, backend=backend)
+    assert got.data_ptr() == view.data_ptr() and got.stride() == (3 * h, 1)
+    assert torch.equal(got, h0) and torch.equal(y, y0)
+    assert (buf[:, :h] == 7).all() and (buf[:, 2 * h:] == 7).all()
+    _exact_or_ulp(got, rms_norm_ref(x, w, 1e-5, r)[1])
+    with pytest.raises(ValueError, match="residual_out"):
+        rms_norm(x, w, 1e-5, residual_out=view, backend=backend)  # no residual to add
+    with pytest.raises(ValueError, match="residual_out"):
+        rms_norm(x, w, 1e-5, residual=r, residual_out=buf[:, :h].t(), backend=backend)
+
+
 def test_empty_and_torch_backend():
     x, w, r = _data((0, 32), torch.bfloat16, seed=2, residual=True)
     y, h = rms_norm(x, w, 1e-6, residual=r)

@@ -323,6 +323,13 @@ def test_eligible_decodes_is_eligible_per_decode(tiny_llama, drafts):
     want = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and spec.eligible(s)]
     got = spec.eligible_decodes(running)
     assert got == want and 0 < len(got) < len(running)
+    # plan()'s scan: the same sequences, their ids and rows behind (the draft's progress and preemptions)
+    for i, s in enumerate(running):
+        s.spec_state = None if i % 3 == 0 else (s.num_preemptions + (i % 3 == 2), i)
+    seqs, ids, behind, sampled = spec._scan(running)
+    assert sampled and spec._scan([s for s in running if s.params.temperature == 0])[3] is False
+    ref = sum(max(s.num_computed_tokens - spec._upto(s) - spec.catch_rows, 0) for s in want)
+    assert seqs == want and ids == [s.seq_id for s in want] and behind == spec.rows_behind(want) == ref > 0
 
 
 def _propose_recomputing_every_level(spec, roots, states, ctx, tables, n):
@@ -366,16 +373,20 @@ def _propose_recomputing_every_level(spec, roots, states, ctx, tables, n):
     return select(pool, n, depth, backend="torch")
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_proposed(tiny_llama, tmp_path, kernels):
+@pytest.mark.parametrize(("kernels", "method"), [("torch", "eagle"), ("triton", "eagle"), ("torch", "eagle3"),
+                                                 ("triton", "eagle3")])
+def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_proposed(tiny_llama, tmp_path, kernels,
+                                                                                        method):
     """Each EAGLE-2 level runs the draft over its k frontier rows only, their keys the context and
     the scratch rows of earlier levels under the ancestor mask (the extend kernel's mask_cols):
     the trees, their scores and every level's ranked log-probs equal the old growth's, which
     reran all d * k rows each level. A random EAGLE layer (its attention matters), batch 4; on the
-    torch references and on the Triton kernels (kernels/tree_grow.py builds the masks and features)."""
+    torch references and on the Triton kernels (kernels/tree_grow.py builds the masks and features).
+    EAGLE-3's levels run forward_ranked (the rotary and KV store in one kernel, the last residual add
+    in the final norm's launch); the reference, forward then ranked."""
     import optllm.runtime.spec_runner as spec_runner
 
-    folder = write_draft(tmp_path / "eagle", tiny_llama, "eagle", seed=5, noise=0.5)
+    folder = write_draft(tmp_path / method, tiny_llama, method, seed=5, noise=0.5)
     eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels)
     spec = eng.runner.spec
     seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]

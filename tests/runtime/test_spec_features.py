@@ -15,12 +15,15 @@ from optllm.runtime.sampling_params import SamplingParams
 from optllm.runtime.spec_runner import FeatureStore
 
 
-@pytest.mark.parametrize("ids", [(0, 2, 3), (3, 1), (1, 1)])
-def test_aux_hidden_states_are_the_residual_stream_at_the_layer_inputs(tmp_path, ids):
+@pytest.mark.parametrize("ids,kernels", [((0, 2, 3), "auto"), ((3, 1), "auto"), ((1, 1), "auto"), ((0, 2, 3), "triton"),
+                                         ((1, 1), "triton")])
+def test_aux_hidden_states_are_the_residual_stream_at_the_layer_inputs(tmp_path, ids, kernels):
     """aux_hidden [T, len(ids) * H] = HF's hidden_states[i] for i in ids, in that order (layer 0's
-    input: the embeddings, before any residual exists; a layer named twice fills two blocks)."""
+    input: the embeddings, before any residual exists; a layer named twice fills two blocks); the
+    fused add of the layer's input norm writes them (kernels="triton": its Triton kernel, rows of
+    stride len(ids) * H)."""
     folder = make_tiny_model(tmp_path / "m", layers=4)
-    llm = LLM(str(folder), device="cpu", dtype="float32", enable_prefix_caching=False)
+    llm = LLM(str(folder), device="cpu", dtype="float32", enable_prefix_caching=False, kernels=kernels)
     model = llm.engine.runner.model.model
     model.aux_layer_ids = ids
     prompt = [5, 17, 33, 2, 90, 41, 7]
