@@ -263,6 +263,8 @@ def eval_cmd(
                                   "continuous (all requests at once, at most batch size running: a busy server)"),
     admit_group: int = typer.Option(8, "--admit-group", help="--draft: both engines admit waiting requests in groups "
                                     "of this many while others decode (the engine's admit_group; 1: at once)"),
+    spec_reps: Optional[int] = typer.Option(None, "--spec-reps", help="--draft: timed batches per case (distinct "
+                                            "prompts: batch size x this) [default: 3 on CUDA, else 1]"),
     compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
                                            "thresholds are marked as regressions"),
     out: Optional[Path] = typer.Option(None, help="folder for report.md / report.json / PNG plots"),
@@ -352,8 +354,13 @@ def eval_cmd(
                                        f"{len(models)} models)")
 
             # a GPU batch of 128 tokens takes ~0.2 s: three measured batches per case against noise
+            # (at batch 1 that is 3 prompts: a tau to quote wants --spec-reps 20 or more there)
+            if spec_reps is None:
+                spec_reps = 3 if str(dev).startswith("cuda") else 1
+            if spec_reps < 1:
+                raise UserError(f"--spec-reps {spec_reps} is not allowed; allowed: an integer >= 1")
             results = evaluate_speculation(models, draft, spec_sizes, spec_len, device=dev, dtype=dtype,
-                                           temperatures=temps, reps=3 if str(dev).startswith("cuda") else 1,
+                                           temperatures=temps, reps=spec_reps,
                                            policy=spec_policy, on_model=spec_partial,
                                            spec_options=dict(spec_top_k=spec_top_k, spec_depth=spec_depth,
                                                              spec_num_draft=spec_tokens), load=spec_load,
@@ -570,9 +577,13 @@ def train_draft(
                                 "fused from three target layers, trained with its own drafts: training-time test)"),
     out: Path = typer.Option(..., "--out", "-o", help="output folder (written atomically)"),
     num_heads: int = typer.Option(4, help="Medusa heads (head k predicts the token k + 2 ahead); unused by eagle"),
-    ttt_steps: int = typer.Option(3, help="eagle3: training-time-test steps (drafting depths trained; the paper: 7)"),
+    ttt_steps: int = typer.Option(5, help="eagle3: training-time-test steps (drafting depths trained: the default "
+                                  "--spec-depth of serving; the paper: 7)"),
     draft_vocab: Optional[int] = typer.Option(None, help="eagle3: a reduced draft vocabulary of the N answer tokens "
                                               "the training data uses most [default: the whole vocabulary]"),
+    labels: Optional[str] = typer.Option(None, help="eagle, eagle3: soft (the target's next-token distribution, "
+                                         "over the draft's vocabulary: EAGLE's and SpecForge's training) | hard (the "
+                                         "data's next token) [default: soft]"),
     num_prompts: int = typer.Option(256, help="prompts to write (Magpie) or read at most"),
     prompts: Optional[Path] = typer.Option(None, help="FILE.jsonl: {\"prompt\": ...} or ShareGPT conversations "
                                            "[default: the target writes its own]"),
@@ -586,6 +597,8 @@ def train_draft(
     answer_tokens: int = typer.Option(256, help="answer tokens the target writes per prompt at most"),
     checkpoint_every: int = typer.Option(200, help="steps between checkpoints (OUT/checkpoint-STEP)"),
     eval_every: int = typer.Option(50, help="steps between held-out accuracy measurements"),
+    holdout: int = typer.Option(64, help="sequences kept out of training for the held-out accuracy (at most a "
+                                "fifth of the data)"),
     resume: Optional[Path] = typer.Option(None, help="a checkpoint-STEP folder to continue from"),
     init_from: Optional[Path] = typer.Option(None, help="the OUT of an earlier train-draft run (same method and "
                                              "sizes): start from its weights, with a fresh optimizer and schedule"),
@@ -611,9 +624,10 @@ def train_draft(
                           prompts=prompts, dataset=dataset, max_steps=max_steps, lr=lr, batch_size=batch_size,
                           grad_accum=grad_accum,
                           seq_len=seq_len, answer_tokens=answer_tokens, checkpoint_every=checkpoint_every,
-                          eval_every=eval_every, resume=resume, init_from=init_from, device=device, seed=seed,
+                          eval_every=eval_every, holdout=holdout, resume=resume, init_from=init_from, device=device,
+                          seed=seed,
                           overwrite=overwrite,
-                          ttt_steps=ttt_steps, draft_vocab=draft_vocab, time_limit=time_limit)
+                          ttt_steps=ttt_steps, draft_vocab=draft_vocab, labels=labels, time_limit=time_limit)
         result = run(cfg, log=typer.echo)
         if export == "vllm":
             from ..hub.loader import resolve_model

@@ -134,6 +134,12 @@ def magpie_prompts(llm: LLM, num_prompts: int, seed: int = 0, max_tokens: int = 
     return prompts
 
 
+def turn_tokens(max_len: int) -> int:
+    """Tokens a written user turn may take in sequences of max_len: a quarter (most of max_len is
+    left to the answer), 4 to 128."""
+    return max(4, min(128, max_len // 4))
+
+
 def distinct_texts(texts: list[str], seen: set[str] | None = None) -> list[str]:
     """texts stripped, without empty ones and repeats (case and runs of whitespace ignored),
     first occurrence kept; `seen` (keys already taken) is updated in place."""
@@ -197,9 +203,7 @@ def build_dataset(target: str, num_prompts: int, prompts_file: str | Path | None
     llm = LLM(target, device=device, max_model_len=max_len)
     try:
         if file_prompts is None:
-            # a written prompt leaves most of max_len to the answer
-            prompts: list[Prompt] = magpie_prompts(llm, num_prompts, seed=seed,
-                                                   max_tokens=max(4, min(128, max_len // 4)))
+            prompts: list[Prompt] = magpie_prompts(llm, num_prompts, seed=seed, max_tokens=turn_tokens(max_len))
             log(f"data: the target wrote {len(prompts)} distinct prompts (Magpie)")
         else:
             prompts = file_prompts

@@ -176,7 +176,8 @@ def eagle_inputs(features: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch
 
 def eagle_loss(pred: torch.Tensor, logits: torch.Tensor, features: torch.Tensor, input_ids: torch.Tensor,
                loss_mask: torch.Tensor, w_reg: float = REGRESSION_WEIGHT,
-               w_cls: float = CLASSIFICATION_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
+               w_cls: float = CLASSIFICATION_WEIGHT,
+               lm_head: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """EAGLE's loss on the draft's outputs for eagle_inputs(features, input_ids).
 
     pred [B, T-1, H] and logits [B, T-1, V]: at draft position t, the predicted f_{t+1} and the
@@ -185,7 +186,8 @@ def eagle_loss(pred: torch.Tensor, logits: torch.Tensor, features: torch.Tensor,
     is in the mask (t <= T-3). Returns (w_reg * regression + w_cls * cross-entropy, [regression,
     cross-entropy]): regression the SmoothL1 of pred vs f_{t+1}, averaged over the hidden size,
     then over counted positions; cross-entropy of logits vs x_{t+2}, averaged over them (0 when
-    no position counts).
+    no position counts). lm_head [V, H] (soft labels, the paper's): the cross-entropy against
+    p_{t+2} = softmax(f_{t+1} @ lm_head.T), the target's own distribution, instead of x_{t+2}.
     """
     t = input_ids.shape[1]
     if t < 3:
@@ -195,20 +197,25 @@ def eagle_loss(pred: torch.Tensor, logits: torch.Tensor, features: torch.Tensor,
     n = mask.sum().clamp(min=1)
     reg = F.smooth_l1_loss(pred[:, : t - 2].float(), features[:, 1: t - 1].float(), reduction="none").mean(-1)
     lg = logits[:, : t - 2].float()
-    ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), input_ids[:, 2:].reshape(-1), reduction="none")
+    if lm_head is None:
+        ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), input_ids[:, 2:].reshape(-1), reduction="none")
+    else:
+        p = torch.softmax(features[:, 1: t - 1].float() @ lm_head.float().T, dim=-1)
+        ce = -(p * torch.log_softmax(lg, dim=-1)).sum(-1).reshape(-1)
     reg = (reg * mask).sum() / n
     ce = (ce * mask.reshape(-1)).sum() / n
     return w_reg * reg + w_cls * ce, torch.stack([reg, ce])
 
 
 def eagle_draft_loss(draft: nn.Module, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                     w_reg: float = REGRESSION_WEIGHT,
-                     w_cls: float = CLASSIFICATION_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
+                     w_reg: float = REGRESSION_WEIGHT, w_cls: float = CLASSIFICATION_WEIGHT,
+                     soft: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """eagle_loss(*draft(*eagle_inputs(features, input_ids)), features, input_ids, loss_mask) (same
     value and gradients) without the logits of every position: the frozen LM head reads only the
     positions that count, a chunk of rows at a time (linear_cross_entropy), so no [B, T, V] logits,
     float32 copies or log-softmax are kept for the backward pass. ``draft`` may be a distributed
-    wrapper of an EagleDraft (its forward is what runs)."""
+    wrapper of an EagleDraft (its forward is what runs). soft: eagle_loss's soft labels (lm_head =
+    the draft's frozen LM head, the target's), the teacher's rows made chunk by chunk too."""
     pred, _ = draft(*eagle_inputs(features, input_ids), logits=False)
     t = input_ids.shape[1]
     if t < 3:
@@ -218,27 +225,35 @@ def eagle_draft_loss(draft: nn.Module, features: torch.Tensor, input_ids: torch.
     rows = pred[:, : t - 2][mask]  # the counted positions (one host sync: their number)
     n = max(rows.shape[0], 1)
     reg = F.smooth_l1_loss(rows.float(), features[:, 1: t - 1][mask].float(), reduction="none").mean(-1).sum() / n
-    ce = linear_cross_entropy(rows, unwrap(draft).lm_head, input_ids[:, 2:][mask], 1.0 / n)
+    head = unwrap(draft).lm_head
+    teacher = (features[:, 1: t - 1][mask], head) if soft else None  # f_{t+1} through the target's head
+    ce = linear_cross_entropy(rows, head, input_ids[:, 2:][mask], 1.0 / n, target=teacher)
     return w_reg * reg + w_cls * ce, torch.stack([reg, ce])
 
 
 CE_CHUNK_ELEMENTS = 1 << 26  # logits a chunk of linear_cross_entropy holds at once (256 MiB in float32)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
+                         scale: float | torch.Tensor = 1.0,
+                         target: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_i scale_i * CE(hidden_i @ weight.T, labels_i) for hidden [N, H], weight [V, H] (an LM head),
     labels [N], scale a number or [N] (constant weights): the logits in the dtype F.linear computes in
     here (autocast's under autocast), the log-softmax in float32, as F.cross_entropy over
     (hidden @ weight.T).float() would. The logits are made a chunk of rows at a time and the
     gradients (hidden's; weight's when it requires grad) computed with them, so nothing [N, V]
-    outlives its chunk: the GEMMs autograd would run (no recomputation), a fraction of the memory."""
-    return _LinearCrossEntropy.apply(hidden, weight, labels, scale)
+    outlives its chunk: the GEMMs autograd would run (no recomputation), a fraction of the memory.
+
+    target = (target_hidden [N, Ht], target_weight [V, Ht]) (labels unused): soft labels instead, the
+    distribution p_i = softmax(target_hidden_i @ target_weight.T) (float32), made chunk by chunk the
+    same way: sum_i scale_i * (logsumexp(z_i) - p_i . z_i), the cross-entropy against p_i (a
+    teacher's next-token distribution, EAGLE's training target); its gradient scale (softmax - p)."""
+    return _LinearCrossEntropy.apply(hidden, weight, labels, scale, target)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale):
+    def forward(ctx, hidden, weight, labels, scale, target=None):
         n, v = hidden.shape[0], weight.shape[0]
         dtype = F.linear(hidden[:1], weight[:1]).dtype  # the compute dtype (autocast's when on)
         w = weight.detach().to(dtype)
@@ -246,17 +261,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None  # every row is written below
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        if target is not None:
+            t_hidden, t_weight = target
+            if t_hidden.shape[0] != n or t_weight.shape[0] != v or t_hidden.shape[1] != t_weight.shape[1]:
+                raise ValueError(f"target: hidden [{n}, H'] and weight [{v}, H'], got {tuple(t_hidden.shape)} and "
+                                 f"{tuple(t_weight.shape)}")
+            t_w = t_weight.detach().to(dtype)
         step = max(1, CE_CHUNK_ELEMENTS // v)
         for s in range(0, n, step):
             h = hidden[s: s + step].to(dtype)
-            y = labels[s: s + step, None]
             sc = scale[s: s + step, None].float() if torch.is_tensor(scale) else float(scale)
             logits = F.linear(h, w).float()
             lse = torch.logsumexp(logits, -1, keepdim=True)
-            total += ((lse - logits.gather(1, y)) * sc).sum()
-            if want_h or want_w:  # d(scale * CE)/d(logits) = scale * (softmax - one_hot(label))
+            if target is None:
+                y = labels[s: s + step, None]
+                total += ((lse - logits.gather(1, y)) * sc).sum()
+            else:  # the teacher's distribution over the same columns, in float32
+                p = F.linear(t_hidden[s: s + step].detach().to(dtype), t_w).float().softmax(-1)
+                total += ((lse - (p * logits).sum(-1, keepdim=True)) * sc).sum()
+            if want_h or want_w:  # d(scale * CE)/d(logits) = scale * (softmax - one_hot(label) or p)
                 g = logits.sub_(lse).exp_()
-                g.scatter_add_(1, y, torch.full(y.shape, -1.0, dtype=g.dtype, device=g.device))
+                if target is None:
+                    g.scatter_add_(1, y, torch.full(y.shape, -1.0, dtype=g.dtype, device=g.device))
+                else:
+                    g.sub_(p)
                 g = g.mul_(sc).to(dtype)
                 if want_h:
                     grad_h[s: s + step] = g @ w
@@ -276,7 +304,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.grads
         ctx.grads = None
         return (grad_h.mul_(grad_out.to(grad_h.dtype)) if grad_h is not None else None,
-                grad_w.mul_(grad_out).to(ctx.weight_dtype) if grad_w is not None else None, None, None)
+                grad_w.mul_(grad_out).to(ctx.weight_dtype) if grad_w is not None else None, None, None, None)
 
 
 def unwrap(draft: nn.Module) -> nn.Module:

@@ -114,11 +114,23 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
         self._target_lm_head = lm_head_weight.detach().clone()
+        # the target's LM head rows of the draft's vocabulary, frozen (not saved), made at the first
+        # soft-labelled loss: soft labels read the target's next-token distribution over them
+        self.register_buffer("target_head", None, persistent=False)
         self.ttt_steps = 3
+        self.soft_labels = False
 
     @property
     def draft_vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
+
+    def _teacher_head(self) -> torch.Tensor:
+        """``target_head``: the target's LM head rows of the draft's ids (target id d + d2t[d]), on the
+        draft's device; made once (and again after ``set_vocab``)."""
+        if self.target_head is None:
+            kept = self.d2t.cpu() + torch.arange(self.draft_vocab_size)
+            self.target_head = self._target_lm_head[kept].to(self.lm_head.weight.device)
+        return self.target_head
 
     @classmethod
     def from_target(cls, target, aux_layers: tuple[int, ...] | None = None) -> Eagle3Draft:
@@ -137,6 +149,7 @@ class Eagle3Draft(nn.Module):
         t2d = torch.zeros(self.vocab_size, dtype=torch.bool)
         t2d[ids] = True
         self.t2d = t2d
+        self.target_head = None  # (remade for the new vocabulary when asked for)
 
     def sizes(self) -> dict:
         return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
@@ -146,17 +159,22 @@ class Eagle3Draft(nn.Module):
                 "rope_theta": self.rope_theta, "aux_layers": list(self.aux_layers)}
 
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                counted: torch.Tensor | None = None) -> list[torch.Tensor] | torch.Tensor:
+                counted: torch.Tensor | None = None,
+                teacher: torch.Tensor | None = None) -> list[torch.Tensor] | torch.Tensor:
         """The training-time test with this draft's ``ttt_steps`` (what a distributed wrapper calls)."""
-        return self.ttt(aux, next_ids, self.ttt_steps, labels, counted)
+        return self.ttt(aux, next_ids, self.ttt_steps, labels, counted, teacher)
 
     def ttt(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int, labels: torch.Tensor | None = None,
-            counted: torch.Tensor | None = None) -> list[torch.Tensor] | torch.Tensor:
+            counted: torch.Tensor | None = None,
+            teacher: torch.Tensor | None = None) -> list[torch.Tensor] | torch.Tensor:
         """The training-time test over one batch: aux [B, T, 3H] at positions 0..T-1 and next_ids
         [B, T] (x_{t+1}); returns each step's logits [B, T, Vd] (position t predicts x_{t+2}).
         With labels [B, T'] (draft ids of x_{t+2}, T' <= T) and counted [B, T'] bool: instead, each
         step j's mean cross-entropy over the counted positions t >= j ([steps]), the LM head read
-        at those positions only (linear_cross_entropy: no [B, T, Vd] logits)."""
+        at those positions only (linear_cross_entropy: no [B, T, Vd] logits). teacher [B, T', H]:
+        the target's last hidden state (after its final norm) whose next-token distribution is the
+        label at each position (soft labels: softmax over ``target_head``, the draft's vocabulary
+        of the target's LM head), labels then unused."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         b, t, _ = aux.shape
         dev = aux.device
@@ -164,6 +182,7 @@ class Eagle3Draft(nn.Module):
         if labels is not None:
             rows_b, rows_t = counted.nonzero(as_tuple=True)  # one host sync: how many positions count
             rows_y = labels[rows_b, rows_t]
+            soft = None if teacher is None else (teacher[rows_b, rows_t], self._teacher_head())
         emb = F.embedding(next_ids, self.embed_tokens).to(aux.dtype)
         hidden = self.fc(aux)
         scale = self.head_dim ** -0.5
@@ -194,29 +213,45 @@ class Eagle3Draft(nn.Module):
             else:
                 keep = (rows_t >= j).float()
                 out.append(linear_cross_entropy(self.norm(o[rows_b, rows_t]), self.lm_head.weight, rows_y,
-                                                keep / keep.sum().clamp(min=1)))
+                                                keep / keep.sum().clamp(min=1), target=soft))
             hidden = F.pad(o, (0, 0, 1, 0))[:, :t]  # step j + 1 at t reads step j's output at t - 1
         return out if labels is None else torch.stack(out)
 
 
 def eagle3_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    aux_layers: tuple[int, ...]) -> torch.Tensor:
+                    aux_layers: tuple[int, ...], with_last: bool = False) -> torch.Tensor:
     """[B, T, 3H]: the target's residual stream at the input of layers aux_layers (HF's
-    hidden_states[i]), concatenated."""
+    hidden_states[i]), concatenated. with_last: [B, T, 4H], the target's last hidden state (after
+    its final norm: what its LM head reads) after them, for soft labels (``eagle3_loss``)."""
     with torch.no_grad():
         out = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                     output_hidden_states=True)
     hs = out.hidden_states
-    return torch.cat([hs[i] for i in aux_layers], dim=-1)
+    return torch.cat([hs[i] for i in aux_layers] + ([out.last_hidden_state] if with_last else []), dim=-1)
+
+
+def _split_features(draft: Eagle3Draft, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(aux [.., 3H], the target's last hidden state [.., H] or None) of ``eagle3_features``' output."""
+    h3 = 3 * draft.hidden_size
+    if feats.shape[-1] == h3:
+        return feats, None
+    if feats.shape[-1] != h3 + draft.hidden_size:
+        raise ValueError(f"EAGLE-3 features: [.., {h3}] or [.., {h3 + draft.hidden_size}], got {tuple(feats.shape)}")
+    return feats[..., :h3], feats[..., h3:]
 
 
 def eagle3_loss(draft: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token loss of the training-time test: per step j, cross-entropy of the logits at positions
     t >= j against x_{t+2} (in the draft's vocabulary) where x_{t+2} is a masked-in token, averaged;
-    the steps weighted STEP_DECAY ** j (normalised). Returns (loss, per-step cross-entropies [steps])."""
+    the steps weighted STEP_DECAY ** j (normalised). Returns (loss, per-step cross-entropies [steps]).
+    aux: ``eagle3_features``' [B, T, 3H], or [B, T, 4H] with the target's last hidden state: then
+    the label at t is the target's next-token distribution at t + 1 over the draft's vocabulary
+    (renormalised; soft labels, as EAGLE's and SpecForge's training take it), x_{t+2} only choosing
+    which positions count."""
     base_draft = unwrap(draft)
     steps = base_draft.ttt_steps if steps is None else steps
+    aux, last = _split_features(base_draft, aux)
     t = input_ids.shape[1]
     if t < 3:
         zero = aux.new_zeros(()).float() * aux.sum()
@@ -225,8 +260,9 @@ def eagle3_loss(draft: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, 
     labels = _to_draft_ids(base_draft, tgt)
     counted = loss_mask[:, 2:] & base_draft.t2d[tgt]
     args = (aux[:, :-1], input_ids[:, 1:])
-    ces_t = draft(*args, labels, counted) if steps == base_draft.ttt_steps else \
-        base_draft.ttt(*args, steps, labels, counted)
+    teacher = None if last is None else last[:, 1:-1]  # position t + 1's output: the distribution of x_{t+2}
+    ces_t = draft(*args, labels, counted, teacher) if steps == base_draft.ttt_steps else \
+        base_draft.ttt(*args, steps, labels, counted, teacher)
     w = torch.tensor([STEP_DECAY ** j for j in range(steps)], device=aux.device)
     return (ces_t * w).sum() / w.sum(), ces_t.detach()
 
@@ -245,6 +281,7 @@ def eagle3_accuracy(draft: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tens
     """Per training-time-test step (depth 1..steps): (top-1 hits, counted positions) of x_{t+2}."""
     draft = unwrap(draft)
     steps = draft.ttt_steps if steps is None else steps
+    aux = _split_features(draft, aux)[0]
     t = input_ids.shape[1]
     if t < 3:
         return [0] * steps, [0] * steps

@@ -47,13 +47,16 @@ class Eagle:
     name: str = "eagle"
 
     def build(self, target, num_heads: int, cfg=None) -> nn.Module:
-        return EagleDraft.from_target(target)
+        draft = EagleDraft.from_target(target)
+        draft.soft_labels = getattr(cfg, "labels", "hard") == "soft"
+        return draft
 
     def features(self, draft: nn.Module, target, ids: torch.Tensor, attn: torch.Tensor | None) -> torch.Tensor:
         return last_hidden(target, ids, attn)
 
     def loss(self, draft: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return eagle_draft_loss(draft, hidden, ids, mask)[0]
+        return eagle_draft_loss(draft, hidden, ids, mask, soft=getattr(getattr(draft, "module", draft),
+                                                                       "soft_labels", False))[0]
 
     def accuracy(self, draft: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
                  mask: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -63,7 +66,8 @@ class Eagle:
         return [hits], [counts]
 
     def config(self, draft: EagleDraft) -> dict:
-        return {"num_layers": len(draft.layers), **draft.sizes()}
+        return {"num_layers": len(draft.layers), **draft.sizes(),
+                "labels": "soft" if getattr(draft, "soft_labels", False) else "hard"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Eagle3:
     def build(self, target, num_heads: int, cfg=None) -> nn.Module:
         draft = Eagle3Draft.from_target(target)
         draft.ttt_steps = getattr(cfg, "ttt_steps", 3)
+        draft.soft_labels = getattr(cfg, "labels", "hard") == "soft"
         draft.wanted_vocab = getattr(cfg, "draft_vocab", None)
         return draft
 
@@ -90,7 +95,8 @@ class Eagle3:
         draft.set_vocab(order[:want])
 
     def features(self, draft: nn.Module, target, ids: torch.Tensor, attn: torch.Tensor | None) -> torch.Tensor:
-        return eagle3_features(target, ids, attn, getattr(draft, "module", draft).aux_layers)
+        base = getattr(draft, "module", draft)
+        return eagle3_features(target, ids, attn, base.aux_layers, with_last=base.soft_labels)
 
     def loss(self, draft: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return eagle3_loss(draft, hidden, ids, mask)[0]
@@ -101,7 +107,8 @@ class Eagle3:
         return eagle3_accuracy(draft, hidden, ids, mask)
 
     def config(self, draft: Eagle3Draft) -> dict:
-        return {"num_layers": 1, **draft.sizes(), "ttt_steps": draft.ttt_steps}
+        return {"num_layers": 1, **draft.sizes(), "ttt_steps": draft.ttt_steps,
+                "labels": "soft" if draft.soft_labels else "hard"}
 
 
 DRAFT_METHODS = {m.name: m for m in (Medusa(), Eagle(), Eagle3())}

@@ -44,7 +44,7 @@ class DraftConfig:
     seq_len: tokens per sequence at most (prompt + answer); answer_tokens: answer tokens at
     most; warmup_steps: None = 5% of max_steps; checkpoint_every / eval_every: in steps;
     holdout: sequences kept out of training to measure each head's top-1 accuracy;
-    resume: a checkpoint-STEP folder to continue from (same data, schedule and RNG).
+    resume: a checkpoint-STEP folder to continue from (same data, held-out split, schedule and RNG).
     dataset: a dataset.jsonl an earlier run wrote (OUT/dataset.jsonl): train on those sequences
     instead of writing new ones (another method, or longer, on the same self-distilled answers).
     init_from: the OUT folder of an earlier train-draft run of the same method and sizes whose
@@ -59,8 +59,11 @@ class DraftConfig:
     out: Path
     method: str = "medusa"  # or "eagle", "eagle3"
     num_heads: int = 4
-    ttt_steps: int = 3  # eagle3: training-time-test steps (the paper unrolls 7)
+    ttt_steps: int = 5  # eagle3: training-time-test steps: depths trained (serving's default depth; paper: 7)
     draft_vocab: int | None = None  # eagle3: the draft's vocabulary, the most used answer tokens (None: all)
+    # eagle, eagle3: "soft" (the default: the target's next-token distribution, over the draft's
+    # vocabulary, as EAGLE's paper and SpecForge's training take it) or "hard" (the data's next token)
+    labels: str | None = None
     num_prompts: int = 256
     max_steps: int = 1000
     prompts: Path | None = None
@@ -76,7 +79,9 @@ class DraftConfig:
     max_grad_norm: float = 1.0
     checkpoint_every: int = 200
     eval_every: int = 50
-    holdout: int = 4
+    # 4 sequences (~1000 tokens) put the same EAGLE-3 draft at 0.767 and at 0.847 depth-1 top-1 in two
+    # runs (docs/BENCHMARKS.md, twenty-eighth session); at most a fifth of the data either way
+    holdout: int = 64
     resume: Path | None = None
     init_from: Path | None = None
     device: str = "auto"
@@ -108,6 +113,13 @@ class DraftConfig:
             raise UserError(f"draft_vocab={self.draft_vocab!r} is not allowed; allowed: an integer >= 2 or None")
         if self.draft_vocab is not None and self.method != "eagle3":
             raise UserError(f"draft_vocab is an eagle3 option; --method {self.method} drafts over the whole vocabulary")
+        if self.labels is not None and self.method not in ("eagle", "eagle3"):
+            raise UserError(f"labels is an eagle / eagle3 option; --method {self.method} trains on the data's "
+                            "next tokens")
+        if self.labels not in (None, "soft", "hard"):
+            raise UserError(f"labels={self.labels!r} is not allowed; allowed: soft, hard")
+        if self.method in ("eagle", "eagle3") and self.labels is None:
+            self.labels = "soft"
         # the farthest target a draft position learns: num_heads + 1 tokens ahead (Medusa), 2 (EAGLE);
         # EAGLE-3's step j counts positions from j on
         least, least_text = ((self.num_heads + 3, "num_heads + 3") if self.method == "medusa" else
@@ -186,7 +198,9 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
             write_dataset(seqs, work / "dataset.jsonl")
     acc.wait_for_everyone()
     seqs = given if given is not None else _read_checked(work / "dataset.jsonl")
-    train, held = _split(seqs, cfg.holdout, cfg.seed)
+    # a resume continues its run's split: the checkpoint's holdout (4 before it was kept there)
+    holdout = _checkpoint_holdout(cfg.resume) if cfg.resume is not None else cfg.holdout
+    train, held = _split(seqs, holdout, cfg.seed)
 
     target, folder = load_target(cfg.target, "bfloat16" if use_cuda else "float32", acc.device)
     vocab = target.get_input_embeddings().weight.shape[0]
@@ -197,6 +211,8 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         raise UserError(f"the training data has token id {top}, past the target's vocabulary of {vocab}: "
                         f"{cfg.dataset or 'dataset.jsonl'} was written for another model; allowed: data of this target")
     method = DRAFT_METHODS[cfg.method]
+    if cfg.resume is not None and cfg.method in ("eagle", "eagle3"):  # a resume continues its run's labels too
+        cfg.labels = _checkpoint_labels(cfg.resume)
     heads = method.build(target, cfg.num_heads, cfg)
     if hasattr(method, "fit"):
         method.fit(heads, train)
@@ -287,7 +303,8 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         if step % cfg.checkpoint_every == 0 or last:
             acc.wait_for_everyone()
             if acc.is_main_process:
-                _save_checkpoint(work / f"checkpoint-{step}", acc.unwrap_model(heads), opt, sched, step, position)
+                _save_checkpoint(work / f"checkpoint-{step}", acc.unwrap_model(heads), opt, sched, step, position,
+                                 holdout, cfg.labels)
     result.step = step
 
     acc.wait_for_everyone()
@@ -449,7 +466,8 @@ def _set_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _save_checkpoint(path: Path, heads, opt, sched, step: int, position: int) -> None:
+def _save_checkpoint(path: Path, heads, opt, sched, step: int, position: int, holdout: int,
+                     labels: str | None = None) -> None:
     from safetensors.torch import save_file
 
     tmp = path.parent / f".{path.name}.tmp"
@@ -459,7 +477,8 @@ def _save_checkpoint(path: Path, heads, opt, sched, step: int, position: int) ->
     save_file({k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}, tmp / "heads.safetensors")
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()},
                tmp / "training_state.pt")
-    (tmp / _STATE).write_text(json.dumps({"step": step, "data_position": position}))
+    (tmp / _STATE).write_text(json.dumps({"step": step, "data_position": position, "holdout": holdout,
+                                          "labels": labels}))
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
@@ -477,6 +496,31 @@ def _load_checkpoint(path: Path, heads, opt, sched) -> tuple[int, int, dict]:
     except (OSError, RuntimeError, KeyError, ValueError) as e:
         raise UserError(f"--resume {path}: cannot read the checkpoint ({_why(e)})") from None
     return int(meta["step"]), int(meta["data_position"]), state["rng"]
+
+
+def _checkpoint_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json; one clear error if it cannot be read."""
+    try:
+        state = json.loads((path / _STATE).read_text())
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+        return state
+    except (OSError, ValueError) as e:
+        raise UserError(f"--resume {path}: cannot read the checkpoint ({_why(e)})") from None
+
+
+def _checkpoint_labels(path: Path) -> str | None:
+    """The label kind of the EAGLE run a checkpoint belongs to ("hard": a checkpoint from before it
+    was kept, when every run trained on hard labels)."""
+    return _checkpoint_state(path).get("labels", "hard")
+
+
+def _checkpoint_holdout(path: Path) -> int:
+    """The held-out count of the run a checkpoint belongs to (4: a checkpoint from before it was kept)."""
+    try:
+        return int(_checkpoint_state(path).get("holdout", 4))
+    except (TypeError, ValueError) as e:
+        raise UserError(f"--resume {path}: cannot read the checkpoint ({_why(e)})") from None
 
 
 def _why(e: Exception) -> str:

@@ -119,7 +119,8 @@ def test_eval_draft_bad_input_is_one_line(tiny_llama, tmp_path, measured):
     for args, pattern in ((("--draft", str(tmp_path)), "not a draft folder"),
                           (("--draft", draft, "--temperatures", "0,x"), "--temperatures '0,x'"),
                           (("--draft", draft, "--spec-policy", "greedy"), "--spec-policy 'greedy'"),
-                          (("--draft", draft, "--spec-load", "bursty"), "--spec-load 'bursty'")):
+                          (("--draft", draft, "--spec-load", "bursty"), "--spec-load 'bursty'"),
+                          (("--draft", draft, "--spec-reps", "0"), "--spec-reps 0")):
         r = run(*args)
         lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
         assert r.returncode == 2 and len(lines) == 1 and pattern in lines[0], r.stderr
@@ -187,6 +188,18 @@ def test_eval_takes_the_eagle_tree_options(tiny_llama, tmp_path):
                        capture_output=True, text=True)
     lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--spec-depth 0" in lines[0], r.stderr
+
+
+def test_spec_reps_sets_the_timed_batches(tiny_llama, tmp_path):
+    """--spec-reps N: N timed batches per case, batch size x N distinct prompts (a tau at batch 1
+    from more than a few prompts)."""
+    draft = write_draft(tmp_path / "medusa", tiny_llama, "medusa")
+    r = subprocess.run([sys.executable, "-m", "optllm", "eval", str(tiny_llama), "--device", "cpu", "--no-ppl",
+                        "--draft", str(draft), "--spec-reps", "3", "--batch-sizes", "2", "--temperatures", "0",
+                        "--output-len", "4", "--out", str(tmp_path / "rep")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    row = json.loads((tmp_path / "rep" / "report.json").read_text())["rows"][0]["speculation"][0]
+    assert row["requests"] == 6 and row["seqs"] == 6
 
 
 def test_spread_lengths_are_even_fixed_and_shuffled():

@@ -75,8 +75,10 @@ def test_interrupted_run_resumes_to_the_same_losses(straight, tiny_chat, tmp_pat
     with pytest.raises(UserError, match="unfinished run.*--resume .*checkpoint-2"):
         train_draft(DraftConfig(target=str(tiny_chat), out=out, **SMALL), log=lambda _: None)
 
-    resumed = train_draft(DraftConfig(target=str(tiny_chat), out=out, resume=work / "checkpoint-2", **SMALL),
-                          log=lambda _: None)
+    # the run's own held-out split continues, whatever --holdout the resume is given (0: none held out)
+    assert json.loads((work / "checkpoint-2" / "trainer_state.json").read_text())["holdout"] == 1
+    resumed = train_draft(DraftConfig(target=str(tiny_chat), out=out, resume=work / "checkpoint-2",
+                                      **{**SMALL, "holdout": 0}), log=lambda _: None)
     assert [s for s, _ in resumed.losses] == [3, 4]
     for (_, want), (_, got) in zip(result.losses[2:], resumed.losses):
         assert abs(want - got) < 1e-6
@@ -87,6 +89,11 @@ def test_interrupted_run_resumes_to_the_same_losses(straight, tiny_chat, tmp_pat
 def test_bad_input_through_the_api(tiny_chat, tmp_path):
     with pytest.raises(UserError, match="unknown method 'foo'; allowed: medusa"):
         DraftConfig(target=str(tiny_chat), out=tmp_path / "o", method="foo")
+    with pytest.raises(UserError, match="labels='kl' is not allowed; allowed: soft, hard"):
+        DraftConfig(target=str(tiny_chat), out=tmp_path / "o", method="eagle3", labels="kl")
+    with pytest.raises(UserError, match="labels is an eagle / eagle3 option"):
+        DraftConfig(target=str(tiny_chat), out=tmp_path / "o", method="medusa", labels="soft")
+    assert DraftConfig(target=str(tiny_chat), out=tmp_path / "o", method="eagle3").labels == "soft"
     with pytest.raises(UserError, match="prompt file .*nope.jsonl not found"):
         train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "o", prompts=tmp_path / "nope.jsonl"))
     with pytest.raises(UserError, match="not a checkpoint folder"):

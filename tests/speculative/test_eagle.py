@@ -136,11 +136,12 @@ def _loss_and_grads(draft, fn):
     return loss.detach(), parts.detach(), [p.grad.clone() for p in draft.parameters()]
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 3, 1])
-def test_draft_loss_equals_the_loss_over_all_logits(chunk_rows, monkeypatch):
+@pytest.mark.parametrize(("chunk_rows", "soft"), [(None, False), (3, False), (1, False), (None, True), (3, True)])
+def test_draft_loss_equals_the_loss_over_all_logits(chunk_rows, soft, monkeypatch):
     """eagle_draft_loss (the LM head read at the counted positions only, a chunk of rows at a time,
     its gradient made with the logits) gives eagle_loss over the draft's logits at every position:
-    the same loss, parts and gradients."""
+    the same loss, parts and gradients; also with soft labels (the paper's: the target's
+    distribution softmax(LM_head(f_{t+1})) instead of x_{t+2})."""
     draft = _draft(vocab=12, seed=2)
     if chunk_rows is not None:
         monkeypatch.setattr(eagle, "CE_CHUNK_ELEMENTS", chunk_rows * 12)
@@ -148,8 +149,13 @@ def test_draft_loss_equals_the_loss_over_all_logits(chunk_rows, monkeypatch):
     feats, ids = torch.randn(3, 11, 16, generator=g), torch.randint(0, 12, (3, 11), generator=g)
     mask = torch.zeros(3, 11, dtype=torch.bool)
     mask[0, 4:], mask[1, 2:9], mask[2, 10] = True, True, True
-    want = _loss_and_grads(draft, lambda: eagle_loss(*draft(*eagle_inputs(feats, ids)), feats, ids, mask))
-    got = _loss_and_grads(draft, lambda: eagle.eagle_draft_loss(draft, feats, ids, mask))
+    head = draft.lm_head if soft else None
+    want = _loss_and_grads(draft, lambda: eagle_loss(*draft(*eagle_inputs(feats, ids)), feats, ids, mask,
+                                                     lm_head=head))
+    got = _loss_and_grads(draft, lambda: eagle.eagle_draft_loss(draft, feats, ids, mask, soft=soft))
+    if soft:  # (not the hard labels' numbers)
+        hard = eagle.eagle_draft_loss(draft, feats, ids, mask)[1][1].detach()
+        assert not torch.isclose(hard, got[1][1])
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
     for a, b in zip(got[2], want[2]):

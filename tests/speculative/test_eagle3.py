@@ -105,23 +105,36 @@ def _loss_over_logits(d: Eagle3Draft, aux, ids, mask, steps: int):
     return (torch.stack(ces) * w).sum() / w.sum(), torch.stack(ces).detach()
 
 
+def _loss_case(vocab, monkeypatch, seed: int, data_seed: int, width: int):
+    """(draft with 3 training-time-test steps, over vocab's ids when given; features [2, 10, width * H];
+    ids [2, 10]; an all-true mask), the fused cross-entropy made 4 rows a chunk."""
+    d = _draft(seed=seed)
+    if vocab is not None:
+        d.set_vocab(torch.tensor(vocab))
+    d.ttt_steps = 3
+    monkeypatch.setattr(eagle, "CE_CHUNK_ELEMENTS", 4 * d.draft_vocab_size)
+    g = torch.Generator().manual_seed(data_seed)
+    feats = torch.randn(2, 10, width * d.hidden_size, generator=g)
+    ids = torch.randint(0, d.vocab_size, (2, 10), generator=g)
+    return d, feats, ids, torch.ones(2, 10, dtype=torch.bool)
+
+
 @pytest.mark.parametrize("vocab", [None, [1, 2, 3, 5, 8]])
 def test_loss_equals_the_loss_over_all_logits(vocab, monkeypatch):
     """eagle3_loss reads each step's LM head at the counted positions only (in chunks, its gradients
     made with the logits): the same loss, per-step losses and gradients as over the logits at every
     position, the LM head's (trainable) included, with a reduced vocabulary too."""
-    d = _draft(seed=5)
-    if vocab is not None:
-        d.set_vocab(torch.tensor(vocab))
-    d.ttt_steps = 3
-    monkeypatch.setattr(eagle, "CE_CHUNK_ELEMENTS", 4 * d.draft_vocab_size)
-    g = torch.Generator().manual_seed(4)
-    aux = torch.randn(2, 10, 3 * d.hidden_size, generator=g)
-    ids = torch.randint(0, d.vocab_size, (2, 10), generator=g)
-    mask = torch.ones(2, 10, dtype=torch.bool)
+    d, aux, ids, mask = _loss_case(vocab, monkeypatch, seed=5, data_seed=4, width=3)
     mask[1, :5] = False
+    _same_loss_and_gradients(d, lambda: _loss_over_logits(d, aux, ids, mask, 3),
+                             lambda: eagle3_loss(d, aux, ids, mask))
+
+
+def _same_loss_and_gradients(d: Eagle3Draft, want_fn, got_fn) -> torch.Tensor:
+    """want_fn and got_fn (each (loss, per-step losses)) agree in loss, per-step losses and every
+    parameter's gradient; returns got_fn's loss."""
     runs = []
-    for fn in (lambda: _loss_over_logits(d, aux, ids, mask, 3), lambda: eagle3_loss(d, aux, ids, mask)):
+    for fn in (want_fn, got_fn):
         d.zero_grad()
         loss, per_step = fn()
         loss.backward()
@@ -131,6 +144,72 @@ def test_loss_equals_the_loss_over_all_logits(vocab, monkeypatch):
     torch.testing.assert_close(got_steps, want_steps)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return got
+
+
+def _soft_loss_over_logits(d: Eagle3Draft, feats, ids, mask, steps: int):
+    """eagle3_loss with soft labels, written over every position's logits: step j's mean over the
+    counted positions t >= j of the cross-entropy against p_t = softmax(last_{t+1} @ W_kept.T), the
+    target's next-token distribution over the draft's vocabulary (W: the target's LM head)."""
+    h3 = 3 * d.hidden_size
+    aux, last = feats[..., :h3], feats[..., h3:]
+    t = ids.shape[1]
+    logits = d.ttt(aux[:, :-1], ids[:, 1:], steps)
+    tgt = ids[:, 2:]
+    counted = mask[:, 2:] & d.t2d[tgt]
+    kept = d.d2t + torch.arange(d.draft_vocab_size)
+    p = torch.softmax(last[:, 1:-1] @ d._target_lm_head[kept].T, dim=-1)
+    ces = []
+    for j, lg in enumerate(logits):
+        m = counted.clone()
+        m[:, :j] = False
+        ce = -(p * torch.log_softmax(lg[:, : t - 2], dim=-1)).sum(-1)
+        ces.append((ce * m).sum() / m.sum().clamp(min=1))
+    w = torch.tensor([eagle3.STEP_DECAY ** j for j in range(steps)])
+    return (torch.stack(ces) * w).sum() / w.sum(), torch.stack(ces).detach()
+
+
+@pytest.mark.parametrize("vocab", [None, [1, 2, 3, 5, 8]])
+def test_soft_labels_loss_equals_the_loss_over_all_logits(vocab, monkeypatch):
+    """Features with the target's last hidden state ([.., 4H]): each position's label is the target's
+    next-token distribution at the following position over the draft's vocabulary (EAGLE's and
+    SpecForge's training target), made chunk by chunk beside the draft's logits. The same loss,
+    per-step losses and gradients as the soft cross-entropy over every position's logits, with a
+    reduced vocabulary too; and not the hard-label loss (a teacher shifted by one position, or the
+    data's tokens, would give other numbers)."""
+    d, feats, ids, mask = _loss_case(vocab, monkeypatch, seed=6, data_seed=8, width=4)
+    mask[0, :4] = False
+    got = _same_loss_and_gradients(d, lambda: _soft_loss_over_logits(d, feats, ids, mask, 3),
+                                   lambda: eagle3_loss(d, feats, ids, mask))
+    hard, _ = eagle3_loss(d, feats[..., :3 * d.hidden_size], ids, mask)
+    assert not torch.isclose(hard, got)
+    shifted = feats.clone()
+    shifted[..., 3 * d.hidden_size:] = feats[..., 3 * d.hidden_size:].roll(1, dims=1)
+    assert not torch.isclose(eagle3_loss(d, shifted, ids, mask)[0], got)
+
+
+def test_soft_cross_entropy_against_a_teacher_equals_torch():
+    """linear_cross_entropy with target=(teacher hidden, teacher weight): value and gradients of
+    sum_i s_i * CE(softmax(teacher_i), hidden_i @ W.T), over several chunks."""
+    g = torch.Generator().manual_seed(1)
+    n, h, v, ht = 23, 8, 30, 6
+    hid = torch.randn(n, h, generator=g, requires_grad=True)
+    w = torch.randn(v, h, generator=g, requires_grad=True)
+    th, tw, sc = torch.randn(n, ht, generator=g), torch.randn(v, ht, generator=g), torch.rand(n, generator=g)
+    old = eagle.CE_CHUNK_ELEMENTS
+    eagle.CE_CHUNK_ELEMENTS = 5 * v
+    try:
+        got = eagle.linear_cross_entropy(hid, w, None, sc, target=(th, tw))
+        got.backward()
+    finally:
+        eagle.CE_CHUNK_ELEMENTS = old
+    gh, gw = hid.grad.clone(), w.grad.clone()
+    hid.grad = w.grad = None
+    want = (-(torch.softmax(th @ tw.T, -1) * torch.log_softmax(hid @ w.T, -1)).sum(-1) * sc).sum()
+    want.backward()
+    torch.testing.assert_close(got, want.detach())
+    torch.testing.assert_close(gh, hid.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_reduced_vocabulary_maps_both_ways():
@@ -154,6 +233,12 @@ def test_features_are_the_targets_layer_inputs(tiny_llama):
     target = hf_float32(tiny_llama)
     ids = torch.randint(0, target.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
     feats = eagle3_features(target, ids, None, (1, 1, 1))
+    # with_last: then the target's last hidden state, the one its LM head reads (its logits)
+    both = eagle3_features(target, ids, None, (1, 1, 1), with_last=True)
+    h = target.config.hidden_size
+    torch.testing.assert_close(both[..., :3 * h], feats)
+    with torch.no_grad():
+        torch.testing.assert_close(target.lm_head(both[..., 3 * h:]), target(ids).logits, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         x = target.model.embed_tokens(ids)
         pos = torch.arange(7)[None]
@@ -176,4 +261,17 @@ def test_train_draft_eagle3_writes_the_draft(tiny_chat, tmp_path):
     assert w["fc.weight"].shape == (64, 192) and w["lm_head.weight"].shape == (64, 64)
     assert w["midlayer.self_attn.q_proj.weight"].shape[1] == 128 and w["d2t"].shape == (64,)
     assert w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 64
-    assert "embed_tokens" not in " ".join(w) and len(result.accuracy) == 2
+    assert "embed_tokens" not in " ".join(w) and "target_head" not in " ".join(w) and len(result.accuracy) == 2
+    assert cfg["labels"] == "soft"  # the default: the target's distribution (the checkpoint records it too)
+    assert json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["labels"] == "soft"
+
+
+def test_a_resume_keeps_its_runs_labels(tmp_path):
+    """A checkpoint records its run's labels; one from before they were kept trained on hard labels,
+    and a resume of it continues so (soft labels would change the loss it continues)."""
+    from optllm.speculative.train import _checkpoint_labels
+
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "data_position": 4, "holdout": 1}))
+    assert _checkpoint_labels(tmp_path) == "hard"
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "holdout": 1, "labels": "soft"}))
+    assert _checkpoint_labels(tmp_path) == "soft"
