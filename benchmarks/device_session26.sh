@@ -4,7 +4,7 @@
 #   PART=stage  carry .carry1: its part copied to /root/m (the next call must follow within the
 #               machine's warm time)
 #   PART=train  carry .carry2: the model assembled (device_stage.sh); ONE EAGLE-3 draft (training-time
-#               test 4 steps, draft vocabulary 16384, batch 16) trained alone for SECS (300) on the
+#               test TTT steps, draft vocabulary 16384, batch 16) trained alone for SECS (300) on the
 #               nineteenth session's self-distilled data into /root/d/e3 (a second job beside it cuts
 #               its steps to a quarter: the step is host-bound); then the GPU tests (speculative
 #               engine, step graphs, prefill graphs, EAGLE-2 growth, the tensor-core GEMV's variants);
@@ -20,7 +20,18 @@
 #               Compute on the GEMV at gate_up and down, M = 1, in the runtime's config or each of NCU_CFGS
 #               (SOL, memory, warp stalls, instruction statistics)
 #   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval
-# LOAD: eval's --spec-load (waves, the default, or continuous)
+#   PART=gen    carry .carry2 (twenty-eighth session): more self-distilled data, GEN_S seconds of chunks
+#               (benchmarks/gen_draft_data.py, seeds apart from the nineteenth session's), merged after
+#               the nineteenth session's 12288 into /root/d/data_all.jsonl (a later PART=train on the same
+#               warm machine trains on it instead), which also comes back as $OUT/data_all.jsonl.gz
+# LOAD: eval's --spec-load, one eval each (waves, the default, and/or continuous: "waves continuous")
+# DATA (train): a carried folder with data_all.jsonl.gz, trained on instead (.carry-data, 12 MB: with
+# .carry2 it passes 64 MiB, so the model is assembled by an earlier call on the warm machine);
+# DRAFT (eval): a folder of e3.tgz.part* carried in, unpacked to /root/d/e3 (a fresh machine);
+# BS1_REPS (eval): also batch 1 alone over that many timed requests (--spec-reps), for its tau
+# LR: train's peak learning rate (train-draft's default 1e-3); TTT (6), LABELS (soft | hard), HOLDOUT (64):
+# train-draft's --ttt-steps, --labels, --holdout; TESTS in PART=eval: GPU tests first; NO_MMA=1:
+# eval without the GEMV sweep and profile
 # TESTS / TESTS_S: the GPU tests' files and time limit (default all of ALL_TESTS, the call's time left)
 source benchmarks/device_preamble.sh
 if [ "${PART:-}" = kernels ]; then  # no model: the kernels' tests and benchmarks
@@ -31,11 +42,16 @@ fi
 ALL_TESTS="tests/runtime/test_spec_gpu.py tests/runtime/test_cuda_graphs.py
   tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager
   tests/kernels/test_tree_grow.py tests/kernels/test_w4a16_mma.py"
+# files whose tests run on CUDA whenever it is there, unmarked (-m gpu would skip them all)
+DEV_TESTS="tests/kernels/test_rmsnorm.py tests/runtime/test_spec_features.py"
 gpu_tests() {  # TESTS (default ALL_TESTS) within TESTS_S seconds (default: the call's time left)
   # shellcheck disable=SC2086
   timeout "${TESTS_S:-$(( $(left) - 20 ))}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-$ALL_TESTS} \
     > "$OUT/logs/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
+  # shellcheck disable=SC2086
+  [ -z "${TESTS:-}" ] && timeout 120 python3 -m pytest -q -p no:cacheprovider $DEV_TESTS > "$OUT/logs/dev_tests.log" 2>&1
+  [ -z "${TESTS:-}" ] && { echo "cuda tests: $(tail -1 "$OUT/logs/dev_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/dev_tests.log"; }
 }
 mma_sweep() {
   timeout "$(( $(left) - 90 ))" python3 benchmarks/w4a16_mma.py --shapes qkv,o,gate_up,down --ms "${MS:-1,8,16}" \
@@ -67,28 +83,47 @@ PY
 case "${PART:-}" in
 tests) gpu_tests ;;
 kernels) gpu_tests; mma_sweep; mma_ncu ;;
-train)
+gen)
   gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
+  python3 benchmarks/gen_draft_data.py smollm2-135m --device cuda --out /root/d/data_all.jsonl --chunk 2048 \
+    --seconds "${GEN_S:-$(( $(left) - 150 ))}" --exclude /root/d/float_data.jsonl --merge > "$OUT/logs/gen.log" 2>&1
+  echo "gen exited $?"; tail -4 "$OUT/logs/gen.log"
+  gzip -c /root/d/data_all.jsonl > "$OUT/data_all.jsonl.gz"; ls -la "$OUT"
+  ;;
+train)
+  data=/root/d/data_all.jsonl
+  # DATA: a carried folder with data_all.jsonl.gz (.carry-data: the 47057 sequences), in a call of its own
+  [ -n "${DATA:-}" ] && gzip -dc "$DATA"/data_all.jsonl.gz > "$data"
+  [ -f "$data" ] || { data=/root/d/float_data.jsonl; gzip -dc .carry-draft/dataset_12288.jsonl.gz > "$data"; }
+  echo "training on $data: $(wc -l < "$data") sequences"
   init=()
   if [ -n "${INIT:-}" ]; then
     mkdir -p /root/d/init && cat "$INIT"/e3.tgz.part* | tar xzf - -C /root/d/init && init=(--init-from /root/d/init/e3)
   fi
   timeout $(( ${SECS:-300} + 90 )) python3 -m optllm train-draft smollm2-135m --method eagle3 --out /root/d/e3 "${init[@]}" \
-    --device cuda --ttt-steps 4 --draft-vocab 16384 --max-steps 40000 --batch-size 16 \
-    --time-limit "${SECS:-300}" --overwrite --dataset /root/d/float_data.jsonl > "$OUT/logs/train_e3.log" 2>&1
+    --device cuda --ttt-steps "${TTT:-6}" --labels "${LABELS:-soft}" --holdout "${HOLDOUT:-64}" --draft-vocab 16384 \
+    --max-steps 40000 --batch-size 16 \
+    --time-limit "${SECS:-300}" --lr "${LR:-1e-3}" --overwrite --dataset "$data" > "$OUT/logs/train_e3.log" 2>&1
   echo "train exited $?"; grep -v "^step" "$OUT/logs/train_e3.log" | tail -5
   (cd /root/d && tar czf - --exclude="checkpoint-*" --exclude=dataset.jsonl e3 | split -b 15M - "$OUT/e3.tgz.part") && ls -la "$OUT"
   [ -n "${INIT:-}" ] || gpu_tests  # with INIT the GPU tests ran in the call before (PART=tests)
   ;;
 eval)
-  timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/e3 \
-    --spec-policy auto --out /root/spec --temperatures 0,1 --batch-sizes "${BS:-1,8,32,64}" --spec-load "${LOAD:-waves}" \
-    > "$OUT/logs/spec.log" 2>&1 || echo "eval exited $?"
-  cp /root/spec/report.md "$OUT/spec.md" 2>/dev/null; cp /root/spec/report.json "$OUT/spec.json" 2>/dev/null
-  grep "^|" "$OUT/spec.md" | head -14
-  mma_sweep
-  mma_ncu
+  [ -z "${DRAFT:-}" ] || { mkdir -p /root/d && cat "$DRAFT"/e3.tgz.part* | tar xzf - -C /root/d; }
+  [ -z "${TESTS:-}" ] || gpu_tests
+  spec_eval() {  # name, then eval's own arguments
+    local name=$1; shift
+    timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/e3 \
+      --spec-policy auto --out "/root/spec_$name" --temperatures 0,1 "$@" > "$OUT/logs/spec_$name.log" 2>&1 \
+      || echo "eval $name exited $?"
+    cp "/root/spec_$name/report.md" "$OUT/spec_$name.md" 2>/dev/null
+    cp "/root/spec_$name/report.json" "$OUT/spec_$name.json" 2>/dev/null
+    grep "^|" "$OUT/spec_$name.md" | head -14
+  }
+  for load in ${LOAD:-waves}; do spec_eval "$load" --batch-sizes "${BS:-1,8,32,64}" --spec-load "$load"; done
+  [ -z "${BS1_REPS:-}" ] || spec_eval bs1 --batch-sizes 1 --spec-reps "$BS1_REPS"
+  [ -n "${NO_MMA:-}" ] || { mma_sweep; mma_ncu; }
   ;;
-*) echo "PART=${PART:-}: allowed stage, tests, train, eval, kernels"; exit 2 ;;
+*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
