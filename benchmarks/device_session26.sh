@@ -43,7 +43,7 @@ ALL_TESTS="tests/runtime/test_spec_gpu.py tests/runtime/test_cuda_graphs.py
   tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager
   tests/kernels/test_tree_grow.py tests/kernels/test_w4a16_mma.py"
 # files whose tests run on CUDA whenever it is there, unmarked (-m gpu would skip them all)
-DEV_TESTS="tests/kernels/test_rmsnorm.py tests/runtime/test_spec_features.py"
+DEV_TESTS="tests/kernels/test_rmsnorm.py tests/runtime/test_spec_features.py tests/kernels/test_sample.py"
 gpu_tests() {  # TESTS (default ALL_TESTS) within TESTS_S seconds (default: the call's time left)
   # shellcheck disable=SC2086
   timeout "${TESTS_S:-$(( $(left) - 20 ))}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-$ALL_TESTS} \

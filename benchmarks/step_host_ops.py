@@ -7,12 +7,13 @@ the ops are counted). Uses only the public engine API and the graphs' ``replay``
 script measures two code trees (run it with each on PYTHONPATH).
 
     python benchmarks/step_host_ops.py --model DIR --draft DIR [--batches 1,8,64] [--tree 5]
-        [--policy fixed|adaptive|adaptive-plain] [--top-k 2 --depth 3] [--host-only]
+        [--policy fixed|adaptive|adaptive-plain] [--top-k 2 --depth 3] [--host-only] [--temperature T]
 
 Per batch, for a plain engine and for a draft engine whose every step speculates (trees of --tree
-nodes), greedy, EOS ignored: aten ops a decode step, median and mean (the mean takes in the
-catch-up steps after a prefill, eager), the most frequent, and the median host µs of an engine
-step whose batch is all decodes (and how many steps were timed, how many of them speculative).
+nodes), greedy (--temperature T: every request sampled at T alone), EOS ignored: aten ops a decode
+step, median and mean (the mean takes in the catch-up steps after a prefill, eager), the most
+frequent, and the median host µs of an engine step whose batch is all decodes (and how many steps
+were timed, how many of them speculative).
 --policy fixed: the fixed policy's trees. --policy adaptive: the adaptive policy runs as in
 service (its choice, its per-size observations, its cost ratios, fed the table's own times: the
 stand-ins' step times mean nothing) on a cost table that makes the largest tree win every step,
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--host-only", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
     ap.add_argument("--profile", action="store_true", help="with --host-only: cProfile of the timed rounds, "
                     "per engine and batch, the functions by own time and ours by cumulative time, µs a step")
     a = ap.parse_args()
@@ -80,7 +82,7 @@ def main() -> None:
     from optllm.runtime.spec.policy import CostTable
 
     batches = [int(b) for b in a.batches.split(",")]
-    params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
     kw = dict(model=a.model, device="cpu", dtype="float32", max_num_seqs=max(batches))
     spec_name = f"trees of {a.tree}" + ("" if a.policy == "fixed" else f", {a.policy}")
     engines = {"plain": LLM(**kw),

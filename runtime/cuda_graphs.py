@@ -22,6 +22,7 @@ import functools
 import numpy as np
 import torch
 
+from ..kernels.sample import sample_tokens
 from .inference import inference
 from .layers.attention import AttentionMetadata
 from .step_inputs import HostBatch
@@ -213,22 +214,32 @@ class ReplayFence:
 
 class DecodeGraphs:
     """Per bucket b the graph reads its inputs from two staging buffers laid out for b rows,
-    int64 [ids b | positions b | slots b] and int32 [key counts b | block tables b x width], and
-    outputs the logits and their argmax (a greedy step's tokens: the sampler's all-greedy case)."""
+    int64 [ids b | positions b | slots b] and int32 [key counts b | temperatures b (float32 bits)
+    | block tables b x width], and outputs the logits and each row's token: the argmax where the
+    row's temperature is 0 (a greedy step's tokens: the sampler's all-greedy case), else drawn at
+    that temperature (kernels/sample.py: a temperature-only sampled step needs no sampler call and
+    no torch op on the host; the rows' noise counters live on the device, ``steps``). seed: the
+    noise's Philox key; backend: the sampling kernels' ("triton" | "torch": torch's generator,
+    the device's default one on CUDA, which a graph may draw from)."""
 
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
-                 num_splits_for, eager_stand_in: bool = False, sink=None) -> None:
+                 num_splits_for, eager_stand_in: bool = False, sink=None, seed: int = 0,
+                 backend: str = "torch") -> None:
         self.model, self.sink, self.vocab_size = model, sink, vocab_size
         self.eager_stand_in = eager_stand_in
         self.buckets = graph_buckets(max_batch)
         self.max_batch, self.width = self.buckets[-1], max_blocks_per_seq
         n = self.max_batch
         self.i64 = HostStaging(3 * n, torch.int64, device)
-        self.i32 = HostStaging(n * (1 + self.width), torch.int32, device)
+        self.i32 = HostStaging(n * (2 + self.width), torch.int32, device)
+        self.temps = self.i32.np.view(np.float32)  # the temperatures' float32 view of the int32 staging
+        self.steps = torch.zeros(n, dtype=torch.int64, device=device)  # each row's noise counter
+        self.seed, self.backend = seed, backend
+        self.generator = None if device.type == "cuda" else torch.Generator(device).manual_seed(seed)
         self.fence = ReplayFence(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple] = {}  # bucket -> (logits, argmax), refilled by each replay
-        # the argmax also copied to the host by the graph (a buffer a bucket, made at its warm-up run)
+        self.outputs: dict[int, tuple] = {}  # bucket -> (logits, tokens), refilled by each replay
+        # the tokens also copied to the host by the graph (a buffer a bucket, made at its warm-up run)
         self.device = device
         self.readback: dict | None = {} if captured_download_ok(device) else None
         self._views: dict = {}  # (bucket, rows) -> what replay() returns: views of the static outputs
@@ -236,19 +247,21 @@ class DecodeGraphs:
         self._capture(device)
 
     def _run(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, argmax) of bucket b; the hidden rows go to the sink."""
-        i64, i32 = self.i64.upload(3 * b), self.i32.upload(b * (1 + self.width))
+        """(logits, tokens) of bucket b; the hidden rows go to the sink."""
+        i64, i32 = self.i64.upload(3 * b), self.i32.upload(b * (2 + self.width))
         ids, positions, slots = i64[:b], i64[b:2 * b], i64[2 * b:]
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=i32[b:].view(b, self.width), seq_lens=i32[:b],
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=i32[2 * b:].view(b, self.width), seq_lens=i32[:b],
                                  decode=True, num_splits=self.num_splits_for(b))
         hidden = self.model(ids, positions, meta)
         if self.sink is not None:
             self.sink(hidden, getattr(self.model.model, "aux_hidden", None), slots)
         logits = self.model.compute_logits(hidden)
-        greedy = logits[:, :self.vocab_size].argmax(dim=-1)  # (a padded LM head's columns excluded)
+        # (a padded LM head's columns excluded)
+        tokens = sample_tokens(logits, i32[b:2 * b].view(torch.float32), self.steps[:b], self.seed, self.vocab_size,
+                               backend=self.backend, generator=self.generator)
         if self.readback is not None:
-            download_into(self.readback, b, greedy, self.device)
-        return logits, greedy
+            download_into(self.readback, b, tokens, self.device)
+        return logits, tokens
 
     def _capture(self, device) -> None:
         # the warm-up runs' batch: all padding (slot -1: nothing stored; one key)
@@ -262,19 +275,22 @@ class DecodeGraphs:
         return None
 
     def _write_padding(self, size: int, b: int) -> None:
-        """Rows b .. size of bucket size's layout: token 0 at position 0, slot -1, one key over block 0."""
+        """Rows b .. size of bucket size's layout: token 0 at position 0, slot -1, one key over block 0,
+        greedy."""
         q, i = self.i64.np, self.i32.np
         q[b:size] = 0
         q[size + b:2 * size] = 0
         q[2 * size + b:3 * size] = -1
         i[b:size] = 1
-        i[size + b * self.width:size + size * self.width] = 0
+        i[size + b:2 * size] = 0  # (float32 0.0: greedy, no noise drawn)
+        i[2 * size + b * self.width:2 * size + size * self.width] = 0
 
     @inference
-    def replay(self, hb: HostBatch) -> tuple:
-        """(logits [b, vocab], argmax) of a decode batch (b <= max_batch): the graph's outputs, valid
-        until its next replay; the argmax as ``HostTokens`` (the graph's own host copy) where the
-        captured download works, else int64 [b] on the device."""
+    def replay(self, hb: HostBatch, temps: list[float] | None = None) -> tuple:
+        """(logits [b, vocab], tokens) of a decode batch (b <= max_batch): the graph's outputs, valid
+        until its next replay; the tokens as ``HostTokens`` (the graph's own host copy) where the
+        captured download works, else int64 [b] on the device. temps: each row's temperature (the
+        tokens drawn at it; 0: the argmax); None: all 0, the argmax of every row."""
         b = len(hb.ids)
         size = self.bucket(b)
         width = hb.table.shape[1]
@@ -284,7 +300,11 @@ class DecodeGraphs:
         q[size:size + b] = hb.positions
         q[2 * size:2 * size + b] = hb.slots
         i[:b] = hb.seq_lens
-        i[size:size + size * self.width].reshape(size, self.width)[:b, :width] = hb.table
+        if temps is None:
+            i[size:size + b] = 0
+        else:
+            self.temps[size:size + b] = temps
+        i[2 * size:2 * size + size * self.width].reshape(size, self.width)[:b, :width] = hb.table
         if size > b:
             self._write_padding(size, b)
         self.graphs[size].replay()

@@ -119,7 +119,8 @@ class ModelRunner:
         spec = self.spec
         sink = None if spec is None else spec.store.store
         self.graphs = DecodeGraphs(self.model, max_batch, self.max_blocks_per_seq, self.vocab_size, self.device,
-                                   self.decode_splits, eager_stand_in=eager_stand_in, sink=sink)
+                                   self.decode_splits, eager_stand_in=eager_stand_in, sink=sink,
+                                   seed=self.config.seed, backend=self.backend)
         tokens = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
         self.extend_graphs = None if tokens < 1 else ExtendGraphs(
             self.model, max_batch, tokens, self.max_blocks_per_seq, self.vocab_size, self.device,
@@ -318,9 +319,14 @@ class ModelRunner:
     def _execute(self, seqs, num_new_tokens, decode: bool) -> list[int | None]:
         hb = host_batch(seqs, num_new_tokens, self.block_size, self.block_tables)
         if decode and self._graphed(seqs, num_new_tokens, decode):
-            # (with a draft: the rows' features stored inside); the argmax: the all-greedy case's tokens
-            logits, greedy = self.graphs.replay(hb)
-            return self._sample(seqs, hb, logits, greedy)
+            # (with a draft: the rows' features stored inside); the graph's tokens: the argmax of every
+            # row (the all-greedy case's tokens), or, where every row samples at a temperature alone,
+            # drawn there at each row's (the sampler is not called)
+            temps = self.sampler.graph_temperatures(seqs) if len(hb.sample) == len(seqs) else None
+            logits, tokens = self.graphs.replay(hb, temps)
+            if temps is not None:
+                return tokens.tolist()  # the step's one host sync
+            return self._sample(seqs, hb, logits, tokens)
         if not decode and self.extend_graphs is not None and self.extend_graphs.fits(hb):
             logits, greedy = self.extend_graphs.replay(hb)  # prefills, chunks, prefills beside decodes
             return self._sample(seqs, hb, logits, greedy)

@@ -150,6 +150,38 @@ class Sampler:
             g = table[device] = torch.Generator(device=device).manual_seed(self.seed)
         return g
 
+    def graph_temperatures(self, seqs: Seq[Sequence]) -> list[float] | None:
+        """Each row's temperature (0.0: greedy) when some row samples and every row's token is the
+        argmax or a draw at its temperature alone -- what a decode graph's own sampling
+        (kernels/sample.py) computes; None when a row needs this sampler: penalties, an unmet
+        min_tokens, logprobs, a seed, min_p, top_p or top_k, or when every row is greedy (the
+        graph's argmax serves that case through ``__call__``)."""
+        p = seqs[0].params if seqs else None
+        if p is not None and all(s.params is p for s in seqs):  # LLM.generate's usual case: one params
+            if p.temperature < GREEDY_EPS or not self._temperature_only(p):
+                return None
+            if p.min_tokens and any(s.num_output_tokens < p.min_tokens for s in seqs):
+                return None
+            return [p.temperature] * len(seqs)
+        out, sampled = [], False
+        for s in seqs:
+            p = s.params
+            if not self._temperature_only(p) or (p.min_tokens and s.num_output_tokens < p.min_tokens):
+                return None
+            g = p.temperature < GREEDY_EPS
+            sampled = sampled or not g
+            out.append(0.0 if g else p.temperature)
+        return out if sampled else None
+
+    def _temperature_only(self, p) -> bool:
+        """Whether a row of these params takes the argmax or a draw at its temperature, nothing else."""
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
+                or p.logprobs is not None:
+            return False
+        if p.temperature < GREEDY_EPS:
+            return True
+        return p.seed is None and p.min_p <= 0 and p.top_p >= 1.0 and (p.top_k <= 0 or p.top_k >= self.vocab_size)
+
     def _check(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         V = self.vocab_size
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] < V \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from optllm import LLM, SamplingParams
 from optllm.runtime.cuda_graphs import (
@@ -31,9 +32,9 @@ def _generate(llm: LLM, params, graphs: bool):
         r.make_graphs(8, eager_stand_in=True)  # buckets 1, 2, 4, 8: five sequences pad to 8
         replay = r.graphs.replay
 
-        def counted(hb):
+        def counted(hb, *temps):
             replays.append(len(hb.ids))
-            return replay(hb)
+            return replay(hb, *temps)
 
         r.graphs.replay = counted
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)], replays, llm.engine.runner
@@ -60,6 +61,103 @@ def test_graph_steps_equal_eager_steps(tiny_llama, mix):
     assert runner.graphs._views and all(isinstance(v[1], HostTokens) for v in runner.graphs._views.values())
 
 
+class _FixedLogits(torch.nn.Module):
+    """A model stub for DecodeGraphs: every row's logits are ``row``, 8 tokens (a padded LM head of
+    10 columns, the last two never to be drawn)."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        super().__init__()
+        self.row, self.model = torch.cat([row, torch.full((2,), 50.0)]), None
+
+    def forward(self, ids, positions, meta):
+        return torch.zeros(ids.shape[0], 4)
+
+    def compute_logits(self, hidden):
+        return self.row.expand(hidden.shape[0], -1).contiguous()
+
+
+def _one_row_batch(b: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ids=np.arange(b), positions=np.zeros(b, np.int64), slots=np.full(b, -1),
+                           seq_lens=np.ones(b, np.int32), table=np.zeros((b, 1), np.int32))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_decode_graph_draws_each_row_at_its_temperature(backend):
+    """A decode graph's own sampling: rows at temperature 0 keep the argmax (a padded LM head's
+    columns excluded), sampled rows draw anew at each replay, the same seed draws the same tokens
+    again, and (torch backend; the Triton kernel's draws are checked against their definition in
+    tests/kernels/test_sample.py) 2400 draws at 0.7 follow softmax at 0.7: Pearson's chi-square at
+    significance 1e-3."""
+    from optllm.runtime.cuda_graphs import DecodeGraphs
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5])
+
+    def graphs(seed):
+        return DecodeGraphs(_FixedLogits(logits), 16, 1, 8, torch.device("cpu"), lambda b: 1, eager_stand_in=True,
+                            seed=seed, backend=backend)
+
+    g = graphs(3)
+    hb = _one_row_batch(12)  # bucket 16: four padding rows
+    temps = [0.0, 0.7, 0.0] + [0.7] * 9
+    runs = []
+    for _ in range(4):
+        tokens = g.replay(hb, temps)[1]
+        runs.append(tokens.tolist())
+    assert all(r[0] == 0 and r[2] == 0 for r in runs)  # greedy rows: the argmax, never column 8 or 9
+    assert all(0 <= t < 8 for r in runs for t in r)
+    assert len({tuple(r) for r in runs}) > 1  # sampled rows drew anew
+    g2 = graphs(3)
+    assert [g2.replay(hb, temps)[1].tolist() for _ in range(4)] == runs  # the seed fixes the draws
+    assert g.replay(hb)[1].tolist() == [0] * 12  # no temperatures: the argmax of every row
+    if backend == "torch":
+        counts = np.zeros(8)
+        for _ in range(200):
+            counts += np.bincount(g.replay(hb, temps)[1].tolist()[3:] + [g.replay(hb, temps)[1].tolist()[1]],
+                                  minlength=8)
+        probs = torch.softmax(logits.double() / 0.7, dim=-1).numpy()
+        assert chisquare(counts, probs * counts.sum()).pvalue > 1e-3, (counts, probs * counts.sum())
+        assert chisquare(counts, torch.softmax(logits.double(), dim=-1).numpy() * counts.sum()).pvalue < 1e-4
+
+
+def test_temperature_only_decode_steps_skip_the_sampler(tiny_llama):
+    """Decode steps whose rows all sample at a temperature alone (or are greedy) take the graph's
+    tokens: the sampler runs for the prefills' first tokens and for steps with a row that needs
+    it (here, a top_p row while it runs); the tokens are the same from one seeded engine to the
+    next."""
+    params = [SamplingParams(temperature=0.8, max_tokens=m, ignore_eos=True) for m in (12, 9, 14, 6, 10)]
+    params[2] = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    params[4] = SamplingParams(temperature=0.9, top_p=0.7, max_tokens=3, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(tiny_llama), device="cpu", dtype="float32", seed=11)
+        r = llm.engine.runner
+        r.make_graphs(8, eager_stand_in=True)
+        calls = []
+        sampler = r.sampler
+
+        class Spy:
+            """The sampler, with its calls on steps where a row samples (all-greedy steps take the
+            graph's argmax through it) counted."""
+
+            def __call__(self, logits, seqs, greedy=None):
+                if any(q.params.temperature > 0 for q in seqs):
+                    calls.append(len(seqs))
+                return sampler(logits, seqs, greedy=greedy)
+
+            graph_temperatures = staticmethod(sampler.graph_temperatures)
+
+        r.sampler = Spy()
+        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        runs.append(out)
+        assert [len(t) for t in out] == [12, 9, 14, 6, 3]
+        # the prefill's step, then the decode steps while the top_p row runs (2 of them): the rest
+        # of the 13 decode steps drew inside the graph
+        assert calls == [5, 5, 5], calls
+    assert runs[0] == runs[1]
+
+
 def test_padding_rows_of_a_bucket_are_written_each_step(tiny_llama):
     """A batch of 3 after a batch of 8 in bucket 4: row 3 must be padding again (slot -1: nothing
     stored; one key over block 0), not the earlier step's row."""
@@ -72,8 +170,10 @@ def test_padding_rows_of_a_bucket_are_written_each_step(tiny_llama):
     i[:] = 77
     g._write_padding(4, 3)
     assert q[3] == 0 and q[4 + 3] == 0 and q[8 + 3] == -1 and i[3] == 1
-    assert (i[4 + 3 * g.width:4 + 4 * g.width] == 0).all()
-    assert q[2] == 77 and q[4 + 2] == 77 and q[8 + 2] == 77 and i[2] == 77  # the batch's rows untouched
+    assert g.temps[4 + 3] == 0.0  # greedy: no noise drawn for a padding row
+    assert (i[8 + 3 * g.width:8 + 4 * g.width] == 0).all()
+    assert q[2] == 77 and q[4 + 2] == 77 and q[8 + 2] == 77 and i[2] == 77 and i[4 + 2] == 77  # the batch's rows
+    assert (i[8 + 2 * g.width:8 + 3 * g.width] == 77).all()  # untouched
 
 
 def _extend_replays(llm: LLM) -> list[tuple[int, ...]]:
@@ -188,3 +288,32 @@ def test_a_captured_download_writes_the_host_buffer_at_every_replay():
 
     _replays_see_each_new_input(st, fence, lambda: rb.download((st.upload(16) * 3 + 1).view(4, 4)), read)
     assert captured_download_ok(dev)  # the runtime's own start-up check passes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_captured_decode_graph_draws_anew_at_every_replay(backend):
+    """On CUDA, captured: the decode graph's sampling draws fresh noise at each replay (the Triton
+    kernel's row counters advance inside the graph; torch's default generator moves its offset),
+    greedy rows keep the argmax, and a padded LM head's columns are never drawn."""
+    from optllm.runtime.cuda_graphs import DecodeGraphs
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5])
+
+    class Fixed(_FixedLogits):
+        def forward(self, ids, positions, meta):
+            return torch.zeros(ids.shape[0], 4, device="cuda")
+
+    model = Fixed(logits.cuda())
+    g = DecodeGraphs(model, 16, 1, 8, torch.device("cuda"), lambda b: 1, seed=5, backend=backend)
+    hb = _one_row_batch(12)
+    temps = [0.0] + [1.0] * 11
+    runs = [g.replay(hb, temps)[1].tolist() for _ in range(40)]
+    assert all(r[0] == 0 for r in runs) and all(0 <= t < 8 for r in runs for t in r)
+    draws = np.array([r[1:] for r in runs]).reshape(-1)
+    assert len({tuple(r) for r in runs}) == 40  # 11 sampled rows: a repeat would mean replayed noise
+    counts = np.bincount(draws, minlength=8)
+    probs = torch.softmax(logits.double(), dim=-1).numpy()
+    assert chisquare(counts, probs * counts.sum()).pvalue > 1e-3  # 440 draws at temperature 1
+    if backend == "triton":
+        assert g.steps[1:12].tolist() == [40] * 11  # (the warm-up runs wrote greedy padding: no draws)

@@ -300,3 +300,27 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="token_ids"):
         token_logprobs(torch.zeros(2, 10), torch.zeros(3, dtype=torch.int64), 1)
     assert isinstance(s(torch.zeros(0, 10), []), SamplerOutput)
+
+
+# ------------------------------------------------------------------------------ the decode graph's own sampling
+def test_graph_temperatures_only_where_a_temperature_is_all_a_row_needs():
+    """What a decode graph can draw itself (kernels/sample.py): rows greedy or at a temperature
+    alone, at least one sampling; anything the sampler must do sends the step back to it."""
+    s = Sampler(100, frozenset({0}))
+    t = dict(temperature=0.7)
+    assert s.graph_temperatures([_seq(**t), _seq(temperature=0), _seq(temperature=1.3, top_k=100)]) == [0.7, 0.0, 1.3]
+    shared = SamplingParams(**t)
+    seqs = [Sequence(f"r{i}", [1, 2], shared) for i in range(3)]
+    assert s.graph_temperatures(seqs) == [0.7] * 3  # one params object: checked once
+    assert s.graph_temperatures([_seq(temperature=0), _seq(temperature=0)]) is None  # all greedy: the argmax path
+    for extra in (dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(seed=3), dict(logprobs=2),
+                  dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
+                  dict(min_tokens=4)):
+        assert s.graph_temperatures([_seq(**t), _seq(**t, **extra)]) is None, extra
+        shared = SamplingParams(**t, **extra)
+        assert s.graph_temperatures([Sequence("a", [1], shared), Sequence("b", [1], shared)]) is None, extra
+    # a greedy row with a penalty, logprobs or an unmet min_tokens needs the sampler too
+    for extra in (dict(repetition_penalty=1.2), dict(logprobs=1), dict(min_tokens=2)):
+        assert s.graph_temperatures([_seq(**t), _seq(temperature=0, **extra)]) is None, extra
+    # min_tokens met: the ban is over
+    assert s.graph_temperatures([_seq(**t), _seq(outputs=(5, 6), temperature=0.5, min_tokens=2)]) == [0.7, 0.5]

@@ -28,9 +28,9 @@ def _with_stand_in_graphs(llm: LLM, max_batch: int, step_graphs: bool = True) ->
     replays: list[int] = []
     replay = r.graphs.replay
 
-    def counted(hb):
+    def counted(hb, *temps):
         replays.append(len(hb.ids))
-        return replay(hb)
+        return replay(hb, *temps)
 
     r.graphs.replay = counted
     return replays
