@@ -18,6 +18,7 @@ one more kernel a step.
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ from ..kernels.sample import sample_tokens
 from .inference import inference
 from .layers.attention import AttentionMetadata
 from .step_inputs import HostBatch
+
+log = logging.getLogger("optllm.runtime")
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -195,6 +198,37 @@ def captured_download_ok(device: torch.device) -> bool:
     return _DOWNLOAD_OK[device]
 
 
+_SAMPLE_OK: dict = {}  # device -> whether kernels/sample.py's kernels gave the reference's tokens there
+
+
+def sampling_kernels_ok(device: torch.device) -> bool:
+    """Once per device: whether the Triton sampling kernels compile and give torch's argmax for
+    greedy rows (ties and a padded LM head included) and advance a sampled row's counter; False
+    (with a warning) sends the decode graphs to the torch sampling path, so a kernel that fails
+    on some GPU costs speed, not the engine's start or its tokens. A CPU without the interpreter: False."""
+    if device.type != "cuda":
+        return False
+    if device not in _SAMPLE_OK:
+        try:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = (torch.randn(4, 1030, generator=g) * 3).to(torch.bfloat16).round().to(device)
+            x[:, 1000:] = 1e4  # padded columns: never taken
+            temps = torch.tensor([0.0, 0.0, 0.0, 1.0], device=device)
+            steps = torch.zeros(4, dtype=torch.int64, device=device)
+            tok = sample_tokens(x, temps, steps, 0, 1000, backend="triton")
+            want = x[:3, :1000].float().argmax(dim=-1)
+            ok = tok[:3].tolist() == want.tolist() and 0 <= int(tok[3]) < 1000 and steps.tolist() == [0, 0, 0, 1]
+        except Exception as e:  # a compile or launch failure: the torch path serves
+            ok, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = "its tokens differ from torch's argmax"
+        if not ok:
+            log.warning("the decode graphs' sampling kernels failed their start-up check on %s (%s); sampling "
+                        "there runs torch's ops inside the graphs instead", device, why)
+        _SAMPLE_OK[device] = ok
+    return _SAMPLE_OK[device]
+
+
 class ReplayFence:
     """An event recorded after each replay: ``wait`` returns once the last replay (and so its
     copies out of the staging buffers) is done. Steps read their results back before the next
@@ -234,7 +268,9 @@ class DecodeGraphs:
         self.i32 = HostStaging(n * (2 + self.width), torch.int32, device)
         self.temps = self.i32.np.view(np.float32)  # the temperatures' float32 view of the int32 staging
         self.steps = torch.zeros(n, dtype=torch.int64, device=device)  # each row's noise counter
-        self.seed, self.backend = seed, backend
+        self.seed = seed
+        self.backend = "torch" if backend == "triton" and device.type == "cuda" and not sampling_kernels_ok(device) \
+            else backend
         self.generator = None if device.type == "cuda" else torch.Generator(device).manual_seed(seed)
         self.fence = ReplayFence(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -316,4 +316,22 @@ def test_a_captured_decode_graph_draws_anew_at_every_replay(backend):
     probs = torch.softmax(logits.double(), dim=-1).numpy()
     assert chisquare(counts, probs * counts.sum()).pvalue > 1e-3  # 440 draws at temperature 1
     if backend == "triton":
+        from optllm.runtime.cuda_graphs import sampling_kernels_ok
+
+        assert sampling_kernels_ok(torch.device("cuda")) and g.backend == "triton"  # no fallback to torch
         assert g.steps[1:12].tolist() == [40] * 11  # (the warm-up runs wrote greedy padding: no draws)
+
+
+def test_sampling_kernels_that_fail_their_check_leave_the_torch_path(monkeypatch, caplog):
+    """A GPU where the sampling kernels fail (here: a CUDA device this machine lacks, so the check's
+    first copy raises) gets a warning and the torch sampling path, not a failed start."""
+    from optllm.runtime import cuda_graphs
+
+    dev = torch.device("cuda", 7)
+    monkeypatch.setattr(cuda_graphs, "_SAMPLE_OK", {})
+    if torch.cuda.is_available() and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a GPU 7")
+    with caplog.at_level("WARNING", logger="optllm.runtime"):
+        assert cuda_graphs.sampling_kernels_ok(dev) is False
+    assert "failed their start-up check" in caplog.text
+    assert cuda_graphs.sampling_kernels_ok(torch.device("cpu")) is False
