@@ -383,18 +383,31 @@ class ExtendGraphs:
     new tokens (cu_seqlens stays at t; one key over block 0). The extend kernel's grid and tiles
     follow T (max_seqlen_q).
     Inputs through host staging (HostStaging), laid out per key: int64 [ids T | positions T | slots T |
-    logits rows B] and int32 [key counts B | cu_seqlens B + 1 | tables B x width]; outputs the logits of
-    B rows (the sampling rows, then row 0 again) and their argmax. Steps with prompt log-probs run
-    eager. ``sink``, ``eager_stand_in``: as DecodeGraphs'."""
+    logits rows B] and int32 [key counts B | cu_seqlens B + 1 | tables B x width | temperatures B
+    (float32 bits)]; outputs the logits of B rows (the sampling rows, then row 0 again) and their
+    tokens, drawn as DecodeGraphs' are (greedy rows: the argmax), copied to the host by the graph.
+    Steps with prompt log-probs run eager. ``sink``, ``eager_stand_in``, ``seed``, ``backend``: as
+    DecodeGraphs'."""
 
     def __init__(self, model, max_seqs: int, max_tokens: int, max_blocks_per_seq: int, vocab_size: int,
-                 device: torch.device, eager_stand_in: bool = False, sink=None) -> None:
+                 device: torch.device, eager_stand_in: bool = False, sink=None, seed: int = 0,
+                 backend: str = "torch") -> None:
         self.model, self.sink, self.vocab_size, self.width = model, sink, vocab_size, max_blocks_per_seq
         self.t_buckets, self.b_buckets = token_buckets(max_tokens), seq_buckets(max_seqs)
         self.keys = [(t, b) for t in self.t_buckets for b in self.b_buckets if b <= t]
         big_t, big_b = max(self.t_buckets), max(self.b_buckets)
         self.i64 = HostStaging(3 * big_t + big_b, torch.int64, device)
-        self.i32 = HostStaging(big_b * (2 + self.width) + 1, torch.int32, device)
+        self.i32 = HostStaging(big_b * (3 + self.width) + 1, torch.int32, device)
+        self.temps = self.i32.np.view(np.float32)
+        self.steps = torch.zeros(big_b, dtype=torch.int64, device=device)  # each logits row's noise counter
+        # (seeded apart from the decode graphs': a row of each never draws the same noise)
+        self.seed = (seed * 0x9E3779B97F4A7C15 + 1) & 0x7FFFFFFFFFFFFFFF
+        self.backend = "torch" if backend == "triton" and device.type == "cuda" and not sampling_kernels_ok(device) \
+            else backend
+        self.generator = None if device.type == "cuda" else torch.Generator(device).manual_seed(self.seed)
+        self.device = device
+        self.readback: dict | None = {} if captured_download_ok(device) else None
+        self._views: dict = {}
         self.fence = ReplayFence(device)
         self.graphs: dict = {}
         runs = {k: functools.partial(self._run, *k) for k in sorted(self.keys, key=lambda k: (-k[0], -k[1]))}
@@ -403,16 +416,22 @@ class ExtendGraphs:
                                       prepare=lambda k: self._write_padding(*k, 0, 0, 0))
 
     def _run(self, t: int, b: int):
-        i64, i32 = self.i64.upload(3 * t + b), self.i32.upload(b * (2 + self.width) + 1)
+        i64, i32 = self.i64.upload(3 * t + b), self.i32.upload(b * (3 + self.width) + 1)
         slots = i64[2 * t:3 * t]
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=i32[2 * b + 1:].view(b, self.width),
+        tables = 2 * b + 1
+        width = b * self.width
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=i32[tables:tables + width].view(b, self.width),
                                  seq_lens=i32[:b], decode=False, cu_seqlens_q=i32[b:2 * b + 1], max_seqlen_q=t,
                                  padded=True)
         hidden = self.model(i64[:t], i64[t:2 * t], meta)
         if self.sink is not None:
             self.sink(hidden, getattr(self.model.model, "aux_hidden", None), slots)
         logits = self.model.compute_logits(hidden[i64[3 * t:]])
-        return logits, logits[:, :self.vocab_size].argmax(dim=-1)
+        tokens = sample_tokens(logits, i32[tables + width:].view(torch.float32), self.steps[:b], self.seed,
+                               self.vocab_size, backend=self.backend, generator=self.generator)
+        if self.readback is not None:
+            download_into(self.readback, (t, b), tokens, self.device)
+        return logits, tokens
 
     def bucket(self, t: int, b: int) -> tuple[int, int] | None:
         """The key a step of t tokens over b sequences replays (None: none is large enough)."""
@@ -433,13 +452,16 @@ class ExtendGraphs:
         i[b:bb] = 1
         i[bb + b + 1:2 * bb + 1] = t
         i[2 * bb + 1 + b * w:2 * bb + 1 + bb * w] = 0
+        i[2 * bb + 1 + bb * w + r:2 * bb + 1 + bb * w + bb] = 0  # padding logits rows: greedy, no noise
         if not b:
             i[bb] = 0
 
     @inference
-    def replay(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [R, vocab], argmax int64 [R]) of the step's R logits rows (hb.logits_rows, which
-        are its sampling rows: ``fits`` holds). The graph's outputs: valid until its next replay."""
+    def replay(self, hb: HostBatch, temps: list[float] | None = None) -> tuple:
+        """(logits [R, vocab], tokens) of the step's R logits rows (hb.logits_rows, which are its
+        sampling rows: ``fits`` holds): the graph's outputs, valid until its next replay; the tokens
+        as ``HostTokens`` where the captured download works, else int64 [R] on the device. temps:
+        each logits row's temperature (0: the argmax); None: the argmax of every row."""
         t, b, r = len(hb.ids), len(hb.seq_lens), len(hb.logits_rows)
         tb, bb = self.bucket(t, b)
         self.fence.wait()
@@ -451,11 +473,20 @@ class ExtendGraphs:
         i[:b] = hb.seq_lens
         i[bb:bb + b + 1] = hb.cu_seqlens
         i[2 * bb + 1:2 * bb + 1 + bb * w].reshape(bb, w)[:b, :hb.table.shape[1]] = hb.table
+        at = 2 * bb + 1 + bb * w
+        if temps is None:
+            i[at:at + r] = 0
+        else:
+            self.temps[at:at + r] = temps
         self._write_padding(tb, bb, t, b, r)
         self.graphs[(tb, bb)].replay()
         self.fence.replayed()
-        logits, greedy = self.outputs[(tb, bb)]
-        return logits[:r], greedy[:r]
+        views = self._views.get((tb, bb, r))
+        if views is None:  # (made once: a slice is a torch op)
+            logits, tokens = self.outputs[(tb, bb)]
+            views = self._views[(tb, bb, r)] = (logits[:r], tokens[:r] if self.readback is None
+                                                else HostTokens(self.fence, self.readback[(tb, bb)].np[:r]))
+        return views
 
 
 class VerifyGraphs:

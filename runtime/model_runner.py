@@ -124,7 +124,7 @@ class ModelRunner:
         tokens = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
         self.extend_graphs = None if tokens < 1 else ExtendGraphs(
             self.model, max_batch, tokens, self.max_blocks_per_seq, self.vocab_size, self.device,
-            eager_stand_in=eager_stand_in, sink=sink)
+            eager_stand_in=eager_stand_in, sink=sink, seed=self.config.seed, backend=self.backend)
         if spec is None:
             return
         from .spec_runner import SpecStepGraphs
@@ -328,8 +328,15 @@ class ModelRunner:
                 return tokens.tolist()  # the step's one host sync
             return self._sample(seqs, hb, logits, tokens)
         if not decode and self.extend_graphs is not None and self.extend_graphs.fits(hb):
-            logits, greedy = self.extend_graphs.replay(hb)  # prefills, chunks, prefills beside decodes
-            return self._sample(seqs, hb, logits, greedy)
+            # prefills, chunks, prefills beside decodes; the tokens drawn as a decode graph's are
+            temps = self.sampler.graph_temperatures([seqs[i] for i, _ in hb.sample]) if hb.sample else None
+            logits, tokens = self.extend_graphs.replay(hb, temps)
+            if temps is not None:
+                result: list[int | None] = [None] * len(seqs)
+                for (i, _), tok in zip(hb.sample, tokens.tolist()):  # the step's one host sync
+                    result[i] = tok
+                return result
+            return self._sample(seqs, hb, logits, tokens)
         inputs = to_device(hb, self.device, decode, self.decode_splits(len(seqs)) if decode else None)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if self.spec is not None:  # the draft's inputs for every row computed

@@ -13,7 +13,10 @@ one int tensor of token ids each), through pinned memory: nothing here waits for
 
 Noise: a row with a seed draws its q from a generator seeded by mix(seed, index of the token),
 so its tokens depend on nothing else (batch, position, preemption); rows without share the
-sampler's own generator, seeded once at construction.
+sampler's own generator, seeded once at construction. A decode step whose rows are all greedy or
+sampled at a temperature alone (``graph_temperatures``) does not come here on CUDA: its graph
+draws the same race itself (kernels/sample.py), its noise Philox keyed by the engine's seed and
+counted per graph row.
 """
 
 from __future__ import annotations

@@ -122,10 +122,9 @@ def test_the_decode_graph_draws_each_row_at_its_temperature(backend):
 
 
 def test_temperature_only_decode_steps_skip_the_sampler(tiny_llama):
-    """Decode steps whose rows all sample at a temperature alone (or are greedy) take the graph's
-    tokens: the sampler runs for the prefills' first tokens and for steps with a row that needs
-    it (here, a top_p row while it runs); the tokens are the same from one seeded engine to the
-    next."""
+    """Decode and prefill steps whose rows all sample at a temperature alone (or are greedy) take
+    the graph's tokens: the sampler runs only for steps with a row that needs it (here, a top_p row
+    while it runs); the tokens are the same from one seeded engine to the next."""
     params = [SamplingParams(temperature=0.8, max_tokens=m, ignore_eos=True) for m in (12, 9, 14, 6, 10)]
     params[2] = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     params[4] = SamplingParams(temperature=0.9, top_p=0.7, max_tokens=3, ignore_eos=True)
@@ -155,7 +154,12 @@ def test_temperature_only_decode_steps_skip_the_sampler(tiny_llama):
         # the prefill's step, then the decode steps while the top_p row runs (2 of them): the rest
         # of the 13 decode steps drew inside the graph
         assert calls == [5, 5, 5], calls
-    assert runs[0] == runs[1]
+        # without the top_p row, the prefill's first tokens are drawn inside its extend graph too
+        calls.clear()
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params[:4])]
+        assert calls == [] and [len(t) for t in again] == [12, 9, 14, 6]
+        runs.append(again)
+    assert runs[:2] == runs[2:]
 
 
 def test_padding_rows_of_a_bucket_are_written_each_step(tiny_llama):
@@ -184,10 +188,10 @@ def _extend_replays(llm: LLM) -> list[tuple[int, ...]]:
     replays: list[tuple[int, ...]] = []
     replay = r.extend_graphs.replay
 
-    def counted(hb):
+    def counted(hb, *temps):
         cu = hb.cu_seqlens
         replays.append(tuple(cu[j + 1] - cu[j] for j in range(len(cu) - 1)))
-        return replay(hb)
+        return replay(hb, *temps)
 
     r.extend_graphs.replay = counted
     return replays
@@ -225,7 +229,8 @@ def test_prefills_chunks_and_mixed_steps_replay_extend_graphs(tiny_llama):
 
 def test_extend_padding_leaves_no_sequence_behind(tiny_llama):
     """Key (64, 4) after a step of 10 tokens over 2 sequences with 1 logits row: tokens 10 .. 64
-    are padding (slot -1), sequences 2 and 3 have no tokens (cu_seqlens stays at 10)."""
+    are padding (slot -1), sequences 2 and 3 have no tokens (cu_seqlens stays at 10), logits rows
+    1 .. 4 are greedy."""
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_seqs=4)
     llm.engine.runner.make_graphs(4, eager_stand_in=True)
     g = llm.engine.runner.extend_graphs
@@ -237,6 +242,9 @@ def test_extend_padding_leaves_no_sequence_behind(tiny_llama):
     assert (q[192 + 1:196] == 0).all() and q[192] == 77
     assert (i[2:4] == 1).all() and (i[4 + 3:9] == 10).all() and (i[4:4 + 3] == 77).all()
     assert (i[9 + 2 * w:9 + 4 * w] == 0).all() and (i[9:9 + 2 * w] == 77).all()
+    # the logits rows' temperatures past the step's 1: greedy padding (row 0 again, no noise drawn)
+    at = 9 + 4 * w
+    assert (g.temps[at + 1:at + 4] == 0.0).all() and i[at] == 77
 
 
 def _replays_see_each_new_input(st: HostStaging, fence: ReplayFence, run, read) -> None:

@@ -154,7 +154,7 @@ def test_prefill_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint):
     assert a.engine.runner.extend_graphs.bucket(64, 4) == (64, 4)
     replays = []
     replay = a.engine.runner.extend_graphs.replay
-    a.engine.runner.extend_graphs.replay = lambda hb: replays.append(len(hb.ids)) or replay(hb)
+    a.engine.runner.extend_graphs.replay = lambda hb, *t: replays.append(len(hb.ids)) or replay(hb, *t)
     la = [o.outputs[0].logprobs for o in a.generate(prompts, first)]
     lb = [o.outputs[0].logprobs for o in b.generate(prompts, first)]
     assert replays == [64] and la == lb
@@ -164,7 +164,7 @@ def test_prefill_graphs_equal_eager(which, tiny_llama, w4a16_checkpoint):
     a, b = LLM(folder, **kw), LLM(folder, **kw, enforce_eager=True)
     mixed = []
     replay = a.engine.runner.extend_graphs.replay
-    a.engine.runner.extend_graphs.replay = lambda hb: mixed.append(len(hb.ids)) or replay(hb)
+    a.engine.runner.extend_graphs.replay = lambda hb, *t: mixed.append(len(hb.ids)) or replay(hb, *t)
     ta = [o.outputs[0].token_ids for o in a.generate(PROMPTS, params)]
     tb = [o.outputs[0].token_ids for o in b.generate(PROMPTS, params)]
     assert ta == tb and len(mixed) >= 3

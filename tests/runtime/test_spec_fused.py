@@ -96,9 +96,9 @@ def test_plain_rows_a_graph_takes_are_not_fused(tiny_llama, drafts, plain_greedy
     extend: list[int] = []
     replay = r.extend_graphs.replay
 
-    def counted(hb):
+    def counted(hb, *temps):
         extend.append(len(hb.ids))
-        return replay(hb)
+        return replay(hb, *temps)
 
     r.extend_graphs.replay = counted
     assert _tokens(llm, PROMPTS, GREEDY) == plain_greedy
