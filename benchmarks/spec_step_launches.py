@@ -1,4 +1,5 @@
-"""Kernels of one greedy speculative step as its CUDA graph holds them, counted on the CPU by
+"""Kernels of one speculative step as its CUDA graph holds them (greedy, or with --temperature T
+every row sampled at T: the sampled step graph's acceptance), counted on the CPU by
 phase: the draft's catch-up window, the proposal (EAGLE-2 tree growth), the verify forward, the
 LM head, and acceptance with the KV move and the feature store. The step's body (SpecStepGraphs'
 captured function) runs once eagerly on the Triton backend under the interpreter; Triton launches
@@ -8,7 +9,7 @@ SmolLM2-135M's layer count (30) at tiny widths, a pass-through draft (the counts
 layers and the tree, not the widths).
 
     TRITON_INTERPRET=1 python benchmarks/spec_step_launches.py [--method eagle3] [--batch 4]
-        [--top-k 8] [--depth 5] [--num-draft 19] [--out DIR]
+        [--top-k 8] [--depth 5] [--num-draft 19] [--temperature 0] [--out DIR]
 
 Inside a graph replay on the H200 a kernel this small costs ~2-3 us (a SmolLM2 decode graph of
 ~312 kernels replays in ~1.1 ms): the count is the part of a speculative step's time that does
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--num-draft", type=int, default=19)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every row's temperature (0: greedy)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -108,13 +110,16 @@ def main() -> None:
         triton.clear()
         with _PhaseOps():
             states = spec._states_fixed(ids, ctx, tables)  # the step graph's body (SpecStepGraphs._run)
-            spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * len(seqs), spec.n, inner=True)
+            temps = torch.full((len(seqs),), args.temperature) if args.temperature > 0 else None
+            spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * len(seqs), spec.n, inner=True,
+                                   temps=temps)
     InterpretedFunction.run = run
     labels = ["draft catch-up window", "proposal", "verify forward", "LM head", "acceptance, KV move, feature store",
               "other"]
     rows = {}
-    lines = [f"| phase ({args.method}, batch {args.batch}, tree {spec.n}, {args.layers} layers) | Triton launches | "
-             "torch ops with a kernel | all |", "|---|---|---|---|"]
+    how = "greedy" if args.temperature <= 0 else f"temperature {args.temperature:g}"
+    lines = [f"| phase ({args.method}, batch {args.batch}, tree {spec.n}, {args.layers} layers, {how}) "
+             "| Triton launches | torch ops with a kernel | all |", "|---|---|---|---|"]
     for label in labels:
         t = sum(v for (p, _), v in triton.items() if p == label)
         o = sum(v for (p, _), v in ops.items() if p == label)

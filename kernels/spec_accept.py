@@ -1,5 +1,15 @@
 """Greedy acceptance of B verified token trees and the accepted paths' KV move, in one launch.
 
+The same launch serves sampled verification (``first_match``): with every draft node a point
+mass (EAGLE's and Medusa's candidates: the draft's top tokens, siblings distinct), rejection
+sampling over the tree is equivalent to drawing one token y from the target's distribution at
+every node and accepting the child whose token is y -- child x_i of a node is taken with
+probability p(x_i), as the sequential rule (accept x_i with p(x_i) / (1 - sum_{j<i} p(x_j)) once
+the earlier siblings were rejected) gives, and when no child is y, y itself is distributed as the
+residual (p without the children, renormalised), the token the rule draws last. So ``target``
+is then the drawn tokens, and a node matches only as its parent's first child with that token
+(a later sibling repeating it would let the deepest-path rule choose among independent draws).
+
 What runtime/spec/acceptance.py's ``greedy_accept`` and kv_compact.py's ``accepted_kv_slots`` /
 ``move_kv_slots`` compute with tensor ops -- about 60 kernels inside a speculative step's CUDA
 graph, each a launch (~2-3 us of a graph replay on the H200 for kernels this small) -- here one:
@@ -42,7 +52,7 @@ def _accept_move_kernel(tok_ptr, par_ptr, dep_ptr, mask_ptr, path_ptr, size_ptr,
                         N, sb_par, sb_dep, sb_mask, sb_path, stride_bt, stride_cl, stride_cb, stride_ch, stride_ct,
                         stride_sl, stride_sb, stride_sh,
                         H, D, BS: tl.constexpr, HAS_SCALE: tl.constexpr, NP: tl.constexpr, BH: tl.constexpr,
-                        BD: tl.constexpr):
+                        BD: tl.constexpr, FIRST: tl.constexpr):
     """grid (B, layers); see the module docstring."""
     b = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -56,6 +66,10 @@ def _accept_move_kernel(tok_ptr, par_ptr, dep_ptr, mask_ptr, path_ptr, size_ptr,
     par = tl.load(par_ptr + b * sb_par + i, mask=in_n, other=-1)
     at_par = tl.load(tgt_ptr + base + tl.maximum(par, 0), mask=in_n, other=-1)
     matched = ((tok == at_par) | (i == 0)) & valid
+    if FIRST:  # an earlier sibling with the same token takes the match
+        rep = (par[:, None] == par[None, :]) & (tok[:, None] == tok[None, :]) & (j[None, :] < i[:, None]) \
+            & in_n[None, :]
+        matched = matched & (tl.max(rep.to(tl.int32), axis=1) == 0)
     anc = tl.load(mask_ptr + b * sb_mask + i[:, None] * N + j[None, :], mask=in_n[:, None] & (j < N)[None, :],
                   other=0)
     bad = (anc != 0) & (matched == 0)[None, :]
@@ -109,7 +123,7 @@ def _accept_move_kernel(tok_ptr, par_ptr, dep_ptr, mask_ptr, path_ptr, size_ptr,
 
 
 def greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target, block_tables, ctx, k_cache, v_cache,
-                           k_scale=None, v_scale=None):
+                           k_scale=None, v_scale=None, first_match: bool = False):
     """The same with tensor ops (runtime/spec's greedy acceptance and KV move, written out here so
     kernels/ imports nothing of the runtime): (accepted, num, out_tokens, rows, slots)."""
     bsz, n = tokens.shape
@@ -118,6 +132,10 @@ def greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target, 
     valid = idx[None, :] < sizes[:, None]
     matched = (tokens == target.gather(1, parents.clamp_min(0))) | (idx[None, :] == 0)
     matched &= valid
+    if first_match:
+        rep = (parents[:, :, None] == parents[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :]) \
+            & (idx[None, None, :] < idx[None, :, None])
+        matched &= ~rep.any(dim=-1)
     ok = valid & ~(mask & ~matched[:, None, :]).any(dim=-1)
     best = torch.where(ok, depths, -1).argmax(dim=1)
     rows = torch.arange(bsz, device=dev)
@@ -151,16 +169,17 @@ def greedy_accept_move(tokens: torch.Tensor, parents: torch.Tensor, depths: torc
                        paths: torch.Tensor, sizes: torch.Tensor, target: torch.Tensor, block_tables: torch.Tensor,
                        ctx: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                       backend: str = "auto"):
+                       backend: str = "auto", first_match: bool = False):
     """(accepted int64 [B, N], num int64 [B], out_tokens int64 [B, N], rows int64 [B, N], slots
     int64 [B, N]) as the module docstring says; the caches are moved in place. No host sync on the
-    Triton path (a speculative step's CUDA graph captures it)."""
+    Triton path (a speculative step's CUDA graph captures it). first_match: target holds tokens
+    drawn from the target at each node (sampled verification), a repeated sibling never matches."""
     bsz, n = tokens.shape
     if n > MAX_NODES:
         raise ValueError(f"trees of {n} nodes: at most {MAX_NODES} allowed")
     if not use_triton(backend, tokens):
         return greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target, block_tables, ctx,
-                                      k_cache, v_cache, k_scale, v_scale)
+                                      k_cache, v_cache, k_scale, v_scale, first_match)
     # one tree's structure may be shared over the batch (a Medusa tree: expanded, batch stride 0);
     # within a sequence each tensor is read as contiguous
     tokens, target = tokens.contiguous(), target.contiguous()
@@ -187,5 +206,6 @@ def greedy_accept_move(tokens: torch.Tensor, parents: torch.Tensor, depths: torc
         kc, vc, ks, vs, acc, num, out, rows, slots,
         n, parents.stride(0), depths.stride(0), mask.stride(0), paths.stride(0), block_tables.stride(0),
         *kc.stride()[:4], sstr[0], sstr[1], sstr[2], h, d,
-        BS=bs, HAS_SCALE=scaled, NP=max(16, pow2(n)), BH=max(2, pow2(h)), BD=max(16, pow2(d)), num_warps=4)
+        BS=bs, HAS_SCALE=scaled, NP=max(16, pow2(n)), BH=max(2, pow2(h)), BD=max(16, pow2(d)), FIRST=first_match,
+        num_warps=4)
     return acc, num, out, rows, slots

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..kernels.sample import sample_tokens
 from ..kernels.spec_accept import greedy_accept_move
 from ..kernels.spec_slots import step_slots
 from ..kernels.topk import topk_logprobs
@@ -75,7 +76,6 @@ from .spec.acceptance import (
     rejection_accept,
     target_probs,
     temperature_only,
-    temperature_probs,
 )
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import StaticTree, TreeBatch, const_arange, const_full
@@ -214,6 +214,11 @@ class SpecDecoder:
         self.stats = SpecStats()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        # the sampled step graphs' draws: Philox keyed apart from the decode graphs' (torch's path: a
+        # generator of its own on a CPU, the default one on CUDA, which a graph may draw from)
+        self.sample_seed = (seed * 0xD1B54A32D192ED03 + 7) & 0x7FFFFFFFFFFFFFFF
+        self.sample_generator = None if self.device.type == "cuda" else \
+            torch.Generator(device=self.device).manual_seed(self.sample_seed)
         self.store: FeatureStore | None = None
         self.graphs = None  # SpecStepGraphs (runner on CUDA)
         if options.policy not in ("fixed", "adaptive"):
@@ -274,6 +279,9 @@ class SpecDecoder:
         EAGLE's own KV cache layer over the same blocks."""
         spec = self.runner.kv_spec
         self.store = FeatureStore(self.draft, num_blocks * self.block_size, self.runner.dtype, self.device)
+        # a sampled step's per-node draws (kernels/sample.py): a noise counter a verified row
+        self.sample_steps = torch.zeros(self.runner.config.max_num_seqs * self.num_nodes, dtype=torch.int64,
+                                        device=self.device)
         if self.eagle:
             self.draft_kv = KVCache(KVCacheSpec(1, self.draft.num_kv_heads, self.draft.head_dim, spec.block_size,
                                                 spec.dtype), num_blocks, self.device)
@@ -630,7 +638,7 @@ class SpecDecoder:
         bsz = len(seqs)
         params = [s.params for s in seqs]
         greedy = all(p.temperature < GREEDY_EPS and p.logprobs is None for p in params)
-        # sampled rows whose only parameter is a temperature have graphs too (temperature_probs)
+        # sampled rows whose only parameter is a temperature have graphs too (temperature_only)
         sampled = not greedy and all(p.logprobs is None and temperature_only(p, self.runner.vocab_size) for p in params)
         key = self.graphs.bucket(bsz, self.n, sampled) if self.graphs is not None and (greedy or sampled) else None
         behind = self._count_behind(seqs)
@@ -785,8 +793,9 @@ class SpecDecoder:
         logits [B, N, V], the AcceptResult, each node's rank int64 [B, N]: the trees of the first m
         ranks are the smaller trees of the menu). inner: inside a SpecStepGraphs capture (the
         verify forward runs in it, not in VerifyGraphs); temps float32 [B] (inner only): the rows
-        sample at these temperatures (< GREEDY_EPS: greedy), by rejection sampling from the
-        default generator (the one a CUDA graph may draw from), params unused."""
+        sample at these temperatures (< GREEDY_EPS: greedy), by rejection sampling over the tree
+        with counter-based noise (kernels/sample.py; the counters advance inside the graph),
+        params unused."""
         dev = self.device
         bsz = roots.shape[0]
         tree, ranks = self._propose(roots, states, ctx, tables, n)
@@ -832,19 +841,29 @@ class SpecDecoder:
         bsz, n = tree.tokens.shape
         kv = self.runner.kv_cache
         greedy = temps is None and all(p.temperature < GREEDY_EPS for p in params)
-        if greedy and self.runner.backend == "triton":
-            # greedy on the kernels: acceptance, the result, the KV move and the store's rows in one
-            # launch (the tensor-op path below is ~60 kernels of a step's graph)
+        if temps is not None or (greedy and self.runner.backend == "triton"):
+            if temps is None:
+                # greedy on the kernels: acceptance, the result, the KV move and the store's rows in
+                # one launch (the tensor-op path below is ~60 kernels of a step's graph)
+                target, be = logits.argmax(dim=-1), "triton"
+            else:
+                # sampled rows (inside a step graph): a token drawn from the target at every node (the
+                # argmax where the row is greedy), matched by the same launch -- rejection sampling
+                # over point-mass drafts, lossless (kernels/spec_accept.py); the tensor-op rule with
+                # its [B, N, V] probabilities took ~130 kernels of the step's graph, this three
+                rows_t = temps[:, None].expand(bsz, n).reshape(-1)
+                target = sample_tokens(logits.view(bsz * n, -1), rows_t, self.sample_steps[:bsz * n],
+                                       self.sample_seed, self.runner.vocab_size, backend=self.runner.backend,
+                                       generator=self.sample_generator).view(bsz, n)
+                be = self.runner.backend
             acc, num, tokens, rows, stored = greedy_accept_move(
-                tree.tokens, tree.parents, tree.depths, tree.mask, tree.paths, tree.sizes, logits.argmax(dim=-1),
-                tables, ctx, kv.k, kv.v, kv.k_scale, kv.v_scale, backend="triton")
+                tree.tokens, tree.parents, tree.depths, tree.mask, tree.paths, tree.sizes, target, tables, ctx,
+                kv.k, kv.v, kv.k_scale, kv.v_scale, backend=be, first_match=temps is not None)
             rows = rows.reshape(-1)
             self.store.store(hidden[rows], None if aux is None else aux[rows], stored.reshape(-1))
             return AcceptResult(acc, num, tokens)
         if greedy:
             res = greedy_accept(tree, logits.argmax(dim=-1))
-        elif temps is not None:
-            res = rejection_accept(tree, temperature_probs(logits, temps), None)
         else:
             res = rejection_accept(tree, target_probs(logits, params), None, generator=self.generator)
         src, dst = accepted_kv_slots(tables, ctx, res.accepted, self.block_size)
@@ -933,9 +952,9 @@ class SpecStepGraphs:
 
     Greedy graphs accept greedily. Sampled graphs serve batches whose rows ask for a temperature
     and nothing else (``temperature_only``; a greedy row among them has temperature 0): the
-    per-row temperatures are a static input, the acceptance rejection sampling over the tree
-    (``temperature_probs``, the closed-form point-mass rule, the final token by the exponential
-    race) from the default generator, which CUDA graphs capture safely (each replay advances it).
+    per-row temperatures are a static input, the acceptance rejection sampling over the tree in
+    its point-mass form: a token drawn from the target at every node (kernels/sample.py, Philox
+    counters that advance inside the graph), matched by the greedy launch (``first_match``).
 
     Inputs: ids int64 [b, G] (the tokens at positions c - G + 1 .. c, the root last; Medusa: G = 1,
     the root), ctx int64 [b], tables int32 [b, width], temps float32 [b]. A step graph reads them

@@ -275,19 +275,9 @@ def _greedy_rows(greedy: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor
     return torch.where(greedy, hot, probs)
 
 
-def temperature_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """``target_probs`` for rows whose only sampling parameter is a temperature (top_p 1, top_k
-    and min_p 0, no penalties), given as a tensor float32 [B] (< GREEDY_EPS: greedy) -- a fixed
-    sequence of tensor ops with no host values, as a CUDA graph of the sampled speculative step
-    needs it. logits [B, N, V]; returns float32 [B, N, V]."""
-    t = temperature.float()[:, None, None]
-    greedy = t < GREEDY_EPS
-    probs = (logits.float() / torch.where(greedy, 1.0, t)).softmax(dim=-1)
-    return _greedy_rows(greedy, logits, probs)
-
-
 def temperature_only(p: SamplingParams, vocab_size: int) -> bool:
-    """Whether ``temperature_probs`` gives the distribution params p asks for."""
+    """Whether a temperature alone gives the distribution params p asks for (no top_p, top_k,
+    min_p or penalties): the rows a sampled speculative step graph serves."""
     return (p.top_p >= 1.0 and (p.top_k <= 0 or p.top_k >= vocab_size) and p.min_p <= 0.0
             and not p.uses_penalties)
 

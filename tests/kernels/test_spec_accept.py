@@ -151,3 +151,36 @@ def test_too_many_nodes_is_refused():
         greedy_accept_move(z, z, z, torch.zeros(1, 129, 129, dtype=torch.bool), z[:, :, None], torch.tensor([129]),
                            z, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
                            torch.zeros(1, 1, 1, 8, 8), torch.zeros(1, 1, 1, 8, 8))
+
+
+@pytest.mark.parametrize("bsz, n, dtype, padded", [(6, 9, torch.float32, False), (4, 41, torch.bfloat16, False),
+                                                   (5, 17, torch.float32, True)])
+def test_first_match_takes_a_repeated_token_at_its_first_sibling_only(bsz, n, dtype, padded):
+    """Sampled verification (first_match): the random trees' small vocabulary repeats tokens among
+    siblings; the kernel equals its reference (paths, tokens, rows, slots, moved caches), no accepted
+    node repeats an earlier sibling's token, and on the full trees the rule changes some outcome
+    (where the deepest-path rule alone would take a later duplicate)."""
+    found_change = False
+    for seed in range(4):
+        tree, target, ctx, tables, caches = _case(bsz, n, 2, 2, 16, 8, dtype, seed=100 + seed, padded=padded)
+        ref_caches = [None if c is None else c.clone().cpu() for c in caches]
+        on = lambda t: t.to(DEV)  # noqa: E731
+        args = (tree.tokens, tree.parents, tree.depths, tree.mask, tree.paths, tree.sizes, target, tables, ctx)
+        got = greedy_accept_move(*(on(t) for t in args), *caches, backend="triton", first_match=True)
+        want = greedy_accept_move_ref(*args, *ref_caches, first_match=True)
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b)
+        for a, b in zip(caches, ref_caches):
+            if a is not None:
+                assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+        acc = want[0]
+        for bi in range(bsz):
+            for node in acc[bi].tolist():
+                if node <= 0:
+                    continue
+                p, t = int(tree.parents[bi, node]), int(tree.tokens[bi, node])
+                earlier = [j for j in range(node) if int(tree.parents[bi, j]) == p and int(tree.tokens[bi, j]) == t]
+                assert not earlier, (bi, node, earlier)
+        plain = greedy_accept_move_ref(*args, *[None if c is None else c.clone().cpu() for c in caches])
+        found_change = found_change or not torch.equal(plain[0], acc)
+    assert found_change or padded  # (the padded trees are small: no such case among these seeds)

@@ -23,13 +23,13 @@ from optllm.runtime.sampling_params import SamplingParams
 from optllm.runtime.sequence import Sequence
 from optllm.runtime.spec import acceptance
 from optllm.runtime.spec.acceptance import (
+    AcceptResult,
     draw,
     greedy_accept,
     rejection_accept,
     sampling_logits,
     target_probs,
     temperature_only,
-    temperature_probs,
 )
 from optllm.runtime.spec.tree import TokenTree, TreeBatch
 
@@ -136,12 +136,13 @@ def _first_two(result, p1, g):
     return t1, torch.where(result.num_tokens >= 2, result.tokens[:, 1], fill)
 
 
-def _run(shape: str, sampled: bool, seed: int, p=None):
+def _run(shape: str, sampled: bool, seed: int, p=None, verify=None):
     """One batch of T verification steps; returns the chi-square p-value of the first two tokens.
 
     shape "chain": root -> x1 -> x2; "tree": root -> (c1, c2, c3), c1 -> (d1, d2).
     sampled: drafts drawn from q (without replacement among siblings) and q passed along;
-    else the draft's top choices, with draft_probs None."""
+    else the draft's top choices, with draft_probs None. verify(tree, target_probs, generator):
+    instead of rejection_accept (point-mass drafts only)."""
     g = torch.Generator().manual_seed(seed)
     p0, p1, p2 = p if p is not None else (_dist((), g), _dist((V,), g), _dist((V, V), g))
     q0, q1, q2 = _dist((), g), _dist((V,), g), _dist((V, V), g)
@@ -159,7 +160,10 @@ def _run(shape: str, sampled: bool, seed: int, p=None):
     c1 = kids[:, 0]
     tp = torch.cat([p0.expand(T, 1, V), p1[kids], p2[c1[:, None], grand]], dim=1)
     dp = torch.cat([q0.expand(T, 1, V), q1[kids], q2[c1[:, None], grand]], dim=1) if sampled else None
-    res = rejection_accept(tb, tp.float(), None if dp is None else dp.float(), generator=g)
+    if verify is None:
+        res = rejection_accept(tb, tp.float(), None if dp is None else dp.float(), generator=g)
+    else:  # another verification of the same point-mass drafts
+        res = verify(tb, tp.float(), g)
     assert (res.tokens[torch.arange(T), res.num_accepted] >= 0).all()
     return _chi2_pvalue(*_first_two(res, p1, g), p0, p1)
 
@@ -192,6 +196,46 @@ def test_broken_variants_fail_the_same_test(monkeypatch, broken, shape, sampled)
     else:
         monkeypatch.setattr(acceptance, "_without", lambda q, x: q)
     assert _run(shape, sampled, seed=1) < 1e-6
+
+
+def _sample_then_match(tb: TreeBatch, tp: torch.Tensor, g, first_match: bool = True) -> AcceptResult:
+    """What a sampled speculative step's graph does (runtime/spec_runner.py): one token drawn from
+    the target at every node, then kernels/spec_accept.py's matching (its torch reference), with
+    caches of one float per slot."""
+    from optllm.kernels.spec_accept import greedy_accept_move_ref
+
+    t, n, v = tp.shape
+    drawn = draw(tp.reshape(t * n, v), g).view(t, n)
+    tables = torch.arange(t, dtype=torch.int32)[:, None]
+    caches = [torch.zeros(1, t, 1, 8, 1), torch.zeros(1, t, 1, 8, 1)]
+    acc, num, out, _, _ = greedy_accept_move_ref(tb.tokens, tb.parents, tb.depths, tb.mask, tb.paths, tb.sizes,
+                                                 drawn, tables, torch.zeros(t, dtype=torch.int64), *caches,
+                                                 first_match=first_match)
+    return AcceptResult(acc, num, out)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_draw_at_every_node_matched_reproduces_the_target(shape):
+    """Point-mass drafts (the draft's top tokens): drawing the target's token at every node and
+    taking the child that equals it is the rejection rule in another form -- lossless."""
+    assert _run(shape, sampled=False, seed=1, verify=_sample_then_match) > 1e-3
+
+
+@pytest.mark.parametrize("first_match", [True, False])
+def test_a_repeated_sibling_token_matches_at_its_first_node_only(first_match):
+    """Root -> (a, a), each a with its own child (d1 under the first, d2 under the second): with
+    first_match only the first a is taken, lossless; letting the deepest path choose between the
+    two a's independent draws over-samples {d1, d2} after a, which the test rejects."""
+    g = torch.Generator().manual_seed(8)
+    p0, p1, p2 = _dist((), g), _dist((V,), g), _dist((V, V), g)
+    a = int(p0.argmax())
+    d1, d2 = [int(x) for x in p1[a].topk(2).indices]
+    tokens = torch.tensor([0, a, a, d1, d2]).expand(T, -1).contiguous()
+    tb = TreeBatch.build(tokens, torch.tensor([-1, 0, 0, 1, 2]).expand(T, -1).contiguous())
+    tp = torch.stack([p0, p1[a], p1[a], p2[a, d1], p2[a, d2]])[None].expand(T, -1, -1).float().contiguous()
+    res = _sample_then_match(tb, tp, g, first_match=first_match)
+    pvalue = _chi2_pvalue(*_first_two(res, p1, g), p0, p1)
+    assert (pvalue > 1e-3) if first_match else (pvalue < 1e-6), pvalue
 
 
 def test_rejection_is_deterministic_per_generator():
@@ -263,17 +307,9 @@ def test_draw_follows_the_row_probabilities():
         assert chisquare(counts[keep].numpy(), (p[keep] * n).numpy()).pvalue > 1e-3
 
 
-def test_temperature_probs_are_target_probs_for_temperature_only_rows():
-    """The graph's per-row temperature tensor gives target_probs' distribution, greedy rows (0)
-    the point mass on the lowest-id argmax; rows with top_p / top_k / min_p / penalties are not
-    temperature-only."""
-    g = torch.Generator().manual_seed(4)
-    logits = (torch.randn(4, 3, 50, generator=g) * 3).round(decimals=1)  # rounding makes argmax ties
-    temps = [0.0, 0.7, 1.0, 1.8]
-    params = [SamplingParams(temperature=t) for t in temps]
-    want = target_probs(logits, params)
-    got = temperature_probs(logits, torch.tensor(temps))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+def test_temperature_only_rows():
+    """Rows a sampled step graph serves: a temperature and nothing else (top_k = vocabulary: off)."""
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 1.8)]
     assert all(temperature_only(p, 50) for p in params)
     assert temperature_only(SamplingParams(temperature=1.0, top_k=50), 50)  # top_k = vocabulary: off
     for p in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1),
