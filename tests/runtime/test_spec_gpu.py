@@ -63,10 +63,10 @@ def test_cost_profile_is_measured_on_the_gpu(tiny_llama, drafts):
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_sampled_steps_run_their_cuda_graphs(tiny_llama, drafts, method):
-    """Temperature-only rows speculate through captured graphs (rejection sampling and the final
-    draw inside): in a batch mixing temperature 0 and 1 the greedy rows equal plain greedy
-    decoding, the sampled graphs replay, and two runs of the sampled rows differ (the default
-    generator advances at each replay, so a replay does not repeat its draws)."""
+    """Temperature-only rows speculate through captured graphs (a draw at every node and the
+    matching inside): in a batch mixing temperature 0 and 1 the greedy rows equal plain greedy
+    decoding, the sampled graphs replay, and two runs of the sampled rows differ (the rows' Philox
+    counters advance inside each replay, so a replay does not repeat its draws)."""
     plain = LLM(str(tiny_llama), device="cuda", dtype="float32", **SMALL)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     del plain
