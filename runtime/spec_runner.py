@@ -63,6 +63,7 @@ from .cuda_graphs import (
     captured_download_ok,
     download_into,
     graph_buckets,
+    sampling_kernels_ok,
 )
 from .inference import inference
 from .kv_cache import KVCache, KVCacheSpec
@@ -219,6 +220,10 @@ class SpecDecoder:
         self.sample_seed = (seed * 0xD1B54A32D192ED03 + 7) & 0x7FFFFFFFFFFFFFFF
         self.sample_generator = None if self.device.type == "cuda" else \
             torch.Generator(device=self.device).manual_seed(self.sample_seed)
+        # (the decode graphs' start-up check: kernels that fail it leave torch's ops in their place)
+        be = runner.backend
+        self.sample_backend = "torch" if be == "triton" and self.device.type == "cuda" \
+            and not sampling_kernels_ok(self.device) else be
         self.store: FeatureStore | None = None
         self.graphs = None  # SpecStepGraphs (runner on CUDA)
         if options.policy not in ("fixed", "adaptive"):
@@ -853,7 +858,7 @@ class SpecDecoder:
                 # its [B, N, V] probabilities took ~130 kernels of the step's graph, this three
                 rows_t = temps[:, None].expand(bsz, n).reshape(-1)
                 target = sample_tokens(logits.view(bsz * n, -1), rows_t, self.sample_steps[:bsz * n],
-                                       self.sample_seed, self.runner.vocab_size, backend=self.runner.backend,
+                                       self.sample_seed, self.runner.vocab_size, backend=self.sample_backend,
                                        generator=self.sample_generator).view(bsz, n)
                 be = self.runner.backend
             acc, num, tokens, rows, stored = greedy_accept_move(
