@@ -38,7 +38,6 @@ from .topk import _keys
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GREEDY_EPS = 1e-5  # temperature below this: greedy (runtime/sampling_params.py's)
-_LOWEST = -9223372036854775807 - 1
 
 
 @triton.jit

@@ -229,6 +229,25 @@ def sampling_kernels_ok(device: torch.device) -> bool:
     return _SAMPLE_OK[device]
 
 
+class GraphSampling:
+    """What a graph needs to draw its rows' tokens itself (kernels/sample.py): a noise counter per
+    row on the device (``steps``, advanced by the launches), the Philox key, the backend (Triton's
+    kernels unless they failed ``sampling_kernels_ok`` on this GPU: then torch's ops) and, off CUDA,
+    the torch path's own generator (on CUDA the default one, which a graph may draw from)."""
+
+    def __init__(self, rows: int, seed: int, backend: str, device: torch.device) -> None:
+        self.steps = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.seed = seed
+        self.backend = "torch" if backend == "triton" and device.type == "cuda" and not sampling_kernels_ok(device) \
+            else backend
+        self.generator = None if device.type == "cuda" else torch.Generator(device).manual_seed(seed)
+
+    def draw(self, logits: torch.Tensor, temps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """int64 [R]: a token per row of logits [R, >= vocab_size] at temps float32 [R] (0: the argmax)."""
+        return sample_tokens(logits, temps, self.steps[:logits.shape[0]], self.seed, vocab_size, backend=self.backend,
+                             generator=self.generator)
+
+
 class ReplayFence:
     """An event recorded after each replay: ``wait`` returns once the last replay (and so its
     copies out of the staging buffers) is done. Steps read their results back before the next
@@ -252,9 +271,8 @@ class DecodeGraphs:
     | block tables b x width], and outputs the logits and each row's token: the argmax where the
     row's temperature is 0 (a greedy step's tokens: the sampler's all-greedy case), else drawn at
     that temperature (kernels/sample.py: a temperature-only sampled step needs no sampler call and
-    no torch op on the host; the rows' noise counters live on the device, ``steps``). seed: the
-    noise's Philox key; backend: the sampling kernels' ("triton" | "torch": torch's generator,
-    the device's default one on CUDA, which a graph may draw from)."""
+    no torch op on the host; ``GraphSampling``). seed: the noise's Philox key; backend: the
+    sampling kernels' ("triton" | "torch")."""
 
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
                  num_splits_for, eager_stand_in: bool = False, sink=None, seed: int = 0,
@@ -267,11 +285,7 @@ class DecodeGraphs:
         self.i64 = HostStaging(3 * n, torch.int64, device)
         self.i32 = HostStaging(n * (2 + self.width), torch.int32, device)
         self.temps = self.i32.np.view(np.float32)  # the temperatures' float32 view of the int32 staging
-        self.steps = torch.zeros(n, dtype=torch.int64, device=device)  # each row's noise counter
-        self.seed = seed
-        self.backend = "torch" if backend == "triton" and device.type == "cuda" and not sampling_kernels_ok(device) \
-            else backend
-        self.generator = None if device.type == "cuda" else torch.Generator(device).manual_seed(seed)
+        self.sampling = GraphSampling(n, seed, backend, device)
         self.fence = ReplayFence(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple] = {}  # bucket -> (logits, tokens), refilled by each replay
@@ -293,8 +307,7 @@ class DecodeGraphs:
             self.sink(hidden, getattr(self.model.model, "aux_hidden", None), slots)
         logits = self.model.compute_logits(hidden)
         # (a padded LM head's columns excluded)
-        tokens = sample_tokens(logits, i32[b:2 * b].view(torch.float32), self.steps[:b], self.seed, self.vocab_size,
-                               backend=self.backend, generator=self.generator)
+        tokens = self.sampling.draw(logits, i32[b:2 * b].view(torch.float32), self.vocab_size)
         if self.readback is not None:
             download_into(self.readback, b, tokens, self.device)
         return logits, tokens
@@ -399,12 +412,8 @@ class ExtendGraphs:
         self.i64 = HostStaging(3 * big_t + big_b, torch.int64, device)
         self.i32 = HostStaging(big_b * (3 + self.width) + 1, torch.int32, device)
         self.temps = self.i32.np.view(np.float32)
-        self.steps = torch.zeros(big_b, dtype=torch.int64, device=device)  # each logits row's noise counter
-        # (seeded apart from the decode graphs': a row of each never draws the same noise)
-        self.seed = (seed * 0x9E3779B97F4A7C15 + 1) & 0x7FFFFFFFFFFFFFFF
-        self.backend = "torch" if backend == "triton" and device.type == "cuda" and not sampling_kernels_ok(device) \
-            else backend
-        self.generator = None if device.type == "cuda" else torch.Generator(device).manual_seed(self.seed)
+        # a noise counter a logits row, keyed apart from the decode graphs': no row of each draws the other's noise
+        self.sampling = GraphSampling(big_b, (seed * 0x9E3779B97F4A7C15 + 1) & 0x7FFFFFFFFFFFFFFF, backend, device)
         self.device = device
         self.readback: dict | None = {} if captured_download_ok(device) else None
         self._views: dict = {}
@@ -427,8 +436,7 @@ class ExtendGraphs:
         if self.sink is not None:
             self.sink(hidden, getattr(self.model.model, "aux_hidden", None), slots)
         logits = self.model.compute_logits(hidden[i64[3 * t:]])
-        tokens = sample_tokens(logits, i32[tables + width:].view(torch.float32), self.steps[:b], self.seed,
-                               self.vocab_size, backend=self.backend, generator=self.generator)
+        tokens = self.sampling.draw(logits, i32[tables + width:].view(torch.float32), self.vocab_size)
         if self.readback is not None:
             download_into(self.readback, (t, b), tokens, self.device)
         return logits, tokens

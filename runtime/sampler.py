@@ -178,12 +178,9 @@ class Sampler:
 
     def _temperature_only(self, p) -> bool:
         """Whether a row of these params takes the argmax or a draw at its temperature, nothing else."""
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
-                or p.logprobs is not None:
+        if p.uses_penalties or p.logprobs is not None:
             return False
-        if p.temperature < GREEDY_EPS:
-            return True
-        return p.seed is None and p.min_p <= 0 and p.top_p >= 1.0 and (p.top_k <= 0 or p.top_k >= self.vocab_size)
+        return p.temperature < GREEDY_EPS or (p.seed is None and p.temperature_only(self.vocab_size))
 
     def _check(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         V = self.vocab_size

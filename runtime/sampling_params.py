@@ -106,6 +106,13 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def temperature_only(self, vocab_size: int) -> bool:
+        """Whether a temperature alone gives the distribution these params ask for (no top_p,
+        top_k, min_p or penalties): the rows the graphs' own sampling serves (a sampled
+        speculative step graph's, and the decode and extend graphs' with no seed or logprobs)."""
+        return (self.top_p >= 1.0 and (self.top_k <= 0 or self.top_k >= vocab_size) and self.min_p <= 0.0
+                and not self.uses_penalties)
+
 
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN

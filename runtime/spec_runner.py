@@ -50,20 +50,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..kernels.sample import sample_tokens
 from ..kernels.spec_accept import greedy_accept_move
 from ..kernels.spec_slots import step_slots
 from ..kernels.topk import topk_logprobs
 from ..kernels.tree_grow import MAX_NODES as TREE_MAX_NODES
 from ..kernels.tree_grow import grow, new_pool, pool_size, select
 from .cuda_graphs import (
+    GraphSampling,
     HostStaging,
     ReplayFence,
     capture_graphs,
     captured_download_ok,
     download_into,
     graph_buckets,
-    sampling_kernels_ok,
 )
 from .inference import inference
 from .kv_cache import KVCache, KVCacheSpec
@@ -76,7 +75,6 @@ from .spec.acceptance import (
     greedy_accept,
     rejection_accept,
     target_probs,
-    temperature_only,
 )
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import StaticTree, TreeBatch, const_arange, const_full
@@ -213,17 +211,9 @@ class SpecDecoder:
         self.block_size = runner.block_size
         self.eagle = draft.method in ("eagle", "eagle3")  # a draft layer with its own KV; EAGLE-2 trees
         self.stats = SpecStats()
+        self.seed = seed
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        # the sampled step graphs' draws: Philox keyed apart from the decode graphs' (torch's path: a
-        # generator of its own on a CPU, the default one on CUDA, which a graph may draw from)
-        self.sample_seed = (seed * 0xD1B54A32D192ED03 + 7) & 0x7FFFFFFFFFFFFFFF
-        self.sample_generator = None if self.device.type == "cuda" else \
-            torch.Generator(device=self.device).manual_seed(self.sample_seed)
-        # (the decode graphs' start-up check: kernels that fail it leave torch's ops in their place)
-        be = runner.backend
-        self.sample_backend = "torch" if be == "triton" and self.device.type == "cuda" \
-            and not sampling_kernels_ok(self.device) else be
         self.store: FeatureStore | None = None
         self.graphs = None  # SpecStepGraphs (runner on CUDA)
         if options.policy not in ("fixed", "adaptive"):
@@ -284,9 +274,11 @@ class SpecDecoder:
         EAGLE's own KV cache layer over the same blocks."""
         spec = self.runner.kv_spec
         self.store = FeatureStore(self.draft, num_blocks * self.block_size, self.runner.dtype, self.device)
-        # a sampled step's per-node draws (kernels/sample.py): a noise counter a verified row
-        self.sample_steps = torch.zeros(self.runner.config.max_num_seqs * self.num_nodes, dtype=torch.int64,
-                                        device=self.device)
+        # a sampled step graph's per-node draws: a noise counter a verified row, Philox keyed apart
+        # from the decode and extend graphs'
+        self.sampling = GraphSampling(self.runner.config.max_num_seqs * self.num_nodes,
+                                      (self.seed * 0xD1B54A32D192ED03 + 7) & 0x7FFFFFFFFFFFFFFF, self.runner.backend,
+                                      self.device)
         if self.eagle:
             self.draft_kv = KVCache(KVCacheSpec(1, self.draft.num_kv_heads, self.draft.head_dim, spec.block_size,
                                                 spec.dtype), num_blocks, self.device)
@@ -643,8 +635,8 @@ class SpecDecoder:
         bsz = len(seqs)
         params = [s.params for s in seqs]
         greedy = all(p.temperature < GREEDY_EPS and p.logprobs is None for p in params)
-        # sampled rows whose only parameter is a temperature have graphs too (temperature_only)
-        sampled = not greedy and all(p.logprobs is None and temperature_only(p, self.runner.vocab_size) for p in params)
+        # sampled rows whose only parameter is a temperature have graphs too (SamplingParams.temperature_only)
+        sampled = not greedy and all(p.logprobs is None and p.temperature_only(self.runner.vocab_size) for p in params)
         key = self.graphs.bucket(bsz, self.n, sampled) if self.graphs is not None and (greedy or sampled) else None
         behind = self._count_behind(seqs)
         if key is not None:
@@ -857,9 +849,7 @@ class SpecDecoder:
                 # over point-mass drafts, lossless (kernels/spec_accept.py); the tensor-op rule with
                 # its [B, N, V] probabilities took ~130 kernels of the step's graph, this three
                 rows_t = temps[:, None].expand(bsz, n).reshape(-1)
-                target = sample_tokens(logits.view(bsz * n, -1), rows_t, self.sample_steps[:bsz * n],
-                                       self.sample_seed, self.runner.vocab_size, backend=self.sample_backend,
-                                       generator=self.sample_generator).view(bsz, n)
+                target = self.sampling.draw(logits.view(bsz * n, -1), rows_t, self.runner.vocab_size).view(bsz, n)
                 be = self.runner.backend
             acc, num, tokens, rows, stored = greedy_accept_move(
                 tree.tokens, tree.parents, tree.depths, tree.mask, tree.paths, tree.sizes, target, tables, ctx,
@@ -956,7 +946,7 @@ class SpecStepGraphs:
     sync reads them.
 
     Greedy graphs accept greedily. Sampled graphs serve batches whose rows ask for a temperature
-    and nothing else (``temperature_only``; a greedy row among them has temperature 0): the
+    and nothing else (``SamplingParams.temperature_only``; a greedy row among them has temperature 0): the
     per-row temperatures are a static input, the acceptance rejection sampling over the tree in
     its point-mass form: a token drawn from the target at every node (kernels/sample.py, Philox
     counters that advance inside the graph), matched by the greedy launch (``first_match``).

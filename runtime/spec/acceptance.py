@@ -275,13 +275,6 @@ def _greedy_rows(greedy: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor
     return torch.where(greedy, hot, probs)
 
 
-def temperature_only(p: SamplingParams, vocab_size: int) -> bool:
-    """Whether a temperature alone gives the distribution params p asks for (no top_p, top_k,
-    min_p or penalties): the rows a sampled speculative step graph serves."""
-    return (p.top_p >= 1.0 and (p.top_k <= 0 or p.top_k >= vocab_size) and p.min_p <= 0.0
-            and not p.uses_penalties)
-
-
 def accepted_per_size(accepted: torch.Tensor, ranks: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """int64 [B, S]: the draft tokens a tree of the first m ranks would have accepted, for each m
     in sizes (int64 [S]), from one verify of the whole tree. accepted int64 [B, N]: the accepted

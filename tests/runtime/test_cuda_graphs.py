@@ -326,8 +326,8 @@ def test_a_captured_decode_graph_draws_anew_at_every_replay(backend):
     if backend == "triton":
         from optllm.runtime.cuda_graphs import sampling_kernels_ok
 
-        assert sampling_kernels_ok(torch.device("cuda")) and g.backend == "triton"  # no fallback to torch
-        assert g.steps[1:12].tolist() == [40] * 11  # (the warm-up runs wrote greedy padding: no draws)
+        assert sampling_kernels_ok(torch.device("cuda")) and g.sampling.backend == "triton"  # no fallback to torch
+        assert g.sampling.steps[1:12].tolist() == [40] * 11  # (the warm-up runs wrote greedy padding: no draws)
 
 
 def test_sampling_kernels_that_fail_their_check_leave_the_torch_path(monkeypatch, caplog):

@@ -29,7 +29,6 @@ from optllm.runtime.spec.acceptance import (
     rejection_accept,
     sampling_logits,
     target_probs,
-    temperature_only,
 )
 from optllm.runtime.spec.tree import TokenTree, TreeBatch
 
@@ -310,8 +309,8 @@ def test_draw_follows_the_row_probabilities():
 def test_temperature_only_rows():
     """Rows a sampled step graph serves: a temperature and nothing else (top_k = vocabulary: off)."""
     params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 1.8)]
-    assert all(temperature_only(p, 50) for p in params)
-    assert temperature_only(SamplingParams(temperature=1.0, top_k=50), 50)  # top_k = vocabulary: off
+    assert all(p.temperature_only(50) for p in params)
+    assert SamplingParams(temperature=1.0, top_k=50).temperature_only(50)  # top_k = vocabulary: off
     for p in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1),
               SamplingParams(repetition_penalty=1.1)):
-        assert not temperature_only(p, 50)
+        assert not p.temperature_only(50)
