@@ -67,7 +67,7 @@ class _FixedLogits(torch.nn.Module):
 
     def __init__(self, row: torch.Tensor) -> None:
         super().__init__()
-        self.row, self.model = torch.cat([row, torch.full((2,), 50.0)]), None
+        self.row, self.model = torch.cat([row, torch.full((2,), 50.0, device=row.device)]), None
 
     def forward(self, ids, positions, meta):
         return torch.zeros(ids.shape[0], 4)
