@@ -1,0 +1,115 @@
+"""What an EAGLE draft's eager catch-up costs (the draft run over the rows of earlier plain steps --
+the prompt, or a plain stretch -- before a speculative step), by the number of rows: the H100's
+temperature-1 waves measured 4.8-5.0 ms a catch-up at batch 8-64 (543-2720 rows) and 1.4 ms for 31
+rows at batch 1, against ~1.4 ms for a whole graphed speculative step.
+
+A random model of SmolLM2's shapes and a random EAGLE-3 draft for it (benchmarks/random_smol.py:
+timing does not depend on the weights), served with a fixed policy (every decode speculates), so the
+first decode after a prefill catches up over the prompt. Per (batch, prompt length): the catch-ups'
+mean ms and rows (the runner's stats), over REPS rounds after a warm-up round; the start-up fit
+(c0 + c1 * rows, measure_catch_up). Then a catch-up under torch.profiler (the second of two): its CUDA time against its
+wall time, and the ops by count and time, to tell launch-bound host time from GPU time.
+
+    python benchmarks/catch_up_cost.py [--root DIR] [--batches 1,8,32] [--lens 32,128,256] [--reps 3]
+        [--profile 8,256] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=Path("/tmp/catch_up_models"))
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--lens", default="32,128,256")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", default="8,256", help="batch,prompt length of the profiled catch-up ('' for none)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    import torch
+
+    from optllm import LLM, SamplingParams
+
+    if not (a.root / "target").exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("random_smol.py")), str(a.root),
+                        "--method", "eagle3"], check=True)
+    batches = [int(b) for b in a.batches.split(",")]
+    lens = [int(n) for n in a.lens.split(",")]
+    llm = LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), device=a.device, dtype="bfloat16",
+              spec_policy="fixed", spec_num_draft=20, spec_top_k=8, spec_depth=5, enable_prefix_caching=False,
+              max_num_seqs=max(batches), max_model_len=max(lens) + 64)
+    spec = llm.engine.runner.spec
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, detokenize=False)
+    sync = (lambda: torch.cuda.synchronize()) if a.device == "cuda" else (lambda: None)
+    fit = spec.measure_catch_up()
+    print(f"start-up fit: c0 {fit[0]:.3f} ms + c1 {fit[1] * 1e3:.3f} µs a row" if fit else "no fit (Medusa)")
+
+    def prompts(bs: int, n: int, salt: int) -> list[list[int]]:
+        return [[3 + (salt * 131 + 7 * i + 13 * j) % 40000 for j in range(n)] for i in range(bs)]
+
+    rows = []
+    print("| batch | prompt | catch-ups | rows each | ms each | µs a row | generate ms |\n"
+          "|---|---|---|---|---|---|---|")
+    for bs in batches:
+        for n in lens:
+            llm.generate(prompts(bs, n, 0), params)  # warm-up: any first-time compile of this shape
+            st = spec.stats
+            steps0, rows0, ms0 = st.caught_up_steps, st.catch_up_rows, st.catch_up_ms
+            t = time.perf_counter()
+            for r in range(a.reps):
+                llm.generate(prompts(bs, n, r + 1), params)
+            sync()
+            wall = (time.perf_counter() - t) * 1e3 / a.reps
+            k = st.caught_up_steps - steps0
+            rw, ms = st.catch_up_rows - rows0, st.catch_up_ms - ms0
+            row = {"batch": bs, "prompt": n, "catch_ups": k, "rows_each": rw / max(k, 1), "ms_each": ms / max(k, 1),
+                   "us_a_row": 1e3 * ms / max(rw, 1), "generate_ms": wall}
+            rows.append(row)
+            print(f"| {bs} | {n} | {k} | {row['rows_each']:.0f} | {row['ms_each']:.2f} | {row['us_a_row']:.2f} "
+                  f"| {wall:.1f} |", flush=True)
+    prof = None
+    if a.profile:
+        bs, n = (int(x) for x in a.profile.split(","))
+        from torch.profiler import ProfilerActivity, profile
+
+        seen: list[float] = []
+        real = spec._catch_up
+
+        def timed(*args, **kw):
+            sync()
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                out = real(*args, **kw)
+                sync()
+            seen.append((time.perf_counter() - t0) * 1e3)
+            timed.prof = p  # the last one's (the first pays the profiler's own start)
+            return out
+
+        spec._catch_up = timed
+        for salt in (98, 99):
+            llm.generate(prompts(bs, n, salt), params)
+        spec._catch_up = real
+        p = timed.prof
+        ev = p.key_averages()
+        cuda_us = sum(e.self_device_time_total for e in ev)
+        launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        table = ev.table(sort_by="self_cpu_time_total", row_limit=30)
+        print(f"\nprofiled catch-up (batch {bs}, prompt {n}): wall {seen[-1]:.2f} ms (under the profiler), "
+              f"GPU {cuda_us / 1e3:.3f} ms, {launches} kernel launches\n{table}")
+        prof = {"batch": bs, "prompt": n, "wall_ms": seen[-1], "gpu_ms": cuda_us / 1e3, "launches": launches,
+                "table": table}
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "catch_up_cost.json").write_text(json.dumps({"fit": fit, "rows": rows, "profile": prof}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
