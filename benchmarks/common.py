@@ -94,6 +94,29 @@ def replay_us(graph, reps: int = 200, warmup: int = 0) -> tuple[float, float]:
     return statistics.median(host), statistics.median(full)
 
 
+def eager_stream_us(op, copies: int, calls: int = 400, rep: int = 7) -> float:
+    """µs per call of eager op(0), op(1), ..., op(copies - 1), op(0), ... issued back to back, `calls`
+    calls between two synchronisations, median of `rep` such runs after a warm-up one: what a call
+    costs a caller that launches outside a graph -- its host time where that is the longer, else its
+    GPU time and the launch gaps -- over weight copies rotated past the L2 (triton's do_bench times one
+    call between two events after flushing the L2, which adds the events' own gap and a cold start)."""
+    import statistics
+
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    per_run = []
+    for r in range(rep + 1):
+        sync()
+        t0 = time.perf_counter()
+        for c in range(calls):
+            op(c % copies)
+        sync()
+        if r:
+            per_run.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(per_run)
+
+
 def rotated_us(op, rep: int = 20, copies: int = ROT) -> float:
     """µs per call of op(i), timed as one graph of op(0) .. op(copies - 1) divided by copies."""
     fn = lambda: [op(i) for i in range(copies)]  # noqa: E731
