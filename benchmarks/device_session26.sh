@@ -19,7 +19,8 @@
 #               ran at d8c07ca and was removed after it lost, so `f` configs need that commit), then Nsight
 #               Compute on the GEMV at gate_up and down, M = 1, in the runtime's config or each of NCU_CFGS
 #               (SOL, memory, warp stalls, instruction statistics)
-#   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval
+#   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval;
+#               CATCHUP=1 first times the EAGLE draft's eager catch-up (benchmarks/catch_up_cost.py)
 #   PART=gen    carry .carry2 (twenty-eighth session): more self-distilled data, GEN_S seconds of chunks
 #               (benchmarks/gen_draft_data.py, seeds apart from the nineteenth session's), merged after
 #               the nineteenth session's 12288 into /root/d/data_all.jsonl (a later PART=train on the same
@@ -82,7 +83,12 @@ PY
 }
 case "${PART:-}" in
 tests) gpu_tests ;;
-kernels) gpu_tests; mma_sweep; mma_ncu ;;
+kernels)  # CATCHUP=1: first the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
+  if [ -n "${CATCHUP:-}" ]; then
+    timeout 240 python3 benchmarks/catch_up_cost.py --out "$OUT" > "$OUT/logs/catch_up.log" 2>&1 || echo "catch_up_cost exited $?"
+    grep -v "arn" "$OUT/logs/catch_up.log" | grep -A45 "start-up fit" | head -60
+  fi
+  gpu_tests; mma_sweep; mma_ncu ;;
 gen)
   gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
   python3 benchmarks/gen_draft_data.py smollm2-135m --device cuda --out /root/d/data_all.jsonl --chunk 2048 \
