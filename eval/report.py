@@ -131,7 +131,8 @@ def speculation_time_table(rows: list) -> str:
     if not items:
         return ""
     head = ["model", "temp", "batch", "plain: steps", "runner ms", "host ms", "spec: steps", "runner ms", "host ms",
-            "spec parts (ms)", "plain parts (ms)", "fused steps (ms)", "caught up (rows, ms)"]
+            "spec parts (ms)", "plain parts (ms)", "fused steps (ms)", "caught up (rows, ms)",
+            "a catch-up's profile ms (measured ratio)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, s in items:
         p, q = s["time"]["plain"], s["time"]["spec"]
@@ -140,8 +141,18 @@ def speculation_time_table(rows: list) -> str:
             f"{p['host_ms']:.1f}", str(q["steps"]), f"{q['runner_ms']:.1f}", f"{q['host_ms']:.1f}",
             f"{q['spec_steps']} ({q['spec_part_ms']:.1f})", f"{q['plain_parts']} ({q['plain_part_ms']:.1f})",
             f"{q.get('fused_steps', 0)} ({q.get('fused_ms', 0.0):.1f})",
-            f"{q['caught_up_steps']} ({q['catch_up_rows']}, {q.get('catch_up_ms', 0.0):.1f})"]) + " |")
+            f"{q['caught_up_steps']} ({q['catch_up_rows']}, {q.get('catch_up_ms', 0.0):.1f})",
+            _catch_up_model_cell(s.get("catch_up_model"), q)]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _catch_up_model_cell(m: dict | None, q: dict) -> str:
+    """What the policy's start-up profile predicts for the mean catch-up of the row (c0 + c1 * its
+    mean rows), and the measured / profiled ratio the catch-ups had moved it to by the case's end."""
+    if not m or not q.get("caught_up_steps"):
+        return "–"
+    rows = q["catch_up_rows"] / q["caught_up_steps"]
+    return f"{m['c0_ms'] + m['c1_ms_a_row'] * rows:.2f} (×{m['measured_ratio']:.2f})"
 
 
 def speculation_intro(rows: list) -> str:
@@ -234,7 +245,9 @@ def write_report(rows: list, out_dir: str | Path, title: str = "optllm eval", co
                    "steps, host sync included; host: the rest of the call). Speculative engine: its steps' "
                    "speculative parts (draft catch-up, proposal, verify) and plain parts (prefill chunks, plain "
                    "decodes), and the speculative steps that first ran the draft over rows of earlier plain steps "
-                   "(those rows, and the catch-ups' time within the speculative parts).\n\n" + times)
+                   "(those rows, and the catch-ups' time within the speculative parts); for those, what the "
+                   "adaptive policy's start-up profile predicts a catch-up of their mean rows costs, and the "
+                   "measured / profiled ratio the catch-ups had moved it to.\n\n" + times)
     if comparison is not None:
         md += "\n## Compared with an earlier run\n\n" + (comparison_md or "No measurement in common.\n")
         (tmp / "compare.json").write_text(json.dumps(comparison, indent=2) + "\n")

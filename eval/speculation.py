@@ -219,7 +219,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
             accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth, steps_by_size=c["steps_by_size"],
             identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None, cost_ms=r.get("cost_ms"),
-            time=_time_split(r, c),
+            catch_up_model=r.get("catch_up_model"), time=_time_split(r, c),
             **(_identity(r["margins"]) if t == 0 else {}),
         ))
     return rows
@@ -284,6 +284,10 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
                 r[f"{label}_ids"] = ids[label]
             r["counts"] = delta
             r["cost_ms"] = None if table is None else {"batches": table.batches, "ms": table.ms}
+            pol = spec.policy
+            # the catch-up's start-up fit and how far the case's measured catch-ups moved it
+            r["catch_up_model"] = None if pol is None or pol.catch_up is None else {
+                "c0_ms": pol.catch_up[0], "c1_ms_a_row": pol.catch_up[1], "measured_ratio": pol.catch_up_ratio}
             if t == 0:
                 r["margins"] = _divergence_margins(engines["spec"], [p for b in batches[1:] for p in b],
                                                    r["plain_ids"], r["spec_ids"])

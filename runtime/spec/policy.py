@@ -257,6 +257,11 @@ class AdaptivePolicy:
         c0, c1 = self.catch_up
         return (c0 + c1 * rows) * self._cu_ratio
 
+    @property
+    def catch_up_ratio(self) -> float:
+        """The catch-ups' running measured / profiled ratio (1 until one is measured)."""
+        return self._cu_ratio
+
     def observe_catch_up(self, rows: int, ms: float) -> None:
         """A catch-up's measured wall milliseconds over `rows` rows."""
         if self.catch_up is None or rows <= 0 or not ms > 0:

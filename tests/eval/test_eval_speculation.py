@@ -44,6 +44,7 @@ def test_rows_count_every_step_and_greedy_is_identical(measured):
         assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
         assert r["draft_method"] == "medusa" and r["draft"] == str(draft)
         assert r["identical"] is (True if r["temperature"] == 0 else None)
+        assert r["catch_up_model"] is None  # a fixed policy (and Medusa: no catch-up)
         if r["temperature"] == 0:
             assert (r["same_seqs"], r["seqs"], r["max_divergence_margin"]) == (r["batch_size"],) * 2 + (None,)
     assert res[0]["scheme"] == "float"
@@ -190,6 +191,21 @@ def test_eval_takes_the_eagle_tree_options(tiny_llama, tmp_path):
     assert r.returncode == 2 and len(lines) == 1 and "--spec-depth 0" in lines[0], r.stderr
 
 
+def test_an_adaptive_eagle_row_reports_its_catch_up_model(tiny_llama, tmp_path):
+    """Under the adaptive policy an EAGLE row carries the policy's catch-up model: the start-up fit
+    (c0 ms + c1 ms a row) and the measured / profiled ratio its catch-ups had moved it to (1 while
+    none was measured; the catch-ups' own counts are in the time split)."""
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    res = evaluate_speculation([str(tiny_llama)], str(draft), [2], 8, device="cpu", dtype="float32",
+                               temperatures=(0.0,), reps=1, policy="adaptive", progress=False)
+    row = res[0]["speculation"][0]
+    m = row["catch_up_model"]
+    assert set(m) == {"c0_ms", "c1_ms_a_row", "measured_ratio"}
+    assert m["c0_ms"] > 0 and m["c1_ms_a_row"] >= 0 and 0.25 <= m["measured_ratio"] <= 20
+    if row["time"]["spec"]["caught_up_steps"] == 0:
+        assert m["measured_ratio"] == 1.0
+
+
 def test_spec_reps_sets_the_timed_batches(tiny_llama, tmp_path):
     """--spec-reps N: N timed batches per case, batch size x N distinct prompts (a tau at batch 1
     from more than a few prompts)."""
@@ -253,3 +269,14 @@ def test_continuous_load_keeps_at_most_the_batch_running(tiny_llama, tmp_path, m
     assert "| 2 (continuous) |" in speculation_table([EvalRow("tiny", "float", nan, nan, 0, 0, 0.0, speculation=rows)])
     with pytest.raises(Exception, match="load 'bursty'"):
         spec_mod.measure_speculation(str(tiny_llama), str(draft), [2], 6, device="cpu", load="bursty")
+
+
+def test_the_time_table_shows_the_catch_up_profile_against_the_measured_ratio():
+    """The time table's last cell: c0 + c1 * (catch-up rows / catch-ups), then the measured ratio;
+    a dash without catch-ups or without a model."""
+    from optllm.eval.report import _catch_up_model_cell
+
+    m = {"c0_ms": 1.2, "c1_ms_a_row": 0.001, "measured_ratio": 3.4}
+    assert _catch_up_model_cell(m, {"caught_up_steps": 2, "catch_up_rows": 1000}) == "1.70 (×3.40)"
+    assert _catch_up_model_cell(m, {"caught_up_steps": 0, "catch_up_rows": 0}) == "–"
+    assert _catch_up_model_cell(None, {"caught_up_steps": 2, "catch_up_rows": 1000}) == "–"
