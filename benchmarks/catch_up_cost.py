@@ -80,7 +80,7 @@ def main() -> None:
         bs, n = (int(x) for x in a.profile.split(","))
         from torch.profiler import ProfilerActivity, profile
 
-        seen: list[float] = []
+        seen: list = []  # (wall ms, profile) of each catch-up
         real = spec._catch_up
 
         def timed(*args, **kw):
@@ -89,22 +89,24 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
                 out = real(*args, **kw)
                 sync()
-            seen.append((time.perf_counter() - t0) * 1e3)
-            timed.prof = p  # the last one's (the first pays the profiler's own start)
+            seen.append(((time.perf_counter() - t0) * 1e3, p))
             return out
 
         spec._catch_up = timed
         for salt in (98, 99):
             llm.generate(prompts(bs, n, salt), params)
         spec._catch_up = real
-        p = timed.prof
+        if len(seen) < 2:
+            sys.exit(f"--profile {a.profile}: {len(seen)} catch-up(s) ran, 2 needed (a prompt longer than the "
+                     "step graph's catch-up window)")
+        wall, p = seen[-1]  # the last one (the first pays the profiler's own start)
         ev = p.key_averages()
         cuda_us = sum(e.self_device_time_total for e in ev)
         launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
         table = ev.table(sort_by="self_cpu_time_total", row_limit=30)
-        print(f"\nprofiled catch-up (batch {bs}, prompt {n}): wall {seen[-1]:.2f} ms (under the profiler), "
+        print(f"\nprofiled catch-up (batch {bs}, prompt {n}): wall {wall:.2f} ms (under the profiler), "
               f"GPU {cuda_us / 1e3:.3f} ms, {launches} kernel launches\n{table}")
-        prof = {"batch": bs, "prompt": n, "wall_ms": seen[-1], "gpu_ms": cuda_us / 1e3, "launches": launches,
+        prof = {"batch": bs, "prompt": n, "wall_ms": wall, "gpu_ms": cuda_us / 1e3, "launches": launches,
                 "table": table}
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
