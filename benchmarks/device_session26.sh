@@ -20,7 +20,8 @@
 #               Compute on the GEMV at gate_up and down, M = 1, in the runtime's config or each of NCU_CFGS
 #               (SOL, memory, warp stalls, instruction statistics)
 #   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval;
-#               CATCHUP=1 first times the EAGLE draft's eager catch-up (benchmarks/catch_up_cost.py)
+#               CATCHUP=1 first times the EAGLE draft's eager catch-up (benchmarks/catch_up_cost.py, after the
+#               prompt and mid-stream); DORMANT=1 the decode graph with a draft against without (dormant_cost.py)
 #   PART=gen    carry .carry2 (twenty-eighth session): more self-distilled data, GEN_S seconds of chunks
 #               (benchmarks/gen_draft_data.py, seeds apart from the nineteenth session's), merged after
 #               the nineteenth session's 12288 into /root/d/data_all.jsonl (a later PART=train on the same
@@ -84,11 +85,17 @@ PY
 case "${PART:-}" in
 tests) gpu_tests ;;
 kernels)  # CATCHUP=1: first the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
-  if [ -n "${CATCHUP:-}" ]; then
-    timeout 240 python3 benchmarks/catch_up_cost.py --out "$OUT" > "$OUT/logs/catch_up.log" 2>&1 || echo "catch_up_cost exited $?"
-    grep -v "arn" "$OUT/logs/catch_up.log" | grep -A45 "start-up fit" | head -60
+  if [ -n "${CATCHUP:-}" ]; then  # after the prompt and mid-stream (min_tokens 48), greedy and sampled
+    timeout 240 python3 benchmarks/catch_up_cost.py --batches 1,8,32 --lens 32,128 --min-tokens 0,48 --temps 0,1 \
+      --profile "${CU_PROFILE:-8,32,48,1}" --out "$OUT" > "$OUT/logs/catch_up.log" 2>&1 || echo "catch_up_cost exited $?"
+    grep -v "arn" "$OUT/logs/catch_up.log" | grep -A50 "start-up fit" | head -66
   fi
-  gpu_tests; mma_sweep; mma_ncu ;;
+  if [ -n "${DORMANT:-}" ]; then  # DORMANT=1: the decode graph with and without a draft, replays timed
+    timeout 150 python3 benchmarks/dormant_cost.py --profile --out "$OUT" > "$OUT/logs/dormant.log" 2>&1 \
+      || echo "dormant_cost exited $?"
+    grep -v "arn" "$OUT/logs/dormant.log" | grep -A70 "^| batch" | head -80
+  fi
+  gpu_tests; mma_sweep; [ -n "${NO_NCU:-}" ] || mma_ncu ;;
 gen)
   gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
   python3 benchmarks/gen_draft_data.py smollm2-135m --device cuda --out /root/d/data_all.jsonl --chunk 2048 \

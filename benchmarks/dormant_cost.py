@@ -1,0 +1,123 @@
+"""What holding a draft costs a plain decode step on the GPU: the decode graph of an engine with an
+EAGLE-3 draft (which stores the draft's inputs, fc over the target's three auxiliary states, at
+every row it computes) against the same graph of an engine without one, replayed back to back.
+
+The H100's temperature-1 waves had the draft engine's plain decode graphs at 0.968 ms a step against
+the plain engine's 0.958 at batch 8 (+1.0%), and the same after the graphs' extra kernels went from
+5 to 2: this times the two graphs alone (no host work, no scheduling) on a random model of SmolLM2's
+shapes (benchmarks/random_smol.py), every row a real sequence of CONTEXT keys, greedy and at
+temperature 1, rounds interleaved, the median of ROUNDS rounds of REPS replays each. Then, with
+--profile, each graph's kernels at batch 8 under torch.profiler (name, count, GPU µs), so a
+difference has a name.
+
+    python benchmarks/dormant_cost.py [--root DIR] [--batches 1,8,32,64] [--context 256]
+        [--reps 200] [--rounds 7] [--profile] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def fill(graphs, b: int, context: int, temp: float) -> None:
+    """Bucket b's staging buffers: b rows, each the next token of its own sequence of `context`
+    keys (blocks laid out one sequence after another), at temperature temp."""
+    size = graphs.bucket(b)
+    bs = 16
+    per = -(-context // bs)
+    q, i = graphs.i64.np, graphs.i32.np
+    for r in range(size):
+        q[r] = 5 + r
+        q[size + r] = context - 1
+        first = r * per
+        q[2 * size + r] = (first + (context - 1) // bs) * bs + (context - 1) % bs
+        i[r] = context
+        i[2 * size + r * graphs.width:2 * size + r * graphs.width + per] = range(first, first + per)
+    graphs.temps[size:2 * size] = temp  # (each replay copies the host buffers in: its captured upload)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=Path("/tmp/catch_up_models"))
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    import torch
+
+    from optllm import LLM
+
+    if not (a.root / "target").exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("random_smol.py")), str(a.root),
+                        "--method", "eagle3"], check=True)
+    batches = [int(b) for b in a.batches.split(",")]
+    most = max(batches)
+    per = -(-a.context // 16)
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=most, max_model_len=a.context + 64,
+              num_kv_blocks=most * per + 8, enable_prefix_caching=False)
+    engines = {"plain": LLM(str(a.root / "target"), **kw),
+               "draft": LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive", **kw)}
+    graphs = {name: llm.engine.runner.graphs for name, llm in engines.items()}
+
+    def timed(g, b: int) -> float:
+        """µs a replay of bucket b's graph, REPS replays back to back."""
+        graph = g.graphs[g.bucket(b)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(a.reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / a.reps
+
+    rows = []
+    print("| batch | temp | plain µs | draft µs | draft / plain |\n|---|---|---|---|---|")
+    for b in batches:
+        for temp in (0.0, 1.0):
+            times: dict[str, list[float]] = {"plain": [], "draft": []}
+            for name, g in graphs.items():
+                fill(g, b, a.context, temp)
+                timed(g, b)  # warm
+            for _ in range(a.rounds):
+                for name, g in graphs.items():
+                    times[name].append(timed(g, b))
+            p, d = statistics.median(times["plain"]), statistics.median(times["draft"])
+            rows.append({"batch": b, "temperature": temp, "plain_us": p, "draft_us": d, "ratio": d / p,
+                         "rounds": times})
+            print(f"| {b} | {temp:g} | {p:.1f} | {d:.1f} | {d / p:.3f} |", flush=True)
+    prof = {}
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        b = 8 if 8 in batches else batches[0]
+        for name, g in graphs.items():
+            fill(g, b, a.context, 0.0)
+            graph = g.graphs[g.bucket(b)]
+            graph.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as pr:
+                for _ in range(20):
+                    graph.replay()
+                torch.cuda.synchronize()
+            ev = [e for e in pr.key_averages() if e.self_device_time_total > 0]
+            ev.sort(key=lambda e: -e.self_device_time_total)
+            lines = [f"{e.count / 20:6.1f} x {e.self_device_time_total / 20:9.2f} µs  {e.key[:110]}" for e in ev]
+            total = sum(e.self_device_time_total for e in ev) / 20
+            prof[name] = {"total_us": total, "kernels": lines}
+            print(f"\n{name} engine, batch {b}: {total:.1f} µs of kernels a replay, "
+                  f"{sum(e.count for e in ev) / 20:.0f} kernels\n" + "\n".join(lines[:40]))
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "dormant_cost.json").write_text(json.dumps({"rows": rows, "profile": prof}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
