@@ -14,10 +14,12 @@ wall time, and the ops by count and time, to tell launch-bound host time from GP
 plain stretch: a request inside min_tokens cannot speculate, so its first M tokens decode plainly
 (under the decode graphs, which store the draft's inputs) and the first speculative step after them
 runs the draft over the prompt and those M rows. --temps 0,1 times it greedy and sampled (the
-temperature-1 waves' catch-ups were the slow ones).
+temperature-1 waves' catch-ups were the slow ones). --vary gives every request of every round a prompt
+length of its own (n + 0..22), so that no two catch-ups run over the same number of rows, as in
+served traffic; each round's catch-up ms are listed.
 
     python benchmarks/catch_up_cost.py [--root DIR] [--batches 1,8,32] [--lens 32,128,256] [--reps 3]
-        [--min-tokens 0,48] [--temps 0,1] [--profile 8,256[,M[,T]]] [--out DIR]
+        [--min-tokens 0,48] [--temps 0,1] [--vary] [--profile 8,256[,M[,T]]] [--out DIR]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--min-tokens", default="0", help="plain tokens before the first speculative step (each a case)")
     ap.add_argument("--temps", default="0", help="temperatures (each a case)")
+    ap.add_argument("--vary", action="store_true", help="a prompt length of its own for every request")
     ap.add_argument("--profile", default="8,256",
                     help="batch,prompt[,min_tokens[,temperature]] of the profiled catch-up ('' for none)")
     ap.add_argument("--device", default="cuda")
@@ -59,7 +62,7 @@ def main() -> None:
         mins = sorted(set(mins) | {int(pf[2])} if len(pf) > 2 else set(mins))
     llm = LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), device=a.device, dtype="bfloat16",
               spec_policy="fixed", spec_num_draft=20, spec_top_k=8, spec_depth=5, enable_prefix_caching=False,
-              max_num_seqs=max(batches), max_model_len=max(lens) + max(mins) + 64)
+              max_num_seqs=max(batches), max_model_len=max(lens) + max(mins) + 64 + 23 * a.vary)
     spec = llm.engine.runner.spec
 
     def params(m: int, temp: float) -> SamplingParams:
@@ -69,7 +72,8 @@ def main() -> None:
     print(f"start-up fit: c0 {fit[0]:.3f} ms + c1 {fit[1] * 1e3:.3f} µs a row" if fit else "no fit (Medusa)")
 
     def prompts(bs: int, n: int, salt: int) -> list[list[int]]:
-        return [[3 + (salt * 131 + 7 * i + 13 * j) % 40000 for j in range(n)] for i in range(bs)]
+        extra = [(salt * 11 + 5 * i) % 23 if a.vary else 0 for i in range(bs)]
+        return [[3 + (salt * 131 + 7 * i + 13 * j) % 40000 for j in range(n + extra[i])] for i in range(bs)]
 
     rows = []
     print("| temp | min_tokens | batch | prompt | catch-ups | rows each | ms each | µs a row | generate ms |\n"
@@ -80,18 +84,21 @@ def main() -> None:
         st = spec.stats
         steps0, rows0, ms0 = st.caught_up_steps, st.catch_up_rows, st.catch_up_ms
         t = time.perf_counter()
+        each = []
         for r in range(a.reps):
+            ms_r = st.catch_up_ms
             llm.generate(prompts(bs, n, r + 1), params(m, temp))
+            each.append(round(st.catch_up_ms - ms_r, 2))
         sync()
         wall = (time.perf_counter() - t) * 1e3 / a.reps
         k = st.caught_up_steps - steps0
         rw, ms = st.catch_up_rows - rows0, st.catch_up_ms - ms0
         row = {"temperature": temp, "min_tokens": m, "batch": bs, "prompt": n, "catch_ups": k,
                "rows_each": rw / max(k, 1), "ms_each": ms / max(k, 1), "us_a_row": 1e3 * ms / max(rw, 1),
-               "generate_ms": wall}
+               "generate_ms": wall, "ms_by_round": each}
         rows.append(row)
         print(f"| {temp:g} | {m} | {bs} | {n} | {k} | {row['rows_each']:.0f} | {row['ms_each']:.2f} "
-              f"| {row['us_a_row']:.2f} | {wall:.1f} |", flush=True)
+              f"| {row['us_a_row']:.2f} | {wall:.1f} |" + (f" {each}" if a.vary else ""), flush=True)
     prof = None
     if a.profile:
         bs, n = int(pf[0]), int(pf[1])

@@ -21,7 +21,9 @@
 #               (SOL, memory, warp stalls, instruction statistics)
 #   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval;
 #               CATCHUP=1 first times the EAGLE draft's eager catch-up (benchmarks/catch_up_cost.py, after the
-#               prompt and mid-stream); DORMANT=1 the decode graph with a draft against without (dormant_cost.py)
+#               prompt and mid-stream; CU_ARGS replaces its cases, CU_PROFILE the profiled one); DORMANT=1 the
+#               decode graph with a draft against without (dormant_cost.py); FIRST=1 a GEMM's first call at a
+#               new row count (first_call_cost.py); TESTS=none no tests; NO_MMA=1 no GEMV sweep
 #   PART=gen    carry .carry2 (twenty-eighth session): more self-distilled data, GEN_S seconds of chunks
 #               (benchmarks/gen_draft_data.py, seeds apart from the nineteenth session's), merged after
 #               the nineteenth session's 12288 into /root/d/data_all.jsonl (a later PART=train on the same
@@ -86,7 +88,8 @@ case "${PART:-}" in
 tests) gpu_tests ;;
 kernels)  # CATCHUP=1: first the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
   if [ -n "${CATCHUP:-}" ]; then  # after the prompt and mid-stream (min_tokens 48), greedy and sampled
-    timeout 240 python3 benchmarks/catch_up_cost.py --batches 1,8,32 --lens 32,128 --min-tokens 0,48 --temps 0,1 \
+    # shellcheck disable=SC2086
+    timeout 240 python3 benchmarks/catch_up_cost.py ${CU_ARGS:---batches 1,8,32 --lens 32,128 --min-tokens 0,48 --temps 0,1} \
       --profile "${CU_PROFILE:-8,32,48,1}" --out "$OUT" > "$OUT/logs/catch_up.log" 2>&1 || echo "catch_up_cost exited $?"
     grep -v "arn" "$OUT/logs/catch_up.log" | grep -A50 "start-up fit" | head -66
   fi
@@ -95,7 +98,12 @@ kernels)  # CATCHUP=1: first the draft's eager catch-up by rows and one profiled
       || echo "dormant_cost exited $?"
     grep -v "arn" "$OUT/logs/dormant.log" | grep -A70 "^| batch" | head -80
   fi
-  gpu_tests; mma_sweep; [ -n "${NO_NCU:-}" ] || mma_ncu ;;
+  if [ -n "${FIRST:-}" ]; then  # FIRST=1: a GEMM's first call at a new row count against its second
+    timeout 60 python3 benchmarks/first_call_cost.py --out "$OUT" > "$OUT/logs/first_call.log" 2>&1 || echo "first_call exited $?"
+    grep "^|\|^torch" "$OUT/logs/first_call.log"
+  fi
+  [ "${TESTS:-}" = none ] || gpu_tests
+  [ -n "${NO_MMA:-}" ] || { mma_sweep; [ -n "${NO_NCU:-}" ] || mma_ncu; } ;;
 gen)
   gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
   python3 benchmarks/gen_draft_data.py smollm2-135m --device cuda --out /root/d/data_all.jsonl --chunk 2048 \
