@@ -34,7 +34,11 @@ ms. And now and then a step verifies the largest size that could win -- its one 
 every smaller size too, while a small tree's says nothing of the larger ones (exploring with the
 smallest, the H200's policy never learned that its 41-node tree accepted 2.1-2.3 tokens) --
 after ``explore_every`` steps without speculation at least, and rarely enough that exploring
-costs at most ``explore_budget`` of the plain steps' time.
+costs at most ``explore_budget`` of the plain steps' time. That budget is for estimates near the
+bar; it shrinks as they fall further below it (``explore_gap``): where plain decoding is 1.5x
+the best tree's expected rate, an exploration can only find what a 50% error in the estimates
+would hide, and on the H100 the explorations of sampled batches (0.7x the bar) cost 1.5% of a
+run whose speculation stayed off.
 
 The start-up profile times the steps' GPU paths on an idle engine; a serving step also pays its
 host side (building inputs, the per-sequence bookkeeping of acceptance, a catch-up outside the
@@ -129,6 +133,12 @@ class AdaptivePolicy:
     margin: float = 1.05  # speculation must be this much faster than a plain step
     explore_every: int = 16
     explore_budget: float = 0.01
+    # the budget is for estimates at the bar; below it, the budget times explore_gap / (gap - 1),
+    # gap being how many times faster than the best tree's expected rate plain decoding is (with the
+    # margin): at 1.5x the bar a step's estimates would have to be 50% low to flip the choice, and
+    # explorations that kept confirming a sampled batch's 0.7x cost an H100 run 1.5% (None: the
+    # whole budget at any gap)
+    explore_gap: float | None = 0.1
     relax: float = 0.9  # a plain step keeps this share of each sequence's distance from the engine-wide estimate
     cost_decay: float = 0.9  # weight of the past in each measured / profiled ratio
     # sampled sequences' engine-wide estimate starts at this share of the prior (greedy acceptance):
@@ -301,6 +311,7 @@ class AdaptivePolicy:
         max_accept = self.max_accept or {}
         last = None  # (size, step_cost) of the largest size that could win
         sums = None
+        top = 0.0  # the best expected rate of a tree
         for n in self.sizes:
             if budget is not None and b * n > budget:
                 continue
@@ -312,6 +323,7 @@ class AdaptivePolicy:
             if sums is None:
                 sums = self._relaxed(self._summed(seq_ids))
             rate = (b + sums[n]) / spec_ms
+            top = max(top, rate)
             if rate > best_rate:
                 best, best_rate = n, rate
         self.explore_due = math.inf
@@ -323,7 +335,7 @@ class AdaptivePolicy:
                 # (charged a share, explorations after long plain stretches took ~3% of a batch-8
                 # run on the H200 against the 1% budget)
                 over = max((step_ms + self.catch_up_cost(behind)) / plain_ms - 1.0, 0.0)
-                need = max(self.explore_every, math.ceil(over / self.explore_budget))
+                need = max(self.explore_every, math.ceil(over / self._explore_share(best_rate / top)))
                 if self._idle >= need:
                     self._idle = 0
                     return self._chose(n, explored=True)
@@ -331,6 +343,13 @@ class AdaptivePolicy:
         else:
             self._idle = 0
         return self._chose(best)
+
+    def _explore_share(self, gap: float) -> float:
+        """The share of the plain steps' time exploring may cost when plain decoding's rate (with
+        the margin) is gap times the best tree's expected one (>= 1: plain chosen)."""
+        if self.explore_gap is None or gap - 1.0 <= self.explore_gap:
+            return self.explore_budget
+        return self.explore_budget * self.explore_gap / (gap - 1.0)
 
     def _chose(self, best: int, explored: bool = False) -> int:
         """Record a choice: the stretch of speculative steps it ends feeds run_len. An exploring

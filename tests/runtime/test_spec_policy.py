@@ -4,6 +4,8 @@ verify, and the engine's output unchanged under the policy."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -80,13 +82,13 @@ def test_acceptance_prior_from_the_drafts_training_record():
 def test_policy_explores_the_largest_tree_that_could_win_while_off():
     """Its verify scores every smaller size too. bs 16: a tree of 6 costs 1.9 ms against 1 ms,
     90% more: a 10% budget explores every 9th step, the default 1% every 90th; a tree that could
-    never win is not the one explored."""
+    never win is not the one explored. (The whole budget at any gap: explore_gap=None.)"""
     sizes = [3, 6]
     pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4,
-                         explore_budget=0.1)
+                         explore_budget=0.1, explore_gap=None)
     picks = [pol.choose(list(range(16))) for _ in range(27)]
     assert picks == [1] * 8 + [6] + [1] * 8 + [6] + [1] * 8 + [6]
-    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4)
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4, explore_gap=None)
     picks = [pol.choose(list(range(16))) for _ in range(180)]
     assert [i for i, p in enumerate(picks) if p != 1] == [89, 179]
     # bs 32 with depth 1 bounding the tree of 6 to 2 tokens a sequence (64 for 3.4 ms against 32 a
@@ -97,13 +99,34 @@ def test_policy_explores_the_largest_tree_that_could_win_while_off():
     assert 3 in picks and picks <= {1, 3}
 
 
+def test_the_exploration_budget_shrinks_with_the_gap_below_the_bar():
+    """bs 16, margin 1.05: plain's bar is 16 * 1.05 = 16.8 tokens a ms; the trees of 3 and 6 cost
+    1.4 and 1.9 ms. Expected acceptance 0.45 / 0.9 a sequence: the best tree's rate is 16 * 1.45 /
+    1.4 = 16.57, a gap of 1.014, within explore_gap 0.1: the whole 10% budget, the tree of 6
+    (0.9 over) explored every 9th step. Acceptance 0: 16 / 1.4 = 11.43, a gap of 1.47: the budget
+    times 0.1 / 0.47, every 43rd step."""
+    sizes = [3, 6]
+
+    def explorations(acc: float, steps: int, gap=0.1) -> list[int]:
+        pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: acc * 0.5, 6: acc}, explore_every=4,
+                             explore_budget=0.1, explore_gap=gap)
+        return [i for i in range(steps) if pol.choose(list(range(16))) != 1]
+
+    assert explorations(0.9, 27) == [8, 17, 26]
+    gap = 16.8 / (16 / 1.4)
+    need = math.ceil(0.9 / (0.1 * 0.1 / (gap - 1.0)))
+    assert need == 43
+    assert explorations(0.0, 100) == [42, 85]
+    assert explorations(0.0, 27, gap=None) == [8, 17, 26]  # off: the whole budget at any gap
+
+
 def test_an_exploring_step_is_charged_the_whole_catch_up():
     """bs 16, a tree of 6 at 1.9 ms against 1 ms plain, a catch-up of 0.2 + 0.01 ms a row over 1000
     rows (10.2 ms) that a stretch of 4 would share: exploring pays it all in one step, so the 10%
     budget explores every (0.9 + 10.2) / 0.1 = 111 steps, not every (0.9 + 10.2 / 4) / 0.1 = 35."""
     sizes = [3, 6]
     pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, catch_up=(0.2, 0.01),
-                         explore_every=4, explore_budget=0.1)
+                         explore_every=4, explore_budget=0.1, explore_gap=None)
     picks = [pol.choose(list(range(16)), behind=1000) for _ in range(230)]
     assert [i for i, p in enumerate(picks) if p != 1] == [110, 221]
     # explorations are not stretches the estimates chose: the mean stretch stays as it was
