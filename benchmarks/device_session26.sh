@@ -63,6 +63,23 @@ mma_sweep() {
     || echo "w4a16_mma exited $?"
   grep "^|" "$OUT/logs/mma.log" | head -60
 }
+probes() {  # CATCHUP=1: the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
+  if [ -n "${CATCHUP:-}" ]; then  # after the prompt and mid-stream (min_tokens 48), greedy and sampled
+    # shellcheck disable=SC2086
+    timeout 240 python3 benchmarks/catch_up_cost.py ${CU_ARGS:---batches 1,8,32 --lens 32,128 --min-tokens 0,48 --temps 0,1} \
+      --profile "${CU_PROFILE:-8,32,48,1}" --out "$OUT" > "$OUT/logs/catch_up.log" 2>&1 || echo "catch_up_cost exited $?"
+    grep -v "arn" "$OUT/logs/catch_up.log" | grep -A50 "start-up fit" | head -66
+  fi
+  if [ -n "${DORMANT:-}" ]; then  # DORMANT=1: the decode graph with and without a draft, replays timed
+    timeout 150 python3 benchmarks/dormant_cost.py --profile --out "$OUT" > "$OUT/logs/dormant.log" 2>&1 \
+      || echo "dormant_cost exited $?"
+    grep -v "arn" "$OUT/logs/dormant.log" | grep -A70 "^| batch" | head -80
+  fi
+  if [ -n "${FIRST:-}" ]; then  # FIRST=1: a GEMM's first call at a new row count against its second
+    timeout 60 python3 benchmarks/first_call_cost.py --out "$OUT" > "$OUT/logs/first_call.log" 2>&1 || echo "first_call exited $?"
+    grep "^|\|^torch" "$OUT/logs/first_call.log"
+  fi
+}
 mma_ncu() {
   cat > /tmp/ncu_mma.py <<'PY'
 import os
@@ -85,23 +102,8 @@ PY
   grep -E "w4a16_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_mma.txt" | head -90
 }
 case "${PART:-}" in
-tests) gpu_tests ;;
-kernels)  # CATCHUP=1: first the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
-  if [ -n "${CATCHUP:-}" ]; then  # after the prompt and mid-stream (min_tokens 48), greedy and sampled
-    # shellcheck disable=SC2086
-    timeout 240 python3 benchmarks/catch_up_cost.py ${CU_ARGS:---batches 1,8,32 --lens 32,128 --min-tokens 0,48 --temps 0,1} \
-      --profile "${CU_PROFILE:-8,32,48,1}" --out "$OUT" > "$OUT/logs/catch_up.log" 2>&1 || echo "catch_up_cost exited $?"
-    grep -v "arn" "$OUT/logs/catch_up.log" | grep -A50 "start-up fit" | head -66
-  fi
-  if [ -n "${DORMANT:-}" ]; then  # DORMANT=1: the decode graph with and without a draft, replays timed
-    timeout 150 python3 benchmarks/dormant_cost.py --profile --out "$OUT" > "$OUT/logs/dormant.log" 2>&1 \
-      || echo "dormant_cost exited $?"
-    grep -v "arn" "$OUT/logs/dormant.log" | grep -A70 "^| batch" | head -80
-  fi
-  if [ -n "${FIRST:-}" ]; then  # FIRST=1: a GEMM's first call at a new row count against its second
-    timeout 60 python3 benchmarks/first_call_cost.py --out "$OUT" > "$OUT/logs/first_call.log" 2>&1 || echo "first_call exited $?"
-    grep "^|\|^torch" "$OUT/logs/first_call.log"
-  fi
+tests) probes; [ "${TESTS:-}" = none ] || gpu_tests ;;
+kernels) probes
   [ "${TESTS:-}" = none ] || gpu_tests
   [ -n "${NO_MMA:-}" ] || { mma_sweep; [ -n "${NO_NCU:-}" ] || mma_ncu; } ;;
 gen)

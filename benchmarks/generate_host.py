@@ -25,6 +25,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tree-ms", type=float, default=100.0,
+                    help="every tree's step cost against a plain step's 1 (100: no tree can ever win, the policy "
+                         "never explores; 2.5: a tree could win only with most drafts accepted, as sampled "
+                         "requests' trees on the H100, so the policy explores now and then)")
     a = ap.parse_args()
     from common import stub_graph_replays
 
@@ -44,7 +48,7 @@ def main() -> None:
         r.make_graphs(max(a.batch, 2), eager_stand_in=True)
         if r.spec is not None:
             pol = r.spec.policy
-            pol.cost = CostTable(pol.cost.batches, {n: [1.0 if n == 1 else 100.0 + 1e-3 * n] * len(pol.cost.batches)
+            pol.cost = CostTable(pol.cost.batches, {n: [1.0 if n == 1 else a.tree_ms + 1e-3 * n] * len(pol.cost.batches)
                                                     for n in pol.cost.ms})
             # the CPU stand-ins' step times mean nothing as costs: the ratios learn the table's own
             pol.observe_cost = lambda n, b, ms, f=pol.observe_cost, c=pol.cost: f(n, b, c.cost(n, b))
