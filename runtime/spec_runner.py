@@ -188,6 +188,16 @@ class FeatureStore:
         return self.features[slots]
 
 
+def catch_up_rows(rows: int) -> int:
+    """The rows an eager catch-up over `rows` rows runs (padded): multiples of 16 up to 128, then
+    eight steps an octave (at most 1/8 more rows), so that a served engine's catch-ups reuse a
+    few dozen GEMM shapes instead of making a new one each."""
+    if rows <= 128:
+        return -(-rows // 16) * 16
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
 @functools.lru_cache(maxsize=256)
 def _level_offsets(bsz: int, k: int, levels: int, device: torch.device):
     """EAGLE-2 expansion levels d = 1 .. levels over bsz sequences, each running its k frontier
@@ -268,6 +278,7 @@ class SpecDecoder:
         self._plan_skips = 0
         self.scanned = True  # whether the last plan() scanned the running sequences (else: a skipped step)
         self._sizes_t: tuple[tuple, torch.Tensor] | None = None  # (sizes, int64 [S] on the device)
+        self._pad_tables: dict[int, torch.Tensor] = {}  # a catch-up's padding rows' block table, by width
 
     def bind(self, num_blocks: int) -> None:
         """The feature cache over num_blocks blocks (the KV cache's, its padding block included);
@@ -301,11 +312,16 @@ class SpecDecoder:
         """EAGLE: run the draft over 1, 2, 4, ... 64 rows once, so that the attention tile
         variants an eager catch-up picks by its longest run are compiled at start-up, not in the
         middle of a served step (the H200 measured a batch of 8 at 0.38x of plain decoding where
-        three speculative steps each compiled one). Blocks from 0, before any request."""
+        three speculative steps each compiled one); on CUDA also over each padded catch-up size
+        (``catch_up_rows``) up to 4096, whose GEMMs' first calls cost ~2 ms each on the H100.
+        Blocks from 0, before any request."""
         if not self.eagle:
             return
         dev, bs = self.device, self.block_size
-        for rows in (1, 2, 4, 8, 16, 32, 64):
+        warm = [1, 2, 4, 8, 16, 32, 64]
+        if dev.type == "cuda":  # and the draft's GEMMs at every padded catch-up size up to 4096 rows
+            warm += sorted({catch_up_rows(r) for r in range(65, 4097)})
+        for rows in warm:
             blocks = -(-rows // bs)
             if blocks > self.runner.num_blocks:
                 break
@@ -582,7 +598,11 @@ class SpecDecoder:
         return self._catch_up(seqs, *self._context(seqs), stop)
 
     def _catch_up(self, seqs, ctx: torch.Tensor, tables: torch.Tensor, stop: list[int] | None = None):
-        """``states`` with the sequences' context lengths and block tables already on the device."""
+        """``states`` with the sequences' context lengths and block tables already on the device.
+        The rows are padded to ``catch_up_rows(rows)`` (pads: sequences of one row each in the
+        padding block, whose outputs nobody reads), so the draft's GEMMs see few shapes: on the H100
+        a cuBLAS GEMM's first call at a new row count took 2.1-2.6 ms against 0.06 ms for the next
+        (benchmarks/first_call_cost.py), and served catch-ups, each over a new count, took 4-5 ms."""
         if not self.eagle:
             return self._medusa_states(ctx, tables)
         dev, bs = self.device, self.block_size
@@ -599,14 +619,34 @@ class SpecDecoder:
             s.spec_state = (s.num_preemptions, c)
         if len(cu) == 1:
             return None
+        real, rows = len(cu) - 1, len(ids)
+        sel = sorted(set(which))
+        pad = catch_up_rows(rows) - rows
+        if pad:  # each pad its own one-row sequence over the padding block (its KV and feature slots)
+            pad_row = len(seqs)
+            tables = torch.cat([tables, self._pad_table(tables.shape[1])])
+            ids += [0] * pad
+            pos += [0] * pad
+            which += [pad_row] * pad
+            sel += [pad_row] * pad
+            cu += range(cu[-1] + 1, cu[-1] + pad + 1)
+            ends += [1] * pad
         ids_t, pos_t, which_t = packed_to(dev, "q", ids, pos, which)  # each view 16-byte aligned
         lens_t, cu_t = packed_to(dev, "i", ends, cu)
         slots = tables.long()[which_t, pos_t // bs] * bs + pos_t % bs
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables[sorted(set(which))], seq_lens=lens_t,
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables[sel], seq_lens=lens_t,
                                  decode=False, cu_seqlens_q=cu_t,
-                                 max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])))
+                                 max_seqlen_q=max(b - a for a, b in zip(cu[:real], cu[1:real + 1])))
         pred = self.draft(self.store[slots], ids_t, pos_t, meta)
-        return pred[cu_t[1:].long() - 1]
+        return pred[cu_t[1:real + 1].long() - 1]
+
+    def _pad_table(self, width: int) -> torch.Tensor:
+        """int32 [1, width] of the padding block (the block after those the scheduler hands out)."""
+        t = self._pad_tables.get(width)
+        if t is None:
+            t = self._pad_tables[width] = torch.full((1, width), self.runner.num_blocks, dtype=torch.int32,
+                                                     device=self.device)
+        return t
 
     def _states_fixed(self, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Tensor-only states (a graphed step's): EAGLE, the draft over the last G rows of each

@@ -178,6 +178,46 @@ def test_eagle_draft_state_and_cache_follow_the_sequence(tiny_llama, tmp_path):
         assert torch.allclose(state, pred[0, -1], atol=1e-4, rtol=1e-4), (s, err)
 
 
+def test_catch_up_rows_are_padded_to_few_sizes():
+    from optllm.runtime.spec_runner import catch_up_rows
+
+    sizes = set()
+    for r in range(1, 5000):
+        p = catch_up_rows(r)
+        assert r <= p <= max(r + 15, r * 9 // 8), (r, p)
+        sizes.add(p)
+    assert catch_up_rows(543) == 576 and catch_up_rows(2720) == 2816 and catch_up_rows(128) == 128
+    assert len(sizes) <= 64  # up to 5000 rows: 8 sizes to 128, then eight an octave
+
+
+def test_a_padded_catch_up_equals_an_unpadded_one(tiny_llama, tmp_path, monkeypatch):
+    """The draft run again over every row of running sequences (their catch-up from position 0):
+    padded to catch_up_rows (pad rows in the padding block) and not, the same states and the same
+    draft KV in every block a sequence owns; the pads wrote only the padding block."""
+    from optllm.runtime import spec_runner
+
+    folder = write_draft(tmp_path / "eagle", tiny_llama, "eagle", seed=3, noise=0.3)
+    eng = _stepped_engine(tiny_llama, folder, num_draft=6, max_tokens=60, steps=12)
+    spec = eng.runner.spec
+    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 2]
+    rows = sum(s.num_computed_tokens for s in seqs)
+    assert seqs and spec_runner.catch_up_rows(rows) > rows  # (the case pads)
+    pad = eng.runner.num_blocks  # the padding block
+
+    def again(padded: bool):
+        for s in seqs:
+            s.spec_state = (s.num_preemptions, 0)
+        with monkeypatch.context() as m:
+            if not padded:
+                m.setattr(spec_runner, "catch_up_rows", lambda r: r)
+            states = spec.states(seqs)
+        return states, spec.draft_kv.k[:, :pad].clone(), spec.draft_kv.v[:, :pad].clone()
+
+    plain, padded = again(False), again(True)
+    for a, b in zip(plain, padded):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
 def test_medusa_state_is_the_targets_last_hidden_state(tiny_llama, drafts):
     from optllm.speculative.target import last_hidden
 
