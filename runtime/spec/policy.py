@@ -127,6 +127,8 @@ class AdaptivePolicy:
 
     sizes: list[int]
     cost: CostTable
+    # sampled steps' own start-up profile (None: they start from the greedy one, their ratios apart)
+    cost_sampled: CostTable | None = None
     prior: dict[int, float] | None = None
     max_accept: dict[int, int] | None = None  # the most draft tokens each size can give (None: n - 1)
     decay: float = 0.8  # weight of the past in each sequence's average
@@ -172,9 +174,10 @@ class AdaptivePolicy:
         self.sizes = sorted(set(self.sizes))
         if not self.sizes or self.sizes[0] < 2:
             raise ValueError(f"sizes={self.sizes!r}: allowed: tree sizes >= 2")
-        missing = [n for n in [1, *self.sizes] if n not in self.cost.ms]
-        if missing:
-            raise ValueError(f"the cost table has no times for tree sizes {missing}")
+        for table in (self.cost, self.cost_sampled):
+            missing = [] if table is None else [n for n in [1, *self.sizes] if n not in table.ms]
+            if missing:
+                raise ValueError(f"the cost table has no times for tree sizes {missing}")
         base = self.prior or {n: 1.0 * (n - 1) / (self.sizes[-1] - 1) if self.sizes[-1] > 1 else 0.0
                               for n in self.sizes}
         self._col = {n: j for j, n in enumerate(self.sizes)}
@@ -248,7 +251,12 @@ class AdaptivePolicy:
         """Expected milliseconds of a step of `batch` decodes with trees of n nodes (1: plain), in
         the last choose()'s cost class: the profile's time times the measured ratio of its (n, batch
         bucket, class), 1 until measured."""
-        return self.cost.cost(n, batch) * self._ratio.get((n, self._bucket(batch), self._cost_cls), 1.0)
+        return self._table(self._cost_cls).cost(n, batch) * self._ratio.get((n, self._bucket(batch), self._cost_cls),
+                                                                             1.0)
+
+    def _table(self, cls: int) -> CostTable:
+        """The start-up profile of a cost class (1: sampled steps, their own where measured)."""
+        return self.cost_sampled if cls and self.cost_sampled is not None else self.cost
 
     def observe_cost(self, n: int, batch: int, ms: float) -> None:
         """A pure step's measured wall milliseconds: `batch` decodes, all plain (n = 1) or all
@@ -258,7 +266,8 @@ class AdaptivePolicy:
         key = (n, self._bucket(batch), self._cost_cls)
         count = self._ratio_n.get(key, 0) + 1
         self._ratio_n[key] = count
-        self._ratio[key] = self._updated_ratio(self._ratio.get(key, 1.0), count, ms / self.cost.cost(n, batch))
+        profiled = self._table(self._cost_cls).cost(n, batch)
+        self._ratio[key] = self._updated_ratio(self._ratio.get(key, 1.0), count, ms / profiled)
 
     def catch_up_cost(self, rows: int) -> float:
         """Expected milliseconds of the draft's catch-up over `rows` rows (0 without a profile)."""
@@ -303,7 +312,7 @@ class AdaptivePolicy:
         extra = self.catch_up_cost(behind) / max(self.run_len, 1.0)
         # step_cost(n, b) written out, the batch's bucket found once (a scan of a plain stretch: ~30%
         # of choose()'s time was these calls)
-        cost, ratio, bucket = self.cost.cost, self._ratio, self._bucket(b)
+        cost, ratio, bucket = self._table(cls).cost, self._ratio, self._bucket(b)
         plain_ms = cost(1, b) * ratio.get((1, bucket, cls), 1.0)
         plain = b / plain_ms
         best, best_rate = 1, plain * self.margin

@@ -120,6 +120,25 @@ def test_the_exploration_budget_shrinks_with_the_gap_below_the_bar():
     assert explorations(0.0, 27, gap=None) == [8, 17, 26]  # off: the whole budget at any gap
 
 
+def test_sampled_steps_start_from_their_own_profile():
+    """With a sampled profile (the start-up's sampled graphs, 3x the greedy trees' times), a
+    sampled step is priced by it from its first choice, and its measured ratios are against it."""
+    sizes = [3, 6, 11]
+    greedy = gpu_like_costs(sizes)
+    slow = CostTable(greedy.batches, {n: [v * (1.0 if n == 1 else 3.0) for v in row] for n, row in greedy.ms.items()})
+    prior = {3: 1.0, 6: 1.6, 11: 2.0}
+    pol = AdaptivePolicy(sizes, greedy, cost_sampled=slow, prior=prior, sampled_prior=1.0, explore_every=10**6)
+    assert pol.choose([0]) == 11  # greedy: 3 tokens for 1.4 ms
+    assert pol.choose([0], sampled=True) == 1  # sampled: 3 tokens for 4.2 ms against 1 for 1 ms (x1.05)
+    assert pol.step_cost(11, 1) == pytest.approx(1.4 * 3.0)
+    pol.observe_cost(11, 1, 1.4 * 3.0)  # as profiled: the sampled ratio stays 1
+    assert pol.step_cost(11, 1) == pytest.approx(1.4 * 3.0)
+    no_own = AdaptivePolicy(sizes, greedy, prior=prior, sampled_prior=1.0, explore_every=10**6)
+    assert no_own.choose([0], sampled=True) == 11  # without one: the greedy profile
+    with pytest.raises(ValueError, match="no times for tree sizes"):
+        AdaptivePolicy(sizes, greedy, cost_sampled=CostTable([1], {1: [1.0], 3: [2.0]}))
+
+
 def test_an_exploring_step_is_charged_the_whole_catch_up():
     """bs 16, a tree of 6 at 1.9 ms against 1 ms plain, a catch-up of 0.2 + 0.01 ms a row over 1000
     rows (10.2 ms) that a stretch of 4 would share: exploring pays it all in one step, so the 10%
