@@ -133,8 +133,9 @@ class AdaptivePolicy:
     max_accept: dict[int, int] | None = None  # the most draft tokens each size can give (None: n - 1)
     decay: float = 0.8  # weight of the past in each sequence's average
     margin: float = 1.05  # speculation must be this much faster than a plain step
-    # ... and a step where a row samples this much: rejection sampling's accepted lengths vary more
-    # between sequences, and a batch that ends together waits for its slowest one. On the H100 the
+    # ... and a step of several sequences where a row samples this much: rejection sampling's accepted
+    # lengths vary more between sequences, and a batch that ends together waits for its slowest one
+    # (a lone sequence waits for none: batch 1 keeps margin). On the H100 the
     # temperature-1 waves at batch 8 speculated 248 of 700 steps on estimates of a 5% gain, steps
     # that gained ~1% each, and the run lost 12%: the wave's length is its slowest sequence's
     margin_sampled: float = 1.15
@@ -320,7 +321,7 @@ class AdaptivePolicy:
         cost, ratio, bucket = self._table(cls).cost, self._ratio, self._bucket(b)
         plain_ms = cost(1, b) * ratio.get((1, bucket, cls), 1.0)
         plain = b / plain_ms
-        best, best_rate = 1, plain * (self.margin_sampled if cls else self.margin)
+        best, best_rate = 1, plain * (self.margin_sampled if cls and b > 1 else self.margin)
         win = best_rate  # what a tree must beat even if every draft token were accepted
         max_accept = self.max_accept or {}
         last = None  # (size, step_cost) of the largest size that could win
