@@ -1,6 +1,7 @@
 """What holding a draft costs a plain decode step on the GPU: the decode graph of an engine with an
 EAGLE-3 draft (which stores the draft's inputs, fc over the target's three auxiliary states, at
-every row it computes) against the same graph of an engine without one, replayed back to back.
+every row it computes: one fused launch, kernels/fc_scatter.py; and, a third engine, fc + index_put
+as before it) against the same graph of an engine without one, replayed back to back.
 
 The H100's temperature-1 waves had the draft engine's plain decode graphs at 0.968 ms a step against
 the plain engine's 0.958 at batch 8 (+1.0%), and the same after the graphs' extra kernels went from
@@ -63,8 +64,16 @@ def main() -> None:
     per = -(-a.context // 16)
     kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=most, max_model_len=a.context + 64,
               num_kv_blocks=most * per + 8, enable_prefix_caching=False)
-    engines = {"plain": LLM(str(a.root / "target"), **kw),
-               "draft": LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive", **kw)}
+    from optllm.runtime import spec_runner
+
+    engines = {"plain": LLM(str(a.root / "target"), **kw)}
+    spec_runner.FUSED_STORE = True  # the store as one launch (kernels/fc_scatter.py; opt-in in the runtime)
+    engines["draft"] = LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive", **kw)
+    spec_runner.FUSED_STORE = False  # fc + index_put, the default
+    engines["draft, unfused store"] = LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive",
+                                          **kw)
+    fused = engines["draft"].engine.runner.spec.store.fc_weight is not None
+    print(f"the draft engine's store: {'one fused launch' if fused else 'fc + index_put (the fused kernel is off)'}")
     graphs = {name: llm.engine.runner.graphs for name, llm in engines.items()}
 
     def timed(g, b: int) -> float:
@@ -79,10 +88,11 @@ def main() -> None:
         return start.elapsed_time(end) * 1e3 / a.reps
 
     rows = []
-    print("| batch | temp | plain µs | draft µs | draft / plain |\n|---|---|---|---|---|")
+    print("| batch | temp | plain µs | draft µs | draft / plain | draft, unfused store µs | unfused / plain |\n"
+          "|---|---|---|---|---|---|---|")
     for b in batches:
         for temp in (0.0, 1.0):
-            times: dict[str, list[float]] = {"plain": [], "draft": []}
+            times: dict[str, list[float]] = {name: [] for name in graphs}
             for name, g in graphs.items():
                 fill(g, b, a.context, temp)
                 timed(g, b)  # warm
@@ -90,9 +100,10 @@ def main() -> None:
                 for name, g in graphs.items():
                     times[name].append(timed(g, b))
             p, d = statistics.median(times["plain"]), statistics.median(times["draft"])
+            u = statistics.median(times["draft, unfused store"])
             rows.append({"batch": b, "temperature": temp, "plain_us": p, "draft_us": d, "ratio": d / p,
-                         "rounds": times})
-            print(f"| {b} | {temp:g} | {p:.1f} | {d:.1f} | {d / p:.3f} |", flush=True)
+                         "unfused_us": u, "unfused_ratio": u / p, "rounds": times})
+            print(f"| {b} | {temp:g} | {p:.1f} | {d:.1f} | {d / p:.3f} | {u:.1f} | {u / p:.3f} |", flush=True)
     prof = {}
     if a.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -44,12 +44,16 @@ what rejected nodes wrote past the new length is never read and is overwritten n
 from __future__ import annotations
 
 import functools
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..kernels.common import use_triton
+from ..kernels.fc_scatter import fc_scatter
 from ..kernels.spec_accept import greedy_accept_move
 from ..kernels.spec_slots import step_slots
 from ..kernels.topk import topk_logprobs
@@ -79,6 +83,10 @@ from .spec.acceptance import (
 from .spec.kv_compact import accepted_kv_slots, move_kv_slots
 from .spec.tree import StaticTree, TreeBatch, const_arange, const_full
 from .step_inputs import HostBatch, packed_to
+
+# EAGLE-3's feature store as one fused launch where the draft runs Triton kernels (kernels/fc_scatter.py),
+# opt-in (OPTLLM_FUSED_STORE=1) until a GPU has timed it against fc + index_put (benchmarks/dormant_cost.py)
+FUSED_STORE = os.environ.get("OPTLLM_FUSED_STORE", "0") == "1"
 
 # EAGLE: plain steps a speculative step's graphed catch-up window covers beyond its own last step's
 # tokens (the draft reruns those rows every speculative step: B * 8 more rows of one layer)
@@ -176,9 +184,42 @@ class FeatureStore:
         self.draft = draft
         self.fused = draft.method in ("eagle", "eagle3")  # EAGLE's context_features (EAGLE-3: fc over 3 states)
         self.features = torch.zeros(num_slots + 1, draft.hidden_size, dtype=dtype, device=device)
+        # EAGLE-3 where the draft's kernels are Triton and FUSED_STORE: fc and the scatter in one launch
+        # (kernels/fc_scatter.py; the two kernels were a dormant draft's 1% of a decode step on the H100)
+        fc = getattr(draft, "fc", None) if draft.method == "eagle3" else None
+        self.fc_weight = None
+        if fc is not None and fc.bias is None and fc.weight.dtype == dtype and FUSED_STORE \
+                and use_triton(getattr(draft, "backend", "auto"), self.features):
+            self.fc_weight = fc.weight if fc.weight.is_contiguous() else fc.weight.contiguous()
+            if device.type == "cuda" and not self._fused_store_ok():
+                self.fc_weight = None
+
+    def _fused_store_ok(self) -> bool:
+        """The fused kernel against fc + index_put on random rows, once (a compile or numerics failure on
+        this GPU falls back to the two kernels, with a warning)."""
+        w = self.fc_weight
+        g = torch.Generator(device=w.device).manual_seed(0)
+        x = torch.randn(5, w.shape[1], generator=g, device=w.device).to(w.dtype)
+        slots = torch.tensor([3, -1, 0, 7, 1], dtype=torch.int64, device=w.device)
+        try:
+            got = fc_scatter(x, w, slots, torch.zeros(9, w.shape[0], dtype=w.dtype, device=w.device))
+        except Exception as e:  # noqa: BLE001 (any failure of the kernel: the unfused path stays)
+            warnings.warn(f"the fused feature store failed on this device ({type(e).__name__}: {e}); using fc + "
+                          "index_put", stacklevel=2)
+            return False
+        want = torch.zeros_like(got)
+        want[slots] = (x.float() @ w.float().t()).to(w.dtype)
+        ok = torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        if not ok:
+            warnings.warn("the fused feature store disagreed with fc + index_put on this device; using those",
+                          stacklevel=2)
+        return ok
 
     def store(self, hidden: torch.Tensor, aux: torch.Tensor | None, slots: torch.Tensor) -> None:
         """hidden [T, H] (and EAGLE-3's aux [T, 3H]) of rows whose cache slots are slots [T] (-1: none)."""
+        if self.fc_weight is not None and aux is not None and aux.dtype == self.fc_weight.dtype:
+            fc_scatter(aux, self.fc_weight, slots if slots.is_contiguous() else slots.contiguous(), self.features)
+            return
         feats = self.draft.context_features(hidden, aux) if self.fused else hidden
         # slot -1 indexes the last row, the dump row (num_slots): one kernel, where an int64 copy of
         # the slots, a remainder and index_copy_ were three (each a node of every decode graph)

@@ -61,3 +61,40 @@ def test_the_store_puts_each_row_at_its_slot_and_padding_in_the_dump_row():
         assert torch.equal(got[:10], want[:10])
         assert any(torch.equal(got[10], hidden[i]) for i in (1, 4))  # the dump row: one padding row
         assert torch.equal(fs[torch.tensor([9, 3])], torch.stack([hidden[2], hidden[0]]))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_the_feature_store_writes_fc_of_the_aux_states_at_the_slots(kernels, monkeypatch):
+    """EAGLE-3's store: features[slot] = fc(aux) for each row, slot -1 into the dump row (the last),
+    nothing else written. kernels="triton" (the interpreter here) with FUSED_STORE takes the fused
+    launch (kernels/fc_scatter.py); "torch", or FUSED_STORE off (the default), fc then index_put.
+    float32: within 1e-5 of fc in float64."""
+    from optllm.runtime import spec_runner
+
+    if kernels == "triton" and not interpreting():
+        pytest.skip("kernels='triton' on CPU tensors needs TRITON_INTERPRET=1")
+
+    class _Draft:
+        method, hidden_size, backend = "eagle3", 24, kernels
+
+        def __init__(self):
+            torch.manual_seed(0)
+            self.fc = torch.nn.Linear(72, 24, bias=False)
+
+        def context_features(self, hidden, aux):
+            return self.fc(aux)
+
+    d = _Draft()
+    monkeypatch.setattr(spec_runner, "FUSED_STORE", True)  # (opt-in: OPTLLM_FUSED_STORE=1)
+    store = spec_runner.FeatureStore(d, 12, torch.float32, torch.device("cpu"))
+    assert (store.fc_weight is not None) == (kernels == "triton")
+    aux = torch.randn(5, 72)
+    slots = torch.tensor([4, -1, 0, 11, 7], dtype=torch.int32)
+    store.store(torch.randn(5, 24), aux, slots)
+    want = (aux.double() @ d.fc.weight.double().t())
+    for i, s in enumerate(slots.tolist()):
+        torch.testing.assert_close(store.features[s].double(), want[i], rtol=1e-5, atol=1e-5)
+    others = [r for r in range(12) if r not in (4, 0, 11, 7)]
+    assert not store.features[others].any()
+    monkeypatch.setattr(spec_runner, "FUSED_STORE", False)  # the switch: fc + index_put
+    assert spec_runner.FeatureStore(d, 12, torch.float32, torch.device("cpu")).fc_weight is None
