@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,12 +46,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     import torch
+    from common import ensure_random_smol
 
     from optllm import LLM, SamplingParams
 
-    if not (a.root / "target").exists():
-        subprocess.run([sys.executable, str(Path(__file__).with_name("random_smol.py")), str(a.root),
-                        "--method", "eagle3"], check=True)
+    ensure_random_smol(a.root)
     batches = [int(b) for b in a.batches.split(",")]
     lens = [int(n) for n in a.lens.split(",")]
     mins = [int(m) for m in a.min_tokens.split(",")]

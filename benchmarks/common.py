@@ -6,6 +6,7 @@ shapes (configs of random-weight folders) and the provenance every result record
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -194,3 +195,10 @@ def stub_graph_replays(llm) -> None:
     for g in groups:
         for x in g.values():
             x.replay = lambda: None
+
+
+def ensure_random_smol(root: Path, method: str = "eagle3") -> None:
+    """benchmarks/random_smol.py's folders under root (target, and the draft of `method`), made once."""
+    if not (root / "target").exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("random_smol.py")), str(root), "--method", method],
+                       check=True)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 
@@ -53,12 +51,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     import torch
+    from common import ensure_random_smol
 
     from optllm import LLM
 
-    if not (a.root / "target").exists():
-        subprocess.run([sys.executable, str(Path(__file__).with_name("random_smol.py")), str(a.root),
-                        "--method", "eagle3"], check=True)
+    ensure_random_smol(a.root)
     batches = [int(b) for b in a.batches.split(",")]
     most = max(batches)
     per = -(-a.context // 16)
