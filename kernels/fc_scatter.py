@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CompiledLaunch, int_kind, interpreting, use_triton
+from .common import CompiledLaunch, int_kind, use_triton
+from .paged_attention import compute_dot_f32
 
 
 @triton.jit(do_not_specialize=["T", "DUMP"])
@@ -90,9 +91,7 @@ def fc_scatter(x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, out: 
     if t == 0:
         return out
     bm, bn, bk, warps = fc_scatter_tiles(t)
-    # fp32 x needs ieee dots (tf32 would lose 10 bits); the interpreter multiplies bf16 as raw uint16
-    f32 = x.dtype == torch.float32 or interpreting()
-    constexprs = dict(N=n, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32)
+    constexprs = dict(N=n, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=compute_dot_f32(x))
     ints = (x.stride(0), weight.stride(0), out.stride(0))
     dump = out.shape[0] - 1
     key = (x.dtype, slots.dtype, out.dtype, ints, int_kind(t), int_kind(dump), tuple(constexprs.values()), warps)
