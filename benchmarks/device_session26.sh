@@ -36,7 +36,8 @@
 # LR: train's peak learning rate (train-draft's default 1e-3); TTT (6), LABELS (soft | hard), HOLDOUT (64):
 # train-draft's --ttt-steps, --labels, --holdout; TESTS in PART=eval: GPU tests first; NO_MMA=1:
 # eval without the GEMV sweep and profile
-# TESTS / TESTS_S: the GPU tests' files and time limit (default all of ALL_TESTS, the call's time left)
+# TESTS / TESTS_S: the GPU tests' files and time limit (default all of ALL_TESTS, the call's time left);
+# DEV_TESTS (unmarked, on CUDA where present) run after them when TESTS is unset, or with DEV=1
 source benchmarks/device_preamble.sh
 if [ "${PART:-}" = kernels ]; then  # no model: the kernels' tests and benchmarks
   no_model_env
@@ -47,15 +48,17 @@ ALL_TESTS="tests/runtime/test_spec_gpu.py tests/runtime/test_cuda_graphs.py
   tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager
   tests/kernels/test_tree_grow.py tests/kernels/test_w4a16_mma.py"
 # files whose tests run on CUDA whenever it is there, unmarked (-m gpu would skip them all)
-DEV_TESTS="tests/kernels/test_rmsnorm.py tests/runtime/test_spec_features.py tests/kernels/test_sample.py"
+DEV_TESTS="tests/kernels/test_rmsnorm.py tests/runtime/test_spec_features.py tests/kernels/test_sample.py
+  tests/kernels/test_fc_scatter.py"
 gpu_tests() {  # TESTS (default ALL_TESTS) within TESTS_S seconds (default: the call's time left)
   # shellcheck disable=SC2086
   timeout "${TESTS_S:-$(( $(left) - 20 ))}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-$ALL_TESTS} \
     > "$OUT/logs/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
   # shellcheck disable=SC2086
-  [ -z "${TESTS:-}" ] && timeout 120 python3 -m pytest -q -p no:cacheprovider $DEV_TESTS > "$OUT/logs/dev_tests.log" 2>&1
-  [ -z "${TESTS:-}" ] && { echo "cuda tests: $(tail -1 "$OUT/logs/dev_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/dev_tests.log"; }
+  [ -n "${TESTS:-}" ] && [ -z "${DEV:-}" ] && return 0  # DEV=1: these too when TESTS names the marked ones
+  timeout 120 python3 -m pytest -q -p no:cacheprovider $DEV_TESTS > "$OUT/logs/dev_tests.log" 2>&1
+  { echo "cuda tests: $(tail -1 "$OUT/logs/dev_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/dev_tests.log"; }
 }
 mma_sweep() {
   timeout "$(( $(left) - 90 ))" python3 benchmarks/w4a16_mma.py --shapes qkv,o,gate_up,down --ms "${MS:-1,8,16}" \
