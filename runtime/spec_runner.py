@@ -238,6 +238,19 @@ def catch_up_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def warm_shape(rows: int, max_len: int) -> tuple[int, int]:
+    """The (sequences, rows each) a start-up warm-up of the draft over `rows` rows runs: one
+    sequence while it fits max_len (the rotary table's and the draft KV's bound: positions must stay
+    below it), else `rows` split into equal sequences of the largest power of two <= max_len that
+    divides it, so the GEMMs still see exactly `rows` rows (catch_up_rows' sizes are multiples of 16)."""
+    if rows <= max_len:
+        return 1, rows
+    g = 1 << (max_len.bit_length() - 1)
+    while rows % g:
+        g //= 2
+    return rows // g, g
+
+
 @functools.lru_cache(maxsize=256)
 def _level_offsets(bsz: int, k: int, levels: int, device: torch.device):
     """EAGLE-2 expansion levels d = 1 .. levels over bsz sequences, each running its k frontier
@@ -356,7 +369,9 @@ class SpecDecoder:
         middle of a served step (the H200 measured a batch of 8 at 0.38x of plain decoding where
         three speculative steps each compiled one); on CUDA also over each padded catch-up size
         (``catch_up_rows``) up to 4096, whose GEMMs' first calls cost ~2 ms each on the H100.
-        Blocks from 0, before any request."""
+        Rows past max_model_len are split into sequences (``warm_shape``: a position past it reads
+        beyond the rotary table, an illegal address on the H100), all over the same blocks from 0,
+        before any request (what they write there is never read)."""
         if not self.eagle:
             return
         dev, bs = self.device, self.block_size
@@ -364,12 +379,13 @@ class SpecDecoder:
         if dev.type == "cuda":  # and the draft's GEMMs at every padded catch-up size up to 4096 rows
             warm += sorted({catch_up_rows(r) for r in range(65, 4097)})
         for rows in warm:
-            blocks = -(-rows // bs)
+            seqs, g = warm_shape(rows, self.runner.max_model_len)
+            blocks = -(-g // bs)
             if blocks > self.runner.num_blocks:
                 break
-            tables = torch.arange(blocks, dtype=torch.int32, device=dev)[None, :]
-            self._states_fixed(torch.zeros(1, rows, dtype=torch.int64, device=dev),
-                               torch.full((1,), rows, dtype=torch.int64, device=dev), tables)
+            tables = torch.arange(blocks, dtype=torch.int32, device=dev)[None, :].expand(seqs, blocks)
+            self._states_fixed(torch.zeros(seqs, g, dtype=torch.int64, device=dev),
+                               torch.full((seqs,), g, dtype=torch.int64, device=dev), tables.contiguous())
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -447,15 +463,16 @@ class SpecDecoder:
         draft's catch-up over two rows a sequence, proposal, verify, acceptance, KV move: the
         speculative step's graph where one exists), for batch sizes up to max_num_seqs whose B * n
         fits the step budget, on the engine's own caches before any request (blocks from 0,
-        contexts of 32 tokens). One warm-up run each, then the best of ``repeats``. sampled: the
-        same steps at temperature 1 where their graphs exist (sampled decode and speculative step
-        graphs; elsewhere the greedy path's time): on the H100 a sampled speculative step of 2 nodes
+        contexts of 32 tokens, fewer where max_model_len leaves no room for them). One warm-up run
+        each, then the best of ``repeats``. sampled: the same steps at temperature 1 where their
+        graphs exist (sampled decode and speculative step graphs; elsewhere the greedy path's
+        time): on the H100 a sampled speculative step of 2 nodes
         at batch 64 took 2.07 ms against its greedy profile's 1.50, and until its measured ratio
         had learned that, the policy chose it at a loss (42 steps of a batch-32 run, 3.5%)."""
         from .spec.policy import CostTable
 
         cfg, dev, bs = self.runner.config, self.device, self.block_size
-        ctx_len = 32
+        ctx_len = max(1, min(32, self._longest - 1))  # (a shorter max_model_len: positions stay inside it)
         if batches is None:
             batches, b = [], 1
             while b < cfg.max_num_seqs:
@@ -524,11 +541,12 @@ class SpecDecoder:
     @torch.inference_mode()
     def measure_catch_up(self, repeats: int = 2) -> tuple[float, float] | None:
         """EAGLE: (c0 ms, c1 ms a row) of the draft's eager catch-up, c0 + c1 * rows, fitted to two
-        timed runs of its forward over 32 rows a sequence (one sequence; then as many as the
-        cache holds, up to max_num_seqs); best of ``repeats`` after a warm-up. None for Medusa."""
+        timed runs of its forward over 32 rows a sequence (fewer where max_model_len is shorter; one
+        sequence, then as many as the cache holds, up to max_num_seqs); best of ``repeats`` after a
+        warm-up. None for Medusa."""
         if not self.eagle:
             return None
-        dev, bs, rows = self.device, self.block_size, 32
+        dev, bs, rows = self.device, self.block_size, min(32, self.runner.max_model_len)
         per_row = -(-rows // bs)
         most = max(1, min(self.runner.config.max_num_seqs, self.runner.num_blocks // per_row))
         points = []

@@ -466,3 +466,30 @@ def test_no_runtime_code_reads_an_instance_dict():
                  for i, line in enumerate(p.read_text().splitlines(), 1)
                  if ("__dict__" in line or "vars(" in line) and not line.lstrip().startswith("#")]
     assert not offenders, offenders
+
+
+def test_warm_up_shapes_keep_positions_below_max_model_len():
+    """The start-up warm-up over `rows` rows (warm_shape): exactly `rows` rows (the GEMM shape it
+    warms), no sequence longer than max_model_len (a longer one read past the draft's rotary table:
+    an illegal address on the H100 with max_model_len 300 and the 4096-row warm-up)."""
+    from optllm.runtime.spec_runner import catch_up_rows, warm_shape
+
+    for max_len in (17, 24, 64, 300, 2048, 8192):
+        for rows in [1, 2, 4, 8, 16, 32, 64] + sorted({catch_up_rows(r) for r in range(65, 4097)}):
+            seqs, g = warm_shape(rows, max_len)
+            assert seqs * g == rows and g <= max_len, (rows, max_len, seqs, g)
+            assert seqs == 1 or g >= min(16, 1 << (max_len.bit_length() - 1)), (rows, max_len, g)
+    assert warm_shape(4096, 300) == (16, 256) and warm_shape(576, 300) == (9, 64) and warm_shape(64, 300) == (1, 64)
+
+
+def test_an_eagle_engine_shorter_than_its_warm_up_starts_and_decodes(tiny_llama, drafts):
+    """max_model_len 28, below the warm-up's 32- and 64-row runs: the engine starts (the warm-up
+    splits them into sequences that fit), the adaptive policy's start-up profile too, and speculative
+    greedy equals plain greedy (small trees, so that steps find room for their lookahead)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The interpreter reads", "x = 1\ny"]
+    plain, _ = _run(tiny_llama, prompts, params, max_model_len=28)
+    for policy in ("fixed", "adaptive"):  # adaptive: the start-up cost profile's runs fit too
+        spec, llm = _run(tiny_llama, prompts, params, max_model_len=28, draft=str(drafts["eagle"]), spec_top_k=2,
+                         spec_depth=2, spec_num_draft=4, spec_policy=policy)
+        assert spec == plain and (policy == "adaptive" or llm.engine.stats().speculation["steps"] > 0)
