@@ -118,8 +118,14 @@ def speculation_table(rows: list) -> str:
                 r.model, r.kind, f"{s['temperature']:g}", _batch_cell(s), f(s.get("plain_tok_s"), "{:.1f}"),
                 f(s.get("spec_tok_s"), "{:.1f}"), f(s.get("speedup"), "{:.2f}×"), f(s.get("tau"), "{:.2f}"),
                 *[f(None if d is None else 100 * d, "{:.0f}%") for d in depth],
-                ", ".join(f"{n}: {c}" for n, c in (s.get("steps_by_size") or {}).items()) or "–", same]) + " |")
+                _steps_cell(s), same]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _steps_cell(s: dict) -> str:
+    """Speculative steps per tree size (n: steps), and how many of them the policy explored."""
+    cell = ", ".join(f"{n}: {c}" for n, c in (s.get("steps_by_size") or {}).items()) or "–"
+    return cell + (f" ({s['explored']} explored)" if s.get("explored") else "")
 
 
 def speculation_time_table(rows: list) -> str:

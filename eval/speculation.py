@@ -102,7 +102,7 @@ def _batch(llm: LLM, prompts, params) -> tuple[float, int, list[list[int]]]:
 
 # counters summed over a case's batches: the speculative engine's, and where each engine's time went
 _SUMMED = ("seq_steps", "drafted", "accepted", "steps", "spec_ms", "plain_ms", "plain_parts", "fused_steps",
-           "fused_ms", "caught_up_steps", "catch_up_rows", "catch_up_ms")
+           "fused_ms", "caught_up_steps", "catch_up_rows", "catch_up_ms", "explored")
 
 
 def _spec_counts(llm: LLM) -> dict:
@@ -218,6 +218,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
             accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth, steps_by_size=c["steps_by_size"],
+            explored=c["explored"],
             identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None, cost_ms=r.get("cost_ms"),
             catch_up_model=r.get("catch_up_model"), time=_time_split(r, c),
             **(_identity(r["margins"]) if t == 0 else {}),

@@ -128,6 +128,7 @@ class SpecStats:
     accepted: int = 0
     histogram: list[int] = field(default_factory=list)
     steps_by_size: dict[int, int] = field(default_factory=dict)  # speculative steps per tree size
+    explored: int = 0  # of those, the adaptive policy's explorations (its estimates alone chose plain)
     # where the time went (wall milliseconds, each part ending in its host sync): the speculative
     # parts of steps, and the plain parts (prefill chunks, plain decodes) of the same engine
     spec_ms: float = 0.0
@@ -149,7 +150,8 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted, "accepted": self.accepted,
                 "mean_accepted_length": self.mean_accepted_length, "histogram": list(self.histogram),
-                "steps_by_size": dict(self.steps_by_size), "spec_ms": self.spec_ms, "plain_ms": self.plain_ms,
+                "steps_by_size": dict(self.steps_by_size), "explored": self.explored, "spec_ms": self.spec_ms,
+                "plain_ms": self.plain_ms,
                 "plain_parts": self.plain_parts, "fused_steps": self.fused_steps, "fused_ms": self.fused_ms,
                 "caught_up_steps": self.caught_up_steps,
                 "catch_up_rows": self.catch_up_rows, "catch_up_ms": self.catch_up_ms}
@@ -874,6 +876,7 @@ class SpecDecoder:
         st = self.stats
         st.steps += 1
         st.steps_by_size[n] = st.steps_by_size.get(n, 0) + 1
+        st.explored += self.policy is not None and self.policy.last_explored
         st.seq_steps += bsz
         st.drafted += bsz * (n - 1)
         st.accepted += sum(num_acc)

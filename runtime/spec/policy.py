@@ -160,6 +160,7 @@ class AdaptivePolicy:
     _idle: int = 0
     _plain_run: int = 0  # plain steps since the last speculative one (the estimates' relaxation)
     last_choice: int = 1
+    last_explored: bool = False  # whether the last choice was an exploration (the stats count them)
     # choose()'s last plain choice: the plain steps after it until one could explore (inf: no tree
     # could win at that batch however good its acceptance)
     explore_due: float = math.inf
@@ -371,6 +372,7 @@ class AdaptivePolicy:
         step is not a stretch the estimates chose: counted as one, explorations (each a single
         step) would pull run_len toward 1, which charges a switch the whole catch-up, which keeps
         speculation off, which leaves only explorations."""
+        self.last_explored = explored
         if best > 1 and not explored:
             self._run += 1
         elif self._run:

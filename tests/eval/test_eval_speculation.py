@@ -66,6 +66,7 @@ def test_time_split_accounts_for_every_step(measured):
         assert q["spec_steps"] == sum(r["steps_by_size"].values()) > 0
         assert q["spec_part_ms"] + q["plain_part_ms"] + q["fused_ms"] <= q["runner_ms"] + 1e-6
         assert q["fused_steps"] <= q["spec_steps"]
+        assert r["explored"] == 0  # a fixed policy never explores (it never declines)
         # every request prefills in a plain part; medusa never catches up
         assert q["plain_parts"] >= 1 and q["caught_up_steps"] == q["catch_up_rows"] == 0
         # a plain engine decodes output_len - 1 steps after the prefill (batch arriving at once)
@@ -109,6 +110,10 @@ def test_report_has_the_speculation_section_and_plot(measured, tmp_path):
     saved = json.loads((out / "report.json").read_text())
     assert saved["rows"][0]["speculation"][0]["histogram"] == res[0]["speculation"][0]["histogram"]
     assert "Where the time went" in md and "| tiny | 0 | 1 | " in md
+    # the steps' cell: per tree size, and the explorations among them where the policy made any
+    s = dict(res[0]["speculation"][0], steps_by_size={20: 7, 41: 3}, explored=3)
+    assert "| 20: 7, 41: 3 (3 explored) |" in speculation_table([EvalRow("tiny", "float", nan, nan, 0, 0, 0.0,
+                                                                         speculation=[s])])
 
 
 def test_eval_draft_bad_input_is_one_line(tiny_llama, tmp_path, measured):

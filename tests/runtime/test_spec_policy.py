@@ -86,8 +86,14 @@ def test_policy_explores_the_largest_tree_that_could_win_while_off():
     sizes = [3, 6]
     pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4,
                          explore_budget=0.1, explore_gap=None)
-    picks = [pol.choose(list(range(16))) for _ in range(27)]
+    picks, flags = [], []
+    for _ in range(27):
+        picks.append(pol.choose(list(range(16))))
+        flags.append(pol.last_explored)  # (the engine's stats count these: SpecStats.explored)
     assert picks == [1] * 8 + [6] + [1] * 8 + [6] + [1] * 8 + [6]
+    assert flags == [p == 6 for p in picks]
+    pol._global = {3: 2.0, 6: 5.0}  # estimates that win: a choice, not an exploration
+    assert pol.choose(list(range(16))) == 6 and not pol.last_explored
     pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.0, 6: 0.0}, explore_every=4, explore_gap=None)
     picks = [pol.choose(list(range(16))) for _ in range(180)]
     assert [i for i, p in enumerate(picks) if p != 1] == [89, 179]
@@ -400,7 +406,9 @@ def test_policy_turned_off_by_costs_only_explores(tiny_llama, tmp_path, monkeypa
     pol._global = {n: 0.0 for n in pol._global}
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert llm.engine.stats().speculation["steps"] > 0
+    st = llm.engine.stats().speculation
+    # the first speculative step explored (estimates of no acceptance chose plain): the stats count it
+    assert st["steps"] > 0 and 1 <= st["explored"] <= st["steps"]
 
 
 def test_a_step_that_catches_up_is_not_a_measured_step_cost(tiny_llama, tmp_path, monkeypatch):
