@@ -28,6 +28,8 @@
 #               (benchmarks/gen_draft_data.py, seeds apart from the nineteenth session's), merged after
 #               the nineteenth session's 12288 into /root/d/data_all.jsonl (a later PART=train on the same
 #               warm machine trains on it instead), which also comes back as $OUT/data_all.jsonl.gz
+#   PART=awq    (thirty-third session) the AWQ target quantized on the GPU (W4 g64), evaluated with the float
+#               target's draft (DRAFT carried, or /root/d/e3 from an earlier eval call), temperatures TEMPS (0,1)
 # LOAD: eval's --spec-load, one eval each (waves, the default, and/or continuous: "waves continuous")
 # DATA (train): a carried folder with data_all.jsonl.gz, trained on instead (.carry-data, 12 MB: with
 # .carry2 it passes 64 MiB, so the model is assembled by an earlier call on the warm machine);
@@ -150,6 +152,18 @@ eval)
   [ -z "${BS1_REPS:-}" ] || spec_eval bs1 --batch-sizes 1 --spec-reps "$BS1_REPS"
   [ -n "${NO_MMA:-}" ] || { mma_sweep; mma_ncu; }
   ;;
-*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels"; exit 2 ;;
+awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, quantized on the GPU)
+  # served with the float target's draft: DRAFT carried in, or /root/d/e3 left by an eval call
+  [ -z "${DRAFT:-}" ] || { mkdir -p /root/d && cat "$DRAFT"/e3.tgz.part* | tar xzf - -C /root/d; }
+  timeout 150 python3 -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --device cuda \
+    --num-samples 128 --seq-len 512 --no-compare --out /root/awq > "$OUT/logs/quantize.log" 2>&1 \
+    || { echo "quantize exited $?"; tail -5 "$OUT/logs/quantize.log"; }
+  timeout "${EVAL_S:-300}" python3 -m optllm eval /root/awq --device cuda --no-ppl --draft /root/d/e3 \
+    --spec-policy auto --out /root/spec_awq --temperatures "${TEMPS:-0,1}" --batch-sizes "${BS:-1,8,32,64}" \
+    > "$OUT/logs/spec_awq.log" 2>&1 || echo "eval awq exited $?"
+  cp /root/spec_awq/report.md "$OUT/spec_awq.md" 2>/dev/null; cp /root/spec_awq/report.json "$OUT/spec_awq.json" 2>/dev/null
+  grep "^|" "$OUT/spec_awq.md" | head -14
+  ;;
+*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
