@@ -426,7 +426,7 @@ class SpecDecoder:
             return 0
         confirm = self.n == 1 and sig == self._plan_sig  # a scan after a skipped stretch of the same set
         self._plan_sig, self._plan_skips, self.scanned = sig, 0, True
-        seqs, ids, behind, sampled = self._scan(running)
+        seqs, ids, behind, sampled, rest = self._scan(running)
         self._planned = planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
         self._plan_behind = (seqs, behind)
         tracked = pol.tracked()
@@ -438,7 +438,7 @@ class SpecDecoder:
             for s in seqs:  # a new sequence starts from its class's estimates (greedy or sampled)
                 if s.seq_id not in tracked:
                     pol.track(s.seq_id, s.params.temperature >= GREEDY_EPS)
-        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind, sampled=sampled)
+        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind, sampled=sampled, rest=rest)
         if self.n > 1:
             self._recheck = self.recheck_every
             return self.lookahead
@@ -601,14 +601,15 @@ class SpecDecoder:
         speculate (``eligible``)."""
         return self._scan(running)[0]
 
-    def _scan(self, running) -> tuple[list, list[int], int, bool]:
+    def _scan(self, running) -> tuple[list, list[int], int, bool, int]:
         """plan()'s one pass over the running sequences: ``eligible_decodes(running)``, their seq ids,
-        their ``rows_behind``, and whether any of them samples, with ``eligible`` and ``_upto`` written
-        out (a method call less per sequence, each of two passes fewer: a scan at batch 64 cost ~21 ->
-        ~11 µs on the CPU)."""
+        their ``rows_behind``, whether any of them samples, and how many other decodes there are (they
+        run plain: a step that speculates runs them in a forward of their own), with ``eligible`` and
+        ``_upto`` written out (a method call less per sequence, each of two passes fewer: a scan at
+        batch 64 cost ~21 -> ~11 µs on the CPU)."""
         longest, allow = self._longest, self._params_allow
         g = self.catch_rows if self.eagle else None
-        seqs, ids, behind, sampled = [], [], 0, False
+        seqs, ids, behind, sampled, rest = [], [], 0, False, 0
         for s in running:
             n, c = len(s.token_ids), s.num_computed_tokens
             if n - c != 1:
@@ -617,6 +618,7 @@ class SpecDecoder:
             if ok is None:
                 ok = allow(s)
             if not (ok and c > 0 and n <= longest and n - s.num_prompt_tokens >= s.params.min_tokens):
+                rest += 1
                 continue
             seqs.append(s)
             ids.append(s.seq_id)
@@ -627,7 +629,7 @@ class SpecDecoder:
                 r = c - (st[1] if st is not None and st[0] == s.num_preemptions else 0) - g
                 if r > 0:
                     behind += r
-        return seqs, ids, behind, sampled
+        return seqs, ids, behind, sampled, rest
 
     def speculates(self, seq) -> bool:
         """The scheduler's question for each decode of a step whose plan() returned a lookahead:

@@ -33,6 +33,23 @@ def gpu_like_costs(sizes, batches=(1, 2, 4, 8, 16, 32, 64)):
     return CostTable(list(batches), ms)
 
 
+def test_a_split_step_charges_the_plain_part_to_speculation():
+    """rest: decodes that cannot speculate (near max_model_len, inside min_tokens, penalties). Plain,
+    all decode in one step; speculating, they run in a plain step of their own first. bs 8 + 2:
+    plain 10 tokens / 1 ms (x1.05 margin: 10.5); the tree of 6 (20.8 expected tokens) 22.8 / (1.4 +
+    1.0) = 9.5, of 11: 26 / 2.775 = 9.4: plain, where without the 2 the tree of 6 won (20.8 / 1.4 =
+    14.9 against 8.4). Batch 1 + 1 likewise. With acceptance enough to pay for the split it still
+    speculates: (10 + 40) / 2.775 = 18.0 for the tree of 11."""
+    sizes = [3, 6, 11]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 1.0, 6: 1.6, 11: 2.0})
+    assert pol.choose(list(range(8))) == 6 and pol.choose(list(range(8)), rest=2) == 1
+    assert pol.choose([0]) == 11 and pol.choose([0], rest=1) == 1
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 2.0, 6: 4.0, 11: 5.0})
+    assert pol.choose(list(range(8)), rest=2) == 11
+    # nothing eligible: plain, whatever the rest
+    assert pol.choose([], rest=5) == 1
+
+
 def test_cost_table_interpolates_and_extrapolates():
     t = CostTable([2, 4, 8], {1: [1.0, 2.0, 3.0], 5: [2.0, 3.0, 7.0]})
     assert t.cost(1, 4) == 2.0 and t.cost(1, 3) == pytest.approx(1.5) and t.cost(1, 6) == pytest.approx(2.5)
@@ -217,7 +234,8 @@ def test_plan_scans_the_running_sequences_only_now_and_then_while_off(tiny_llama
     spec = llm.engine.runner.spec
     pol = spec.policy
     asked = []
-    monkeypatch.setattr(pol, "choose", lambda ids, budget=None, behind=0, sampled=False: asked.append(len(ids)) or 1)
+    monkeypatch.setattr(pol, "choose",
+                        lambda ids, budget=None, behind=0, sampled=False, rest=0: asked.append(len(ids)) or 1)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     idle0 = pol._idle
     llm.generate(["The interpreter reads", "x = 1"], params)
@@ -436,7 +454,7 @@ def test_a_step_that_catches_up_is_not_a_measured_step_cost(tiny_llama, tmp_path
     spec.recheck_every = 0  # every step asks the policy
     calls, behind = iter([1] * 6 + [spec.sizes[-1]] * 100), []
     monkeypatch.setattr(pol, "choose",
-                        lambda ids, budget=None, rows=0, sampled=False: behind.append(rows) or next(calls))
+                        lambda ids, budget=None, rows=0, sampled=False, rest=0: behind.append(rows) or next(calls))
     llm.generate(["The interpreter reads"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert seen[0] is True and len(seen) >= 3 and not any(seen[1:])
     assert told.count(1) >= 5 and told.count(spec.sizes[-1]) == len(seen) - 1
