@@ -263,6 +263,8 @@ def eval_cmd(
                                   "continuous (all requests at once, at most batch size running: a busy server)"),
     admit_group: int = typer.Option(8, "--admit-group", help="--draft: both engines admit waiting requests in groups "
                                     "of this many while others decode (the engine's admit_group; 1: at once)"),
+    spec_max_len: Optional[int] = typer.Option(None, "--spec-max-len", help="--draft: both engines' max_model_len "
+                                               "[default: the longest prompt + the longest output + 64]"),
     spec_reps: Optional[int] = typer.Option(None, "--spec-reps", help="--draft: timed batches per case (distinct "
                                             "prompts: batch size x this) [default: 3 on CUDA, else 1]"),
     compare: Optional[Path] = typer.Option(None, help="an earlier report.json: changes beyond the noise "
@@ -364,7 +366,7 @@ def eval_cmd(
                                            policy=spec_policy, on_model=spec_partial,
                                            spec_options=dict(spec_top_k=spec_top_k, spec_depth=spec_depth,
                                                              spec_num_draft=spec_tokens), load=spec_load,
-                                           admit_group=admit_group)
+                                           admit_group=admit_group, max_model_len=spec_max_len)
             rows = add_results(rows, models, results, spec_fields)
     except (UserError, ValueError) as e:
         _fail(str(e))

@@ -146,10 +146,12 @@ def _exec(llm: LLM) -> tuple[int, float]:
     return r.exec_steps, r.exec_ms
 
 
-def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
+def _engine_args(batch_sizes, output_len, device, dtype, max_prompt, max_len: int | None = None) -> dict:
     """Both engines' shape; on a GPU a KV cache of the blocks the largest batch needs (room for
-    the speculative lookahead included), so that the two fit side by side."""
-    max_len = max_prompt + output_len + 64
+    the speculative lookahead included), so that the two fit side by side. output_len: the longest
+    request's; max_len (None: the longest prompt + output_len + 64, room for a tree of 41 nodes
+    to the end)."""
+    max_len = max_len or max_prompt + output_len + 64
     # no prefix caching: a timed batch repeats its warm-up's prompts and must prefill them again
     args = dict(device=device, dtype=dtype, quantized_linear="kernel", max_num_seqs=max(batch_sizes),
                 max_model_len=max_len, enable_prefix_caching=False)
@@ -161,7 +163,8 @@ def _engine_args(batch_sizes, output_len, device, dtype, max_prompt) -> dict:
 def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], output_len: int, device: str = "cpu",
                         dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0), reps: int = 1,
                         policy: str = "auto", spec_options: dict | None = None, progress: bool = False,
-                        both_orders: bool | None = None, load: str = "waves", admit_group: int = 8) -> list[dict]:
+                        both_orders: bool | None = None, load: str = "waves", admit_group: int = 8,
+                        max_model_len: int | None = None) -> list[dict]:
     """One row per (temperature, batch size): plain_tok_s, spec_tok_s, speedup, tau, histogram,
     accept_at_depth, identical (greedy) and the counts behind them (see the module docstring).
     load: "waves" (each batch's requests together, the next batch after) or "continuous" (all
@@ -186,7 +189,14 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
     results: dict[tuple, dict] = {(t, bs): {} for t, bs in cases}
     orders = [("plain", "spec"), ("spec", "plain")] if both_orders else [("plain", "spec")]
     bar = _bar(len(cases) * len(orders)) if progress else None
-    args = _engine_args(batch_sizes, output_len, device, dtype, longest) | {"admit_group": admit_group}
+    # the longest request: a continuous load's lengths reach 1.5x output_len. (Sized for output_len, the
+    # longer third of them ran their last ~40 tokens too near max_model_len for a tree, plain beside
+    # the others' trees: split steps in most steps of an H100 run at batch 64)
+    most = max(spread_lengths(max(batch_sizes) * reps, output_len)) if load == "continuous" else output_len
+    if max_model_len is not None and max_model_len < longest + most:
+        raise UserError(f"--spec-max-len {max_model_len} is not allowed: the longest prompt ({longest} tokens) and "
+                        f"output ({most}) need {longest + most}")
+    args = _engine_args(batch_sizes, most, device, dtype, longest, max_model_len) | {"admit_group": admit_group}
     build = {"plain": lambda: LLM(str(model), **args),
              "spec": lambda: LLM(str(model), **args, draft=str(draft), spec_policy=policy, **(spec_options or {}))}
     try:
@@ -334,10 +344,11 @@ def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequenc
                          device: str = "cpu", dtype: str = "auto", temperatures: Sequence[float] = (0.0, 1.0),
                          reps: int = 1, policy: str = "auto", spec_options: dict | None = None,
                          progress: bool = True, on_model: Callable[[list[dict]], None] | None = None,
-                         load: str = "waves", admit_group: int = 8) -> list[dict]:
+                         load: str = "waves", admit_group: int = 8, max_model_len: int | None = None) -> list[dict]:
     """measure_speculation for each model with the one draft: [{"speculation": rows, "scheme",
     "seconds"}], as eval's other measurements return them. on_model(results so far) runs after
-    each model but the last (eval rewrites its partial report there)."""
+    each model but the last (eval rewrites its partial report there). max_model_len: both engines'
+    (None: room for the longest request and a tree of 41 nodes)."""
     from ..runtime.models.draft import read_draft_config
 
     method = read_draft_config(draft)["method"]  # a bad folder is one line before anything loads
@@ -345,7 +356,8 @@ def evaluate_speculation(models: Sequence[str], draft: str, batch_sizes: Sequenc
     for name in models:
         t0 = time.perf_counter()
         rows = measure_speculation(name, draft, batch_sizes, output_len, device, dtype, temperatures, reps, policy,
-                                   spec_options, progress, load=load, admit_group=admit_group)
+                                   spec_options, progress, load=load, admit_group=admit_group,
+                                   max_model_len=max_model_len)
         for r in rows:
             r.update(draft=str(draft), draft_method=method, policy=policy, spec_options=dict(spec_options or {}))
         out.append(dict(speculation=rows, scheme=checkpoint_kind(resolve_model(name)),

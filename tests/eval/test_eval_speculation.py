@@ -257,10 +257,17 @@ def test_continuous_load_keeps_at_most_the_batch_running(tiny_llama, tmp_path, m
         return out
 
     monkeypatch.setattr(spec_mod, "_batch", counted)
+    sized, engine_args = [], spec_mod._engine_args
+    monkeypatch.setattr(spec_mod, "_engine_args", lambda *a, **k: sized.append(a) or engine_args(*a, **k))
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
     rows = spec_mod.measure_speculation(str(tiny_llama), str(draft), [2], 6, device="cpu", dtype="float32",
                                         temperatures=(0.0,), reps=2, policy="fixed", load="continuous",
                                         spec_options=dict(spec_top_k=2, spec_depth=2, spec_num_draft=3))
+    # the engines are sized for the longest request (9 tokens of output, not the mean 6), + 64 for a tree
+    assert sized[-1][1] == 9 and engine_args(*sized[-1])["max_model_len"] == sized[-1][4] + 9 + 64
+    with pytest.raises(Exception, match="--spec-max-len 10 is not allowed"):
+        spec_mod.measure_speculation(str(tiny_llama), str(draft), [2], 6, device="cpu", load="continuous",
+                                     max_model_len=10)
     row = rows[0]
     assert row["load"] == "continuous" and row["requests"] == 4 and row["identical"] is True
     # requests of varied lengths, the same for both engines: each sequence ran its own length
