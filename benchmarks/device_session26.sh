@@ -30,6 +30,7 @@
 #               warm machine trains on it instead), which also comes back as $OUT/data_all.jsonl.gz
 #   PART=awq    (thirty-third session) the AWQ target quantized on the GPU (W4 g64), evaluated with the float
 #               target's draft (DRAFT carried, or /root/d/e3 from an earlier eval call), temperatures TEMPS (0,1)
+# TIGHT=1 (eval, after LOAD's continuous): that load again at TIGHT_BS with max_model_len 64 below its own
 # LOAD: eval's --spec-load, one eval each (waves, the default, and/or continuous: "waves continuous")
 # DATA (train): a carried folder with data_all.jsonl.gz, trained on instead (.carry-data, 12 MB: with
 # .carry2 it passes 64 MiB, so the model is assembled by an earlier call on the warm machine);
@@ -149,6 +150,13 @@ eval)
     grep "^|" "$OUT/spec_$name.md" | head -14
   }
   for load in ${LOAD:-waves}; do spec_eval "$load" --batch-sizes "${BS:-1,8,32,64}" --spec-load "$load"; done
+  if [ -n "${TIGHT:-}" ] && [ -f /root/spec_continuous/report.json ]; then
+    # (thirty-third session) the continuous load at the old sizing, max_model_len 64 below the new one:
+    # the longer requests end too near it for a tree, so most steps would split (TIGHT_BS: 32,64)
+    ml=$(python3 -c "import json; print(json.load(open('/root/spec_continuous/report.json'))['rows'][0]['speculation'][0]['max_model_len'])")
+    echo "continuous: max_model_len $ml; tight: $(( ml - 64 ))"
+    spec_eval tight --batch-sizes "${TIGHT_BS:-32,64}" --spec-load continuous --spec-max-len $(( ml - 64 ))
+  fi
   [ -z "${BS1_REPS:-}" ] || spec_eval bs1 --batch-sizes 1 --spec-reps "$BS1_REPS"
   [ -n "${NO_MMA:-}" ] || { mma_sweep; mma_ncu; }
   ;;

@@ -223,6 +223,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
         at_depth = [sum(hist[d:]) / steps if steps else None for d in range(1, len(hist))]
         rows.append(dict(
             batch_size=bs, temperature=t, output_len=output_len, requests=bs * reps, load=load, admit_group=admit_group,
+            max_model_len=args["max_model_len"],
             output_lens=spread_lengths(bs * reps, output_len) if load == "continuous" else None,
             plain_tok_s=r["plain_tok_s"], spec_tok_s=r["spec_tok_s"],
             speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,

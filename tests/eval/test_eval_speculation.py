@@ -264,11 +264,13 @@ def test_continuous_load_keeps_at_most_the_batch_running(tiny_llama, tmp_path, m
                                         temperatures=(0.0,), reps=2, policy="fixed", load="continuous",
                                         spec_options=dict(spec_top_k=2, spec_depth=2, spec_num_draft=3))
     # the engines are sized for the longest request (9 tokens of output, not the mean 6), + 64 for a tree
-    assert sized[-1][1] == 9 and engine_args(*sized[-1])["max_model_len"] == sized[-1][4] + 9 + 64
+    used = sized[-1]
+    assert used[1] == 9 and engine_args(*used)["max_model_len"] == used[4] + 9 + 64
     with pytest.raises(Exception, match="--spec-max-len 10 is not allowed"):
         spec_mod.measure_speculation(str(tiny_llama), str(draft), [2], 6, device="cpu", load="continuous",
                                      max_model_len=10)
     row = rows[0]
+    assert row["max_model_len"] == engine_args(*used)["max_model_len"]  # (the report says which)
     assert row["load"] == "continuous" and row["requests"] == 4 and row["identical"] is True
     # requests of varied lengths, the same for both engines: each sequence ran its own length
     lengths = spec_mod.spread_lengths(4, 6)
