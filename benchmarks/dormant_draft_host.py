@@ -19,11 +19,13 @@ relaxation computed on each scan) without a speculative step.
 
     python benchmarks/dormant_draft_host.py [--batches 1,8,32,64] [--tokens 384] [--rounds 7]
         [--mode lose|never] [--profile B]     # --profile: cProfile of both engines' decode steps at batch B
+        [--continuous]                        # eval's continuous load (the H100: +34% host at batch 64)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -33,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import stub_graph_replays  # noqa: E402
+
+from optllm.runtime.sampling_params import SamplingParams  # noqa: E402
 
 PARTS = ("step", "outside", "schedule", "plan", "execute", "update", "rest")
 
@@ -67,7 +71,7 @@ class Timer:
     """Wraps an engine's step, schedule, plan, execute and update with perf_counter brackets (the same
     wrappers in both engines); ``steps`` collects each decode step's parts in µs."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, every: bool = False) -> None:
         eng = self.eng = llm.engine
         self.steps: list[dict] = []
         self.cur: dict = {}
@@ -91,8 +95,8 @@ class Timer:
             wrap(eng.runner.spec, "plan", "plan")
         ex = eng.runner.execute
 
-        def tag(batch, _ex=ex):
-            self.cur["decode"] = batch.decode_only
+        def tag(batch, _ex=ex):  # every: all steps timed (a continuous load's admissions too)
+            self.cur["decode"] = every or batch.decode_only
             return _ex(batch)
         eng.runner.execute = tag
         step = eng.step
@@ -124,34 +128,46 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--control", action="store_true", help="a second plain engine in the draft engine's place "
                     "(an A/A run: the measurement's own noise and order effects)")
+    ap.add_argument("--continuous", action="store_true", help="as eval's continuous load: 3 x batch requests of "
+                    "lengths spread over 0.5-1.5x --tokens, at most batch running, admitted in groups of 8; every "
+                    "step timed (admissions too), engines built per batch size")
     a = ap.parse_args()
-    from optllm import LLM, SamplingParams
+    from optllm import LLM
 
     target, draft = models(a.root)
     batches = [int(b) for b in a.batches.split(",")]
     most = max(batches + [a.profile])
-    kw = dict(model=str(target), device="cpu", dtype="float32", max_num_seqs=most, max_model_len=a.tokens + 64,
-              enable_prefix_caching=False)
-    engines = {"plain": LLM(**kw), "draft": LLM(**kw) if a.control else LLM(**kw, draft=str(draft),
-                                                                               spec_policy="adaptive")}
-    if not a.control:
-        dormant(engines["draft"], a.mode)
+    kw = dict(model=str(target), device="cpu", dtype="float32", max_num_seqs=most,
+              max_model_len=(3 * a.tokens) // 2 + 84, enable_prefix_caching=False)
+
+    def build(most: int, **extra) -> tuple[dict, dict]:
+        args = kw | {"max_num_seqs": most} | extra
+        engines = {"plain": LLM(**args), "draft": LLM(**args) if a.control else LLM(**args, draft=str(draft),
+                                                                                     spec_policy="adaptive")}
+        if not a.control:
+            dormant(engines["draft"], a.mode)
+        timers = {}
+        for name, llm in engines.items():
+            llm.engine.runner.make_graphs(most, eager_stand_in=True)
+            timers[name] = Timer(llm, every=a.continuous)
+            llm.generate([[10 + j for j in range(20)]] * 2, SamplingParams(temperature=1.0, max_tokens=4))  # warm-up
+            stub_graph_replays(llm)
+        return engines, timers
+
     params = SamplingParams(temperature=1.0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
-    timers = {}
-    for name, llm in engines.items():
-        llm.engine.runner.make_graphs(most, eager_stand_in=True)
-        timers[name] = Timer(llm)
-        llm.generate([[10 + j for j in range(20)]] * 2, SamplingParams(temperature=1.0, max_tokens=4))  # warm-up
-        stub_graph_replays(llm)
     if a.profile:
-        profile(engines, a.profile, params)
+        profile(build(most)[0], a.profile, params, a.continuous)
         return
-    print(f"mode {a.mode}, temperature 1, {a.tokens} tokens a request, median over {a.rounds} rounds of each "
-          "part's mean µs a decode step\n")
-    print("| batch | engine | " + " | ".join(PARTS) + " | decode steps | spec steps | gc runs |")
+    print(f"mode {a.mode}, temperature 1, {a.tokens} tokens a request"
+          + (" (continuous: 3 x batch requests, 0.5-1.5x that)" if a.continuous else "")
+          + f", median over {a.rounds} rounds of each part's mean µs a {'' if a.continuous else 'decode '}step\n")
+    print("| batch | engine | " + " | ".join(PARTS) + " | steps | spec steps | gc runs |")
     print("|---|---|" + "---|" * len(PARTS) + "---|---|---|")
+    engines, timers = (None, None) if a.continuous else build(most)
     for bs in batches:
-        prompts = [[10 + (7 * i + j) % 200 for j in range(20)] for i in range(bs)]
+        if a.continuous:
+            engines, timers = build(bs, admit_group=8)
+        prompts, params = load(bs, a.tokens, a.continuous)
         per: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PARTS} for n in engines}
         counts = {n: [0, 0, 0] for n in engines}
         for llm in engines.values():
@@ -178,12 +194,25 @@ def main() -> None:
               + " | | | |", flush=True)
 
 
-def profile(engines, bs: int, params) -> None:
+def load(bs: int, tokens: int, continuous: bool) -> tuple[list, object]:
+    """A round's requests at batch bs: bs prompts of `tokens` tokens each, or (continuous) 3 x bs
+    prompts whose lengths spread over 0.5-1.5x tokens (eval's continuous load)."""
+    from optllm.eval.speculation import spread_lengths
+
+    n = 3 * bs if continuous else bs
+    prompts = [[10 + (7 * i + j) % 200 for j in range(20)] for i in range(n)]
+    base = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    if not continuous:
+        return prompts, base
+    return prompts, [dataclasses.replace(base, max_tokens=m) for m in spread_lengths(n, tokens)]
+
+
+def profile(engines, bs: int, params, continuous: bool = False) -> None:
     """cProfile of each engine's decode steps at batch bs: the functions whose own time differs most."""
     import cProfile
     import pstats
 
-    prompts = [[10 + (7 * i + j) % 200 for j in range(20)] for i in range(bs)]
+    prompts, params = load(bs, params.max_tokens, continuous)
     own = {}
     for name, llm in engines.items():
         llm.generate(prompts, params)
