@@ -255,6 +255,32 @@ def test_plan_scans_the_running_sequences_only_now_and_then_while_off(tiny_llama
     assert len(asked) == llm.engine.runner.exec_steps - done - 1
 
 
+def test_plan_skips_while_sequences_only_leave_and_scans_when_one_joins(tiny_llama, tmp_path, monkeypatch):
+    """Speculation off: a running set that only lost sequences (fewer, the same ends: finished ones
+    left, admissions join at the end) keeps the choice unscanned like the same set; one that gained a
+    sequence, or lost its first, is scanned."""
+    from optllm.runtime.sequence import Sequence
+
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
+              spec_top_k=3, spec_depth=4, spec_num_draft=10, max_num_seqs=8)
+    spec = llm.engine.runner.spec
+    asked = []
+    monkeypatch.setattr(spec.policy, "choose",
+                        lambda ids, budget=None, behind=0, sampled=False, rest=0: asked.append(list(ids)) or 1)
+    seqs = []
+    for i in range(5):
+        s = Sequence(f"q{i}", list(range(1, 8)), SamplingParams(temperature=0))
+        s.token_ids += [7, 7]
+        s.num_computed_tokens = len(s.token_ids) - 1
+        seqs.append(s)
+    a, b, c, d, e = seqs
+    for running, scans in (([a, b, c, d], 1), ([a, b, c, d], 1), ([a, c, d], 1), ([a, d], 1), ([a, d, e], 2),
+                           ([d, e], 3), ([d, e], 3)):
+        assert spec.plan(running) == 0 and len(asked) == scans, (running, asked)
+    assert asked[-1] == [d.seq_id, e.seq_id]
+
+
 def test_policy_never_tries_a_tree_that_cannot_win():
     """bs 64 with trees whose depth bounds what they can give: a tree of 3 nodes (depth 2: at most 3
     tokens a sequence for 3.4 ms against 64 tokens per ms plain) can never win, so it is neither
