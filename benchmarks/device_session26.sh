@@ -31,7 +31,7 @@
 #   PART=awq    (thirty-third session) the AWQ target quantized on the GPU (W4 g64), evaluated with the float
 #               target's draft (DRAFT carried, or /root/d/e3 from an earlier eval call), temperatures TEMPS (0,1)
 # TIGHT=1 (eval, after LOAD's continuous): that load again at TIGHT_BS with max_model_len 64 below its own
-# LOAD: eval's --spec-load, one eval each (waves, the default, and/or continuous: "waves continuous")
+# LOAD: eval's --spec-load, one eval each (none: no load, only the batch-1 run of BS1_REPS) (waves, the default, and/or continuous: "waves continuous")
 # DATA (train): a carried folder with data_all.jsonl.gz, trained on instead (.carry-data, 12 MB: with
 # .carry2 it passes 64 MiB, so the model is assembled by an earlier call on the warm machine);
 # DRAFT (eval): a folder of e3.tgz.part* carried in, unpacked to /root/d/e3 (a fresh machine);
@@ -149,7 +149,9 @@ eval)
     cp "/root/spec_$name/report.json" "$OUT/spec_$name.json" 2>/dev/null
     grep "^|" "$OUT/spec_$name.md" | head -14
   }
-  for load in ${LOAD:-waves}; do spec_eval "$load" --batch-sizes "${BS:-1,8,32,64}" --spec-load "$load"; done
+  for load in ${LOAD:-waves}; do
+    [ "$load" = none ] || spec_eval "$load" --batch-sizes "${BS:-1,8,32,64}" --spec-load "$load"
+  done
   if [ -n "${TIGHT:-}" ] && [ -f /root/spec_continuous/report.json ]; then
     # (thirty-third session) the continuous load at the old sizing, max_model_len 64 below the new one:
     # the longer requests end too near it for a tree, so most steps would split (TIGHT_BS: 32,64)
@@ -157,7 +159,18 @@ eval)
     echo "continuous: max_model_len $ml; tight: $(( ml - 64 ))"
     spec_eval tight --batch-sizes "${TIGHT_BS:-32,64}" --spec-load continuous --spec-max-len $(( ml - 64 ))
   fi
-  [ -z "${BS1_REPS:-}" ] || spec_eval bs1 --batch-sizes 1 --spec-reps "$BS1_REPS"
+  # BS1_ARGS: runs of it with more of eval's arguments, ";" between runs, named bs1, bs1_2, ... (say
+  # ";--spec-depth 7 --spec-tokens 60 --temperatures 0": the default tree, then a deeper one)
+  if [ -n "${BS1_REPS:-}" ]; then
+    i=0
+    IFS=';' read -r -a variants <<< "${BS1_ARGS:-}"
+    [ ${#variants[@]} -gt 0 ] || variants=("")
+    for v in "${variants[@]}"; do
+      i=$(( i + 1 )); name=bs1; [ $i -gt 1 ] && name=bs1_$i
+      # shellcheck disable=SC2086
+      spec_eval "$name" --batch-sizes 1 --spec-reps "$BS1_REPS" $v
+    done
+  fi
   [ -n "${NO_MMA:-}" ] || { mma_sweep; mma_ncu; }
   ;;
 awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, quantized on the GPU)
