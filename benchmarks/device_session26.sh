@@ -28,6 +28,8 @@
 #               (benchmarks/gen_draft_data.py, seeds apart from the nineteenth session's), merged after
 #               the nineteenth session's 12288 into /root/d/data_all.jsonl (a later PART=train on the same
 #               warm machine trains on it instead), which also comes back as $OUT/data_all.jsonl.gz
+#   PART=medusa carry .carry2 (or after a call that assembled the model): a Medusa draft (HEADS, 4) trained
+#               SECS (300) on the repo's 12288 sequences into /root/d/medusa, then eval's waves (LOAD) at 0 and 1
 #   PART=awq    (thirty-third session) the AWQ target quantized on the GPU (W4 g64), evaluated with the float
 #               target's draft (DRAFT carried, or /root/d/e3 from an earlier eval call), temperatures TEMPS (0,1)
 # TIGHT=1 (eval, after LOAD's continuous): that load again at TIGHT_BS with max_model_len 64 below its own
@@ -173,6 +175,23 @@ eval)
   fi
   [ -n "${NO_MMA:-}" ] || { mma_sweep; mma_ncu; }
   ;;
+medusa)  # (for the thirty-fourth session) issue 15's Medusa draft, trained for SECS (300) on the repo's
+  # 12288 self-distilled sequences (.carry-draft, in the checkout), then eval in waves (LOAD; temperatures 0,1)
+  gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
+  timeout $(( ${SECS:-300} + 90 )) python3 -m optllm train-draft smollm2-135m --method medusa --out /root/d/medusa \
+    --device cuda --num-heads "${HEADS:-4}" --holdout "${HOLDOUT:-64}" --max-steps 40000 --batch-size 16 \
+    --time-limit "${SECS:-300}" --lr "${LR:-1e-3}" --overwrite --dataset /root/d/float_data.jsonl \
+    > "$OUT/logs/train_medusa.log" 2>&1
+  echo "train exited $?"; grep -v "^step" "$OUT/logs/train_medusa.log" | tail -5
+  for load in ${LOAD:-waves}; do
+    timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/medusa \
+      --spec-policy auto --out "/root/medusa_$load" --temperatures 0,1 --batch-sizes "${BS:-1,8,32,64}" \
+      --spec-load "$load" > "$OUT/logs/medusa_$load.log" 2>&1 || echo "eval medusa $load exited $?"
+    cp "/root/medusa_$load/report.md" "$OUT/medusa_$load.md" 2>/dev/null
+    cp "/root/medusa_$load/report.json" "$OUT/medusa_$load.json" 2>/dev/null
+    grep "^|" "$OUT/medusa_$load.md" | head -14
+  done
+  ;;
 awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, quantized on the GPU)
   # served with the float target's draft: DRAFT carried in, or /root/d/e3 left by an eval call
   [ -z "${DRAFT:-}" ] || { mkdir -p /root/d && cat "$DRAFT"/e3.tgz.part* | tar xzf - -C /root/d; }
@@ -185,6 +204,6 @@ awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, qu
   cp /root/spec_awq/report.md "$OUT/spec_awq.md" 2>/dev/null; cp /root/spec_awq/report.json "$OUT/spec_awq.json" 2>/dev/null
   grep "^|" "$OUT/spec_awq.md" | head -14
   ;;
-*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq"; exit 2 ;;
+*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq, medusa"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
