@@ -132,7 +132,8 @@ def speculation_time_table(rows: list) -> str:
     """Where each speculation row's time went, per engine (milliseconds over the timed batches):
     steps, time in the model runner, the rest on the host; the speculative engine's speculative
     parts of steps, its plain parts, its fused steps (plain rows in the verify forward) and how
-    many speculative steps first caught the draft up (rows); "" without the data."""
+    many speculative steps first caught the draft up (rows); "" without the data. A plain part
+    that ran before a speculative part of the same step is a split step (counted in its cell)."""
     items = [(r, s) for r in rows for s in getattr(r, "speculation", None) or [] if s.get("time")]
     if not items:
         return ""
@@ -145,11 +146,18 @@ def speculation_time_table(rows: list) -> str:
         lines.append("| " + " | ".join([
             r.model, f"{s['temperature']:g}", _batch_cell(s), str(p["steps"]), f"{p['runner_ms']:.1f}",
             f"{p['host_ms']:.1f}", str(q["steps"]), f"{q['runner_ms']:.1f}", f"{q['host_ms']:.1f}",
-            f"{q['spec_steps']} ({q['spec_part_ms']:.1f})", f"{q['plain_parts']} ({q['plain_part_ms']:.1f})",
+            f"{q['spec_steps']} ({q['spec_part_ms']:.1f})", _plain_parts_cell(q),
             f"{q.get('fused_steps', 0)} ({q.get('fused_ms', 0.0):.1f})",
             f"{q['caught_up_steps']} ({q['catch_up_rows']}, {q.get('catch_up_ms', 0.0):.1f})",
             _catch_up_model_cell(s.get("catch_up_model"), q)]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _plain_parts_cell(q: dict) -> str:
+    """The speculative engine's plain parts (ms), and how many of them split a speculative step (its
+    plain rows' forward before the trees': a whole plain step more)."""
+    cell = f"{q['plain_parts']} ({q['plain_part_ms']:.1f}"
+    return cell + (f"; {q['split_steps']} split)" if q.get("split_steps") else ")")
 
 
 def _catch_up_model_cell(m: dict | None, q: dict) -> str:

@@ -102,7 +102,7 @@ def _batch(llm: LLM, prompts, params) -> tuple[float, int, list[list[int]]]:
 
 # counters summed over a case's batches: the speculative engine's, and where each engine's time went
 _SUMMED = ("seq_steps", "drafted", "accepted", "steps", "spec_ms", "plain_ms", "plain_parts", "fused_steps",
-           "fused_ms", "caught_up_steps", "catch_up_rows", "catch_up_ms", "explored")
+           "fused_ms", "caught_up_steps", "catch_up_rows", "catch_up_ms", "explored", "split_steps")
 
 
 def _spec_counts(llm: LLM) -> dict:
@@ -249,7 +249,8 @@ def _time_split(r: dict, c: dict) -> dict:
         out[label] = {"steps": r.get(f"{label}_steps", 0), "total_ms": total,
                       "runner_ms": r.get(f"{label}_exec_ms", 0.0), "host_ms": total - r.get(f"{label}_exec_ms", 0.0)}
     out["spec"] |= {"spec_steps": c["steps"], "spec_part_ms": c["spec_ms"], "plain_parts": c["plain_parts"],
-                    "plain_part_ms": c["plain_ms"], "fused_steps": c["fused_steps"], "fused_ms": c["fused_ms"],
+                    "plain_part_ms": c["plain_ms"], "split_steps": c["split_steps"],
+                    "fused_steps": c["fused_steps"], "fused_ms": c["fused_ms"],
                     "caught_up_steps": c["caught_up_steps"],
                     "catch_up_rows": c["catch_up_rows"], "catch_up_ms": c["catch_up_ms"]}
     return out

@@ -242,6 +242,7 @@ class ModelRunner:
                 return self._execute_fused(batch, plain, seqs, counts, spec)
             for i, tok in zip(plain, self._plain_part(seqs, counts, decode)):
                 result[i] = tok
+            self.spec.stats.split_steps += 1  # (two forwards: the plain rows', then the trees')
         t0 = time.perf_counter()
         for i, toks in zip(spec, self.spec.step([batch.seqs[i] for i in spec])):
             result[i] = toks

@@ -138,6 +138,8 @@ class SpecStats:
     # forward (one target forward instead of two), and their whole time
     fused_steps: int = 0
     fused_ms: float = 0.0
+    # steps whose plain rows ran a forward of their own before the speculative part (split: unfused)
+    split_steps: int = 0
     caught_up_steps: int = 0  # speculative steps that first ran the draft over earlier plain steps' rows
     catch_up_rows: int = 0  # the rows those catch-ups ran over (outside a graphed step's own window)
     catch_up_ms: float = 0.0  # their time (synchronised)
@@ -153,6 +155,7 @@ class SpecStats:
                 "steps_by_size": dict(self.steps_by_size), "explored": self.explored, "spec_ms": self.spec_ms,
                 "plain_ms": self.plain_ms,
                 "plain_parts": self.plain_parts, "fused_steps": self.fused_steps, "fused_ms": self.fused_ms,
+                "split_steps": self.split_steps,
                 "caught_up_steps": self.caught_up_steps,
                 "catch_up_rows": self.catch_up_rows, "catch_up_ms": self.catch_up_ms}
 

@@ -67,6 +67,7 @@ def test_time_split_accounts_for_every_step(measured):
         assert q["spec_part_ms"] + q["plain_part_ms"] + q["fused_ms"] <= q["runner_ms"] + 1e-6
         assert q["fused_steps"] <= q["spec_steps"]
         assert r["explored"] == 0  # a fixed policy never explores (it never declines)
+        assert 0 <= q["split_steps"] <= min(q["plain_parts"], q["spec_steps"])
         # every request prefills in a plain part; medusa never catches up
         assert q["plain_parts"] >= 1 and q["caught_up_steps"] == q["catch_up_rows"] == 0
         # a plain engine decodes output_len - 1 steps after the prefill (batch arriving at once)
@@ -110,6 +111,12 @@ def test_report_has_the_speculation_section_and_plot(measured, tmp_path):
     saved = json.loads((out / "report.json").read_text())
     assert saved["rows"][0]["speculation"][0]["histogram"] == res[0]["speculation"][0]["histogram"]
     assert "Where the time went" in md and "| tiny | 0 | 1 | " in md
+    # the plain parts' cell: how many split a speculative step, where any did
+    from optllm.eval.report import _plain_parts_cell
+
+    q = {"plain_parts": 350, "plain_part_ms": 380.04, "split_steps": 317}
+    assert _plain_parts_cell(q) == "350 (380.0; 317 split)"
+    assert _plain_parts_cell(q | {"split_steps": 0}) == "350 (380.0)" == _plain_parts_cell({**q, "split_steps": None})
     # the steps' cell: per tree size, and the explorations among them where the policy made any
     s = dict(res[0]["speculation"][0], steps_by_size={20: 7, 41: 3}, explored=3)
     assert "| 20: 7, 41: 3 (3 explored) |" in speculation_table([EvalRow("tiny", "float", nan, nan, 0, 0, 0.0,

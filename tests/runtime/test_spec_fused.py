@@ -50,6 +50,9 @@ def test_fused_steps_equal_plain_greedy_and_the_unfused_steps(tiny_llama, drafts
         runs[fuse] = llm.engine.stats().speculation
     fused, unfused = runs[True], runs[False]
     assert fused["fused_steps"] >= 5 and unfused["fused_steps"] == 0, (fused, unfused)
+    # unfused, each of those steps split: the plain rows' forward, then the trees' (the stats count them)
+    assert unfused["split_steps"] >= fused["fused_steps"] and fused["split_steps"] == 0
+    assert unfused["split_steps"] <= min(unfused["plain_parts"], unfused["steps"])
     # a fused step is a speculative step: the unfused engine ran its plain rows as parts of their own
     assert unfused["plain_parts"] > fused["plain_parts"]
     if method != "eagle3":  # (this test's EAGLE-3 draft is no pass-through: it proposes noise)
@@ -104,6 +107,7 @@ def test_plain_rows_a_graph_takes_are_not_fused(tiny_llama, drafts, plain_greedy
     assert _tokens(llm, PROMPTS, GREEDY) == plain_greedy
     st = llm.engine.stats().speculation
     assert st["fused_steps"] == 0 and st["plain_parts"] >= len(extend) >= 5, (st, extend)
+    assert 5 <= st["split_steps"] <= st["plain_parts"]  # (each such step: two replays, a split step)
     assert sum(st["histogram"][1:]) > 0
 
 
