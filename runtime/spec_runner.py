@@ -333,6 +333,7 @@ class SpecDecoder:
         self.recheck_every, self.recheck_most = 8, 64
         self._recheck = self.recheck_every
         self._plan_sig: tuple | None = None
+        self._plan_rest = 0  # the last scan's decodes that could not speculate
         self._plan_skips = 0
         self.scanned = True  # whether the last plan() scanned the running sequences (else: a skipped step)
         self._sizes_t: tuple[tuple, torch.Tensor] | None = None  # (sizes, int64 [S] on the device)
@@ -425,10 +426,12 @@ class SpecDecoder:
         sig = (len(running), id(running[0]), id(running[-1]))
         last = self._plan_sig
         # the scanned set, or fewer with the same ends: only sequences that finished left it (admissions
-        # join at the end), so no class of sequence is new to the choice. (Rescanned on every change, a
-        # continuous load at batch 64 scanned in 46% of its steps, ~37 µs each on this CPU.)
-        if self.n == 1 and last is not None and sig[0] <= last[0] and sig[1:] == last[1:] \
-                and self._plan_skips < self._recheck:
+        # join at the end), so no class of sequence is new to the choice -- unless the scan found decodes
+        # that cannot speculate, whose leaving ends the split steps that may have kept speculation off.
+        # (Rescanned on every change, a continuous load at batch 64 scanned in 46% of its steps, ~37 µs
+        # each on this CPU.)
+        if self.n == 1 and last is not None and self._plan_skips < self._recheck \
+                and (sig == last or (not self._plan_rest and sig[0] < last[0] and sig[1:] == last[1:])):
             self._plan_skips += 1
             self.scanned = False
             pol.idle()
@@ -436,6 +439,7 @@ class SpecDecoder:
         confirm = self.n == 1 and sig == last  # a scan after a skipped stretch of the same set
         self._plan_sig, self._plan_skips, self.scanned = sig, 0, True
         seqs, ids, behind, sampled, rest = self._scan(running)
+        self._plan_rest = rest
         self._planned = planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
         self._plan_behind = (seqs, behind)
         tracked = pol.tracked()

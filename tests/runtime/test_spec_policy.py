@@ -258,7 +258,8 @@ def test_plan_scans_the_running_sequences_only_now_and_then_while_off(tiny_llama
 def test_plan_skips_while_sequences_only_leave_and_scans_when_one_joins(tiny_llama, tmp_path, monkeypatch):
     """Speculation off: a running set that only lost sequences (fewer, the same ends: finished ones
     left, admissions join at the end) keeps the choice unscanned like the same set; one that gained a
-    sequence, or lost its first, is scanned."""
+    sequence, or lost its first, is scanned, and so is one whose last scan found decodes that could
+    not speculate."""
     from optllm.runtime.sequence import Sequence
 
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
@@ -279,6 +280,14 @@ def test_plan_skips_while_sequences_only_leave_and_scans_when_one_joins(tiny_lla
                            ([d, e], 3), ([d, e], 3)):
         assert spec.plan(running) == 0 and len(asked) == scans, (running, asked)
     assert asked[-1] == [d.seq_id, e.seq_id]
+    # a scan that found a decode unable to speculate (inside min_tokens): a set that lost one is scanned
+    # again (that decode's leaving may end the split steps that kept speculation off)
+    f = Sequence("q5", list(range(1, 8)), SamplingParams(temperature=0, min_tokens=50, max_tokens=60))
+    f.token_ids += [7, 7]
+    f.num_computed_tokens = len(f.token_ids) - 1
+    assert spec.plan([d, f, e]) == 0 and len(asked) == 4 and asked[-1] == [d.seq_id, e.seq_id]
+    assert spec.plan([d, f, e]) == 0 and len(asked) == 4  # the same set: skipped
+    assert spec.plan([d, e]) == 0 and len(asked) == 5
 
 
 def test_policy_never_tries_a_tree_that_cannot_win():
