@@ -109,6 +109,18 @@ PY
     --section SchedulerStats python3 /tmp/ncu_mma.py > "$OUT/ncu_mma.txt" 2>&1 || echo "ncu exited $?"
   grep -E "w4a16_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_mma.txt" | head -90
 }
+spec_eval() {  # NAME MODEL DRAFT_DIR, then eval's own arguments (later ones win: --temperatures 0)
+  local name=$1 model=$2 draft=$3; shift 3
+  timeout "${EVAL_S:-240}" python3 -m optllm eval "$model" --device cuda --no-ppl --draft "$draft" \
+    --spec-policy auto --out "/root/spec_$name" --temperatures 0,1 "$@" > "$OUT/logs/spec_$name.log" 2>&1 \
+    || echo "eval $name exited $?"
+  cp "/root/spec_$name/report.md" "$OUT/spec_$name.md" 2>/dev/null
+  cp "/root/spec_$name/report.json" "$OUT/spec_$name.json" 2>/dev/null
+  grep "^|" "$OUT/spec_$name.md" | head -14
+}
+unpack_draft() {  # DRAFT: a carried folder of e3.tgz.part*, unpacked to /root/d/e3
+  [ -z "${DRAFT:-}" ] || { mkdir -p /root/d && cat "$DRAFT"/e3.tgz.part* | tar xzf - -C /root/d; }
+}
 case "${PART:-}" in
 tests) probes; [ "${TESTS:-}" = none ] || gpu_tests ;;
 kernels) probes
@@ -140,26 +152,17 @@ train)
   [ -n "${INIT:-}" ] || gpu_tests  # with INIT the GPU tests ran in the call before (PART=tests)
   ;;
 eval)
-  [ -z "${DRAFT:-}" ] || { mkdir -p /root/d && cat "$DRAFT"/e3.tgz.part* | tar xzf - -C /root/d; }
+  unpack_draft
   [ -z "${TESTS:-}" ] || gpu_tests
-  spec_eval() {  # name, then eval's own arguments
-    local name=$1; shift
-    timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/e3 \
-      --spec-policy auto --out "/root/spec_$name" --temperatures 0,1 "$@" > "$OUT/logs/spec_$name.log" 2>&1 \
-      || echo "eval $name exited $?"
-    cp "/root/spec_$name/report.md" "$OUT/spec_$name.md" 2>/dev/null
-    cp "/root/spec_$name/report.json" "$OUT/spec_$name.json" 2>/dev/null
-    grep "^|" "$OUT/spec_$name.md" | head -14
-  }
   for load in ${LOAD:-waves}; do
-    [ "$load" = none ] || spec_eval "$load" --batch-sizes "${BS:-1,8,32,64}" --spec-load "$load"
+    [ "$load" = none ] || spec_eval "$load" smollm2-135m /root/d/e3 --batch-sizes "${BS:-1,8,32,64}" --spec-load "$load"
   done
   if [ -n "${TIGHT:-}" ] && [ -f /root/spec_continuous/report.json ]; then
     # (thirty-third session) the continuous load at the old sizing, max_model_len 64 below the new one:
     # the longer requests end too near it for a tree, so most steps would split (TIGHT_BS: 32,64)
     ml=$(python3 -c "import json; print(json.load(open('/root/spec_continuous/report.json'))['rows'][0]['speculation'][0]['max_model_len'])")
     echo "continuous: max_model_len $ml; tight: $(( ml - 64 ))"
-    spec_eval tight --batch-sizes "${TIGHT_BS:-32,64}" --spec-load continuous --spec-max-len $(( ml - 64 ))
+    spec_eval tight smollm2-135m /root/d/e3 --batch-sizes "${TIGHT_BS:-32,64}" --spec-load continuous --spec-max-len $(( ml - 64 ))
   fi
   # BS1_ARGS: runs of it with more of eval's arguments, ";" between runs, named bs1, bs1_2, ... (say
   # ";--spec-depth 7 --spec-tokens 60 --temperatures 0": the default tree, then a deeper one)
@@ -170,7 +173,7 @@ eval)
     for v in "${variants[@]}"; do
       i=$(( i + 1 )); name=bs1; [ $i -gt 1 ] && name=bs1_$i
       # shellcheck disable=SC2086
-      spec_eval "$name" --batch-sizes 1 --spec-reps "$BS1_REPS" $v
+      spec_eval "$name" smollm2-135m /root/d/e3 --batch-sizes 1 --spec-reps "$BS1_REPS" $v
     done
   fi
   [ -n "${NO_MMA:-}" ] || { mma_sweep; mma_ncu; }
@@ -184,25 +187,16 @@ medusa)  # (for the thirty-fourth session) issue 15's Medusa draft, trained for 
     > "$OUT/logs/train_medusa.log" 2>&1
   echo "train exited $?"; grep -v "^step" "$OUT/logs/train_medusa.log" | tail -5
   for load in ${LOAD:-waves}; do
-    timeout "${EVAL_S:-240}" python3 -m optllm eval smollm2-135m --device cuda --no-ppl --draft /root/d/medusa \
-      --spec-policy auto --out "/root/medusa_$load" --temperatures 0,1 --batch-sizes "${BS:-1,8,32,64}" \
-      --spec-load "$load" > "$OUT/logs/medusa_$load.log" 2>&1 || echo "eval medusa $load exited $?"
-    cp "/root/medusa_$load/report.md" "$OUT/medusa_$load.md" 2>/dev/null
-    cp "/root/medusa_$load/report.json" "$OUT/medusa_$load.json" 2>/dev/null
-    grep "^|" "$OUT/medusa_$load.md" | head -14
+    spec_eval "medusa_$load" smollm2-135m /root/d/medusa --batch-sizes "${BS:-1,8,32,64}" --spec-load "$load"
   done
   ;;
 awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, quantized on the GPU)
   # served with the float target's draft: DRAFT carried in, or /root/d/e3 left by an eval call
-  [ -z "${DRAFT:-}" ] || { mkdir -p /root/d && cat "$DRAFT"/e3.tgz.part* | tar xzf - -C /root/d; }
+  unpack_draft
   timeout 150 python3 -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --device cuda \
     --num-samples 128 --seq-len 512 --no-compare --out /root/awq > "$OUT/logs/quantize.log" 2>&1 \
     || { echo "quantize exited $?"; tail -5 "$OUT/logs/quantize.log"; }
-  timeout "${EVAL_S:-300}" python3 -m optllm eval /root/awq --device cuda --no-ppl --draft /root/d/e3 \
-    --spec-policy auto --out /root/spec_awq --temperatures "${TEMPS:-0,1}" --batch-sizes "${BS:-1,8,32,64}" \
-    > "$OUT/logs/spec_awq.log" 2>&1 || echo "eval awq exited $?"
-  cp /root/spec_awq/report.md "$OUT/spec_awq.md" 2>/dev/null; cp /root/spec_awq/report.json "$OUT/spec_awq.json" 2>/dev/null
-  grep "^|" "$OUT/spec_awq.md" | head -14
+  EVAL_S=${EVAL_S:-300} spec_eval awq /root/awq /root/d/e3 --temperatures "${TEMPS:-0,1}" --batch-sizes "${BS:-1,8,32,64}"
   ;;
 *) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq, medusa"; exit 2 ;;
 esac
