@@ -30,8 +30,12 @@
 #               warm machine trains on it instead), which also comes back as $OUT/data_all.jsonl.gz
 #   PART=medusa carry .carry2 (or after a call that assembled the model): a Medusa draft (HEADS, 4) trained
 #               SECS (300) on the repo's 12288 sequences into /root/d/medusa, then eval's waves (LOAD) at 0 and 1
-#   PART=awq    (thirty-third session) the AWQ target quantized on the GPU (W4 g64), evaluated with the float
-#               target's draft (DRAFT carried, or /root/d/e3 from an earlier eval call), temperatures TEMPS (0,1)
+#   PART=awq    (thirty-third session) the AWQ target quantized on the GPU (W4 g64), evaluated with each draft
+#               of AWQ_DRAFTS (default the float target's: DRAFT carried, or /root/d/e3 from an earlier eval
+#               call), temperatures TEMPS (0,1)
+#   PART=awqdata, then PART=awqtrain (thirty-fourth session): a draft trained on the AWQ target with the
+#               float draft's recipe and prompts (the float dataset's prompts answered again by the AWQ
+#               target; STEPS, 3981 as .carry-e3 ran) into /root/d/e3awq, back as e3awq.tgz.part*
 # TIGHT=1 (eval, after LOAD's continuous): that load again at TIGHT_BS with max_model_len 64 below its own
 # LOAD: eval's --spec-load, one eval each (none: no load, only the batch-1 run of BS1_REPS) (waves, the default, and/or continuous: "waves continuous")
 # DATA (train): a carried folder with data_all.jsonl.gz, trained on instead (.carry-data, 12 MB: with
@@ -121,6 +125,12 @@ spec_eval() {  # NAME MODEL DRAFT_DIR, then eval's own arguments (later ones win
 unpack_draft() {  # DRAFT: a carried folder of e3.tgz.part*, unpacked to /root/d/e3
   [ -z "${DRAFT:-}" ] || { mkdir -p /root/d && cat "$DRAFT"/e3.tgz.part* | tar xzf - -C /root/d; }
 }
+quantize_awq() {  # the AWQ target (W4 g64, 128 x 512 calibration) in /root/awq, unless an earlier call made it
+  [ -f /root/awq/config.json ] && return 0
+  timeout 150 python3 -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --device cuda \
+    --num-samples 128 --seq-len 512 --no-compare --out /root/awq > "$OUT/logs/quantize.log" 2>&1 \
+    || { echo "quantize exited $?"; tail -5 "$OUT/logs/quantize.log"; }
+}
 case "${PART:-}" in
 tests) probes; [ "${TESTS:-}" = none ] || gpu_tests ;;
 kernels) probes
@@ -190,14 +200,38 @@ medusa)  # (for the thirty-fourth session) issue 15's Medusa draft, trained for 
     spec_eval "medusa_$load" smollm2-135m /root/d/medusa --batch-sizes "${BS:-1,8,32,64}" --spec-load "$load"
   done
   ;;
-awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, quantized on the GPU)
-  # served with the float target's draft: DRAFT carried in, or /root/d/e3 left by an eval call
+awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, quantized on the GPU, or kept
+  # from an earlier call) served with each draft of AWQ_DRAFTS (default /root/d/e3: the float target's, DRAFT
+  # carried in or left by an eval call), one eval each (spec_awq_<folder>)
   unpack_draft
-  timeout 150 python3 -m optllm quantize smollm2-135m --scheme w4a16-awq --group-size 64 --device cuda \
-    --num-samples 128 --seq-len 512 --no-compare --out /root/awq > "$OUT/logs/quantize.log" 2>&1 \
-    || { echo "quantize exited $?"; tail -5 "$OUT/logs/quantize.log"; }
-  EVAL_S=${EVAL_S:-300} spec_eval awq /root/awq /root/d/e3 --temperatures "${TEMPS:-0,1}" --batch-sizes "${BS:-1,8,32,64}"
+  quantize_awq
+  for d in ${AWQ_DRAFTS:-/root/d/e3}; do
+    EVAL_S=${EVAL_S:-300} spec_eval "awq_$(basename "$d")" /root/awq "$d" --temperatures "${TEMPS:-0,1}" \
+      --batch-sizes "${BS:-1,8,32,64}"
+  done
   ;;
-*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq, medusa"; exit 2 ;;
+awqdata)  # (thirty-fourth session) the AWQ target quantized, then the float draft's 12288 prompts (its
+  # dataset's prompt parts, as token ids) answered again by it, greedy: /root/d/awqdata/dataset.jsonl
+  # (train-draft --prompts, one step trained and thrown away); TESTS: GPU tests after it
+  quantize_awq
+  gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
+  timeout 300 python3 -m optllm train-draft /root/awq --method eagle3 --out /root/d/awqdata --device cuda \
+    --draft-vocab 16384 --max-steps 1 --holdout 64 --overwrite --prompts /root/d/float_data.jsonl \
+    --num-prompts 12288 > "$OUT/logs/awqdata.log" 2>&1
+  echo "awqdata exited $?"; grep -v "^step" "$OUT/logs/awqdata.log" | tail -4
+  wc -l /root/d/awqdata/dataset.jsonl
+  [ -z "${TESTS:-}" ] || gpu_tests
+  ;;
+awqtrain)  # (thirty-fourth session) an EAGLE-3 draft for the AWQ target on /root/d/awqdata's sequences, with
+  # the float draft's recipe (.carry-e3: 3981 steps of batch 16, TTT 6, soft labels, draft vocabulary 16384,
+  # peak lr 1e-3, holdout 64): /root/d/e3awq, back as $OUT/e3awq.tgz.part*
+  timeout $(( $(left) - 20 )) python3 -m optllm train-draft /root/awq --method eagle3 --out /root/d/e3awq \
+    --device cuda --ttt-steps 6 --labels soft --holdout 64 --draft-vocab 16384 --max-steps "${STEPS:-3981}" \
+    --batch-size 16 --lr 1e-3 --overwrite --dataset /root/d/awqdata/dataset.jsonl > "$OUT/logs/train_e3awq.log" 2>&1
+  echo "train exited $?"; grep -v "^step" "$OUT/logs/train_e3awq.log" | tail -5
+  (cd /root/d && tar czf - --exclude="checkpoint-*" --exclude=dataset.jsonl e3awq | split -b 15M - "$OUT/e3awq.tgz.part") \
+    && ls -la "$OUT"
+  ;;
+*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq, awqdata, awqtrain, medusa"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)

@@ -587,7 +587,8 @@ def train_draft(
                                          "over the draft's vocabulary: EAGLE's and SpecForge's training) | hard (the "
                                          "data's next token) [default: soft]"),
     num_prompts: int = typer.Option(256, help="prompts to write (Magpie) or read at most"),
-    prompts: Optional[Path] = typer.Option(None, help="FILE.jsonl: {\"prompt\": ...} or ShareGPT conversations "
+    prompts: Optional[Path] = typer.Option(None, help="FILE.jsonl: {\"prompt\": ...}, ShareGPT conversations, or "
+                                           "an earlier run's dataset.jsonl (its prompts answered again by this target) "
                                            "[default: the target writes its own]"),
     dataset: Optional[Path] = typer.Option(None, help="OUT/dataset.jsonl of an earlier train-draft run on this target: "
                                            "train on its sequences instead of writing new ones"),

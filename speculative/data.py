@@ -21,7 +21,9 @@ from ..runtime.sampling_params import SamplingParams
 
 # A conversation in the chat-template form: [{"role": "user", "content": "..."}, ...]
 Conversation = list[dict]
-Prompt = str | Conversation  # plain text (no template) or a conversation up to the user's turn
+# plain text (no template), a conversation up to the user's turn, or token ids as they are (the
+# prompt part of an earlier train-draft dataset.jsonl's sequence: another target answers the same prompts)
+Prompt = str | Conversation | tuple[int, ...]
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
           "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -44,10 +46,12 @@ class DraftSequence:
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a .jsonl file: lines {"prompt": "..."} (plain text) or ShareGPT-style
+    """Prompts from a .jsonl file: lines {"prompt": "..."} (plain text), ShareGPT-style
     {"conversations": [{"from"|"role": ..., "value"|"content": ...}, ...]} (kept up to the
-    first user turn, with any system turn before it: the target writes the answer itself).
-    UserError naming the line on anything else."""
+    first user turn, with any system turn before it: the target writes the answer itself), or
+    an earlier train-draft run's dataset.jsonl lines {"token_ids": [...], "num_prompt_tokens": n}
+    (the first n ids, as they are: say, the float target's prompts answered again by its
+    quantized checkpoint, which shares its tokenizer). UserError naming the line on anything else."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"prompt file {path} not found")
@@ -61,7 +65,8 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
         prompt = _prompt_of(row)
         if prompt is None:
-            raise UserError(f'{path}:{n}: expected {{"prompt": "..."}} or {{"conversations": [...]}} with a user turn')
+            raise UserError(f'{path}:{n}: expected {{"prompt": "..."}}, {{"conversations": [...]}} with a user turn, '
+                            'or {"token_ids": [...], "num_prompt_tokens": n} (a train-draft dataset.jsonl line)')
         prompts.append(prompt)
     if not prompts:
         raise UserError(f"{path} holds no prompts")
@@ -73,6 +78,12 @@ def _prompt_of(row) -> Prompt | None:
         return None
     if isinstance(row.get("prompt"), str) and row["prompt"].strip():
         return row["prompt"]
+    if "token_ids" in row:
+        ids, n = row["token_ids"], row.get("num_prompt_tokens")
+        if not (isinstance(ids, list) and type(n) is int and 0 < n <= len(ids)
+                and all(type(t) is int and t >= 0 for t in ids[:n])):
+            return None
+        return tuple(ids[:n])
     turns = row.get("conversations", row.get("messages"))
     if not isinstance(turns, list):
         return None
@@ -168,13 +179,20 @@ def _stop_ids(tokenizer, end_of_turn: str) -> list[int]:
 def answer_prompts(llm: LLM, prompts: list[Prompt], max_tokens: int = 256, temperature: float = 0.0,
                    seed: int = 0, max_len: int | None = None) -> list[DraftSequence]:
     """The target answers every prompt in one batched call (conversations through its chat
-    template, plain strings as they are); each sequence is the prompt's tokens + the answer's,
-    cut to max_len tokens. Prompts that leave no room for an answer are dropped."""
+    template, plain strings as they are, token-id tuples as given); each sequence is the
+    prompt's tokens + the answer's, cut to max_len tokens. Prompts that leave no room for an
+    answer are dropped. A token id outside the target's vocabulary is one UserError."""
     tok = llm.tokenizer
     ids: list[list[int]] = []
     for p in prompts:
         if isinstance(p, str):
             ids.append(list(tok(p)["input_ids"]))
+        elif isinstance(p, tuple):  # token ids (an earlier dataset's prompt part)
+            vocab = llm.engine.runner.vocab_size
+            if max(p) >= vocab:
+                raise UserError(f"prompt {len(ids) + 1} has token id {max(p)}, past this target's vocabulary of "
+                                f"{vocab}: token-id prompts must come from a target with the same tokenizer")
+            ids.append(list(p))
         else:
             try:
                 ids.append(render_chat(tok, p))

@@ -412,7 +412,6 @@ def _agree(acc, value: int) -> int:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def _evaluate(acc, target, method, heads, held: list[DraftSequence], batch_size: int) -> list[float]:
     heads.eval()
     hits = counts = None

@@ -105,3 +105,38 @@ def test_answers_are_the_targets_own_continuations(chat_llm):
     assert answer_prompts(chat_llm, prompts, max_tokens=6, max_len=len(rendered)) == [] or \
         all(len(s.token_ids) <= len(rendered) for s in answer_prompts(chat_llm, prompts, max_tokens=6,
                                                                       max_len=len(rendered)))
+
+
+def test_an_earlier_datasets_prompts_answered_again(tmp_path, chat_llm):
+    """A train-draft dataset.jsonl as --prompts: each line's prompt part (token ids as they are),
+    answered by this target -- the float target's prompts for its quantized checkpoint's draft."""
+    rendered = render_chat(chat_llm.tokenizer, [{"role": "user", "content": "Hello there"}])
+    f = _jsonl(tmp_path / "dataset.jsonl", [
+        {"token_ids": rendered + [5, 6, 7], "num_prompt_tokens": len(rendered)},
+        {"token_ids": [11, 12, 13, 14], "num_prompt_tokens": 2},
+    ])
+    prompts = read_prompts(f)
+    assert prompts == [tuple(rendered), (11, 12)]
+    seqs = answer_prompts(chat_llm, prompts, max_tokens=5, temperature=0.0, max_len=128)
+    assert [s.num_prompt_tokens for s in seqs] == [len(rendered), 2]
+    for s, ids in zip(seqs, [rendered, [11, 12]]):
+        greedy = chat_llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0].token_ids
+        assert s.token_ids == ids + list(greedy)  # the old answer (5, 6, 7; 13, 14) is not kept
+
+
+@pytest.mark.parametrize("row", [
+    {"token_ids": [1, 2, 3], "num_prompt_tokens": 0},  # no prompt
+    {"token_ids": [1, 2, 3], "num_prompt_tokens": 4},  # past the sequence
+    {"token_ids": [1, -2, 3], "num_prompt_tokens": 2},  # a negative id
+    {"token_ids": [1, 2.5, 3], "num_prompt_tokens": 2},  # not an integer
+    {"token_ids": [1, 2, 3]},  # no boundary
+])
+def test_bad_dataset_lines_as_prompts(tmp_path, row):
+    with pytest.raises(UserError, match="p.jsonl:1: expected.*token_ids"):
+        read_prompts(_jsonl(tmp_path / "p.jsonl", [row]))
+
+
+def test_token_prompts_past_the_vocabulary_are_one_clear_error(chat_llm):
+    vocab = chat_llm.engine.runner.vocab_size
+    with pytest.raises(UserError, match=f"token id {vocab}, past this target's vocabulary of {vocab}"):
+        answer_prompts(chat_llm, [(1, vocab)], max_tokens=2)
