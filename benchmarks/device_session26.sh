@@ -33,6 +33,7 @@
 #   PART=awq    (thirty-third session) the AWQ target quantized on the GPU (W4 g64), evaluated with each draft
 #               of AWQ_DRAFTS (default the float target's: DRAFT carried, or /root/d/e3 from an earlier eval
 #               call), temperatures TEMPS (0,1)
+#   PART=bs1    (thirty-fourth session) batch 1 over BS1_REPS requests for each NAME:MODEL:DRAFT of RUNS
 #   PART=awqdata, then PART=awqtrain (thirty-fourth session): a draft trained on the AWQ target with the
 #               float draft's recipe and prompts (the float dataset's prompts answered again by the AWQ
 #               target; STEPS, 3981 as .carry-e3 ran) into /root/d/e3awq, back as e3awq.tgz.part*
@@ -210,6 +211,13 @@ awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, qu
       --batch-sizes "${BS:-1,8,32,64}"
   done
   ;;
+bs1)  # (thirty-fourth session) batch 1 alone over BS1_REPS (24) requests, temperatures TEMPS (0,1), for each
+  # NAME:MODEL:DRAFT of RUNS (folders left on the machine by earlier calls): spec_bs1_NAME
+  for r in ${RUNS:?RUNS: NAME:MODEL:DRAFT ...}; do
+    IFS=: read -r name model draft <<< "$r"
+    spec_eval "bs1_$name" "$model" "$draft" --batch-sizes 1 --spec-reps "${BS1_REPS:-24}" --temperatures "${TEMPS:-0,1}"
+  done
+  ;;
 awqdata)  # (thirty-fourth session) the AWQ target quantized, then the float draft's 12288 prompts (its
   # dataset's prompt parts, as token ids) answered again by it, greedy: /root/d/awqdata/dataset.jsonl
   # (train-draft --prompts, one step trained and thrown away); TESTS: GPU tests after it
@@ -232,6 +240,6 @@ awqtrain)  # (thirty-fourth session) an EAGLE-3 draft for the AWQ target on /roo
   (cd /root/d && tar czf - --exclude="checkpoint-*" --exclude=dataset.jsonl e3awq | split -b 15M - "$OUT/e3awq.tgz.part") \
     && ls -la "$OUT"
   ;;
-*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq, awqdata, awqtrain, medusa"; exit 2 ;;
+*) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq, bs1, awqdata, awqtrain, medusa"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
