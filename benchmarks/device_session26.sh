@@ -243,3 +243,6 @@ awqtrain)  # (thirty-fourth session) an EAGLE-3 draft for the AWQ target on /roo
 *) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, awq, bs1, awqdata, awqtrain, medusa"; exit 2 ;;
 esac
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
+# at most 8 files come back from $OUT: past that, the JSON reports travel as one archive (PART=bs1 with
+# four runs wrote 8 reports, and two files stayed behind)
+[ "$(ls "$OUT" | wc -l)" -le 8 ] || (cd "$OUT" && tar czf json.tgz ./*.json && rm ./*.json)
