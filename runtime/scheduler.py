@@ -136,7 +136,7 @@ class Scheduler:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         spec = self.speculator
-        lookahead = spec.plan(self.running) if spec is not None and self.running else 0
+        lookahead = spec.plan(self.running, not self.waiting) if spec is not None and self.running else 0
         # a speculative decode computes the tree's tokens (the budget's share); its blocks also
         # cover the draft's scratch slots (the lookahead)
         spec_tokens = spec.n if lookahead else 0

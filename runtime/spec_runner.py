@@ -233,6 +233,28 @@ class FeatureStore:
         return self.features[slots]
 
 
+def fixed_length(params) -> bool:
+    """Whether a request's output length is known from its parameters: max_tokens, with EOS ignored
+    and no stop string or stop token (or min_tokens reaching max_tokens)."""
+    if params.max_tokens is None:
+        return False
+    return params.min_tokens >= params.max_tokens or (
+        params.ignore_eos and not params.stop and not params.stop_token_ids)
+
+
+def all_fixed_length(seqs) -> bool:
+    """``fixed_length`` for every sequence's parameters (each distinct parameters object checked
+    once: a batch of one generate() call shares one)."""
+    last = None
+    for s in seqs:
+        p = s.params
+        if p is not last:
+            if not fixed_length(p):
+                return False
+            last = p
+    return True
+
+
 def catch_up_rows(rows: int) -> int:
     """The rows an eager catch-up over `rows` rows runs (padded): multiples of 16 up to 128, then
     eight steps an octave (at most 1/8 more rows), so that a served engine's catch-ups reuse a
@@ -408,9 +430,12 @@ class SpecDecoder:
         """Slots past the root this step's speculative decodes write (tree nodes; EAGLE's scratch rows)."""
         return max(self.n, self.scratch) - 1
 
-    def plan(self, running) -> int:
+    def plan(self, running, draining: bool = False) -> int:
         """Called by the scheduler before it schedules a step: picks this step's tree size from
         the running sequences that would speculate; returns the lookahead (0: no speculation).
+        draining: no request waits for a place, so a sequence that finishes early leaves its place
+        empty; where every speculating decode's length is also fixed (``fixed_length``), the batch
+        ends with its slowest sequence, and the policy asks for its drain margin.
         While the policy keeps speculation off and the running set looks the same (its size and
         its ends) or has only lost sequences (fewer, the same ends), the choice stands for
         ``recheck_every`` steps without a scan of every sequence
@@ -423,7 +448,7 @@ class SpecDecoder:
             self.n = self.num_nodes
             return self.lookahead
         pol = self.policy
-        sig = (len(running), id(running[0]), id(running[-1]))
+        sig = (len(running), id(running[0]), id(running[-1]), draining)
         last = self._plan_sig
         # the scanned set, or fewer with the same ends: only sequences that finished left it (admissions
         # join at the end), so no class of sequence is new to the choice -- unless the scan found decodes
@@ -451,7 +476,9 @@ class SpecDecoder:
             for s in seqs:  # a new sequence starts from its class's estimates (greedy or sampled)
                 if s.seq_id not in tracked:
                     pol.track(s.seq_id, s.params.temperature >= GREEDY_EPS)
-        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind, sampled=sampled, rest=rest)
+        drain = draining and len(seqs) > 1 and all_fixed_length(seqs)
+        self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind, sampled=sampled, rest=rest,
+                            drain=drain)
         if self.n > 1:
             self._recheck = self.recheck_every
             return self.lookahead

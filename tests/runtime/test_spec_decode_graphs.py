@@ -55,9 +55,9 @@ def test_plain_steps_replay_graphs_and_speculation_stays_exact(tiny_llama, tmp_p
     plans: list[int] = []
     plan = spec.plan
 
-    def every_other(running):  # a speculative step, then an ordinary one through the graphs, ...
+    def every_other(running, draining=False):  # a speculative step, then an ordinary one through the graphs, ...
         plans.append(len(running))
-        return plan(running) if len(plans) % 2 else 0
+        return plan(running, draining) if len(plans) % 2 else 0
 
     spec.plan = every_other
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]

@@ -174,6 +174,75 @@ def test_a_sampled_batch_must_win_by_a_wider_margin():
         assert pol.choose([0], sampled=True) == greedy
 
 
+def test_a_draining_batch_of_fixed_lengths_must_win_by_the_drain_margin():
+    """The same step, greedy, where the batch drains (fixed lengths, nothing waiting: it ends with its
+    slowest sequence): at 1.10x the plain rate it stays plain under margin_drain (1.15), at 1.21x it
+    speculates; a lone sequence waits for none (margin 1.05); the sampled margin stands either way."""
+    for acc, drained in ((0.54, 1), (0.7, 3)):
+        pol = AdaptivePolicy([3], gpu_like_costs([3]), prior={3: acc}, sampled_prior=1.0, explore_every=10**6)
+        assert pol.choose([0, 1]) == 3
+        assert pol.choose([0, 1], drain=True) == drained
+        assert pol.choose([0], drain=True) == 3
+        assert pol.choose([0, 1], sampled=True, drain=True) == drained
+    pol = AdaptivePolicy([3], gpu_like_costs([3]), prior={3: 0.7}, explore_every=10**6, margin_drain=1.3)
+    assert pol.choose([0, 1], drain=True) == 1 and pol.choose([0, 1]) == 3
+
+
+def test_fixed_length_requests():
+    from optllm.runtime.spec_runner import all_fixed_length, fixed_length
+
+    fixed = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert fixed_length(fixed) and fixed_length(SamplingParams(max_tokens=8, min_tokens=8))
+    for p in (SamplingParams(max_tokens=8), SamplingParams(max_tokens=None, ignore_eos=True),
+              SamplingParams(max_tokens=8, ignore_eos=True, stop=["."]),
+              SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[3]),
+              SamplingParams(max_tokens=8, min_tokens=7)):
+        assert not fixed_length(p), p
+
+    class S:
+        def __init__(self, p):
+            self.params = p
+
+    assert all_fixed_length([S(fixed), S(fixed), S(SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert not all_fixed_length([S(fixed), S(fixed), S(SamplingParams(max_tokens=4))])
+
+
+def test_plan_asks_for_the_drain_margin_only_while_nothing_waits(tiny_llama, tmp_path, monkeypatch):
+    """plan(running, draining): choose(drain=True) where no request waits and every speculating
+    decode has a fixed length, else drain=False; a change of the queue's state is a new set (scanned)."""
+    from optllm.runtime.sequence import Sequence
+
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
+              spec_top_k=3, spec_depth=4, spec_num_draft=10, max_num_seqs=8)
+    spec = llm.engine.runner.spec
+    asked = []
+    monkeypatch.setattr(spec.policy, "choose", lambda ids, budget=None, behind=0, sampled=False, rest=0,
+                        drain=False: asked.append((len(ids), drain)) or 1)
+
+    def seq(i, params):
+        s = Sequence(f"q{i}", list(range(1, 8)), params)
+        s.token_ids += [7, 7]
+        s.num_computed_tokens = len(s.token_ids) - 1
+        return s
+
+    fixed = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    a, b = seq(0, fixed), seq(1, fixed)
+    c = seq(2, SamplingParams(temperature=0, max_tokens=60))  # ends at EOS: its length is not known
+    spec.plan([a, b], False)
+    spec.plan([a, b], True)  # the queue emptied: scanned again, though the set is the same
+    spec.plan([a, b, c], True)
+    spec.plan([a], True)  # alone: nothing to wait for
+    assert asked == [(2, False), (2, True), (3, False), (1, False)]
+    # the scheduler says whether anything waits
+    asked.clear()
+    llm.generate(["The interpreter reads", "x = 1"], fixed)
+    assert asked and all(drain for n, drain in asked if n > 1)
+    asked.clear()
+    llm.generate(["The interpreter reads", "x = 1"], SamplingParams(temperature=0, max_tokens=20))
+    assert asked and not any(drain for n, drain in asked)
+
+
 def test_an_exploring_step_is_charged_the_whole_catch_up():
     """bs 16, a tree of 6 at 1.9 ms against 1 ms plain, a catch-up of 0.2 + 0.01 ms a row over 1000
     rows (10.2 ms) that a stretch of 4 would share: exploring pays it all in one step, so the 10%
@@ -235,7 +304,7 @@ def test_plan_scans_the_running_sequences_only_now_and_then_while_off(tiny_llama
     pol = spec.policy
     asked = []
     monkeypatch.setattr(pol, "choose",
-                        lambda ids, budget=None, behind=0, sampled=False, rest=0: asked.append(len(ids)) or 1)
+                        lambda ids, budget=None, behind=0, sampled=False, rest=0, **_: asked.append(len(ids)) or 1)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     idle0 = pol._idle
     llm.generate(["The interpreter reads", "x = 1"], params)
@@ -268,7 +337,7 @@ def test_plan_skips_while_sequences_only_leave_and_scans_when_one_joins(tiny_lla
     spec = llm.engine.runner.spec
     asked = []
     monkeypatch.setattr(spec.policy, "choose",
-                        lambda ids, budget=None, behind=0, sampled=False, rest=0: asked.append(list(ids)) or 1)
+                        lambda ids, budget=None, behind=0, sampled=False, rest=0, **_: asked.append(list(ids)) or 1)
     seqs = []
     for i in range(5):
         s = Sequence(f"q{i}", list(range(1, 8)), SamplingParams(temperature=0))
@@ -489,7 +558,7 @@ def test_a_step_that_catches_up_is_not_a_measured_step_cost(tiny_llama, tmp_path
     spec.recheck_every = 0  # every step asks the policy
     calls, behind = iter([1] * 6 + [spec.sizes[-1]] * 100), []
     monkeypatch.setattr(pol, "choose",
-                        lambda ids, budget=None, rows=0, sampled=False, rest=0: behind.append(rows) or next(calls))
+                        lambda ids, budget=None, rows=0, sampled=False, rest=0, **_: behind.append(rows) or next(calls))
     llm.generate(["The interpreter reads"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert seen[0] is True and len(seen) >= 3 and not any(seen[1:])
     assert told.count(1) >= 5 and told.count(spec.sizes[-1]) == len(seen) - 1
