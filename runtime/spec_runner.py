@@ -242,17 +242,23 @@ def fixed_length(params) -> bool:
         params.ignore_eos and not params.stop and not params.stop_token_ids)
 
 
-def all_fixed_length(seqs) -> bool:
-    """``fixed_length`` for every sequence's parameters (each distinct parameters object checked
-    once: a batch of one generate() call shares one)."""
-    last = None
+def ends_together(seqs, spread: float = 0.25) -> bool:
+    """Whether plain decoding would end these sequences together: every one's length fixed
+    (``fixed_length``: each distinct parameters object checked once, a batch of one generate() call
+    shares one), and their remaining tokens within ``spread`` of the longest's (a batch admitted at
+    once; requests that arrived one by one have spread lengths left, and plain decoding too ends them
+    one by one)."""
+    last, most, least = None, 0, None
     for s in seqs:
         p = s.params
         if p is not last:
             if not fixed_length(p):
                 return False
             last = p
-    return True
+        left = p.max_tokens - (len(s.token_ids) - s.num_prompt_tokens)
+        most = max(most, left)
+        least = left if least is None else min(least, left)
+    return least is not None and most - least <= spread * most
 
 
 def catch_up_rows(rows: int) -> int:
@@ -434,8 +440,9 @@ class SpecDecoder:
         """Called by the scheduler before it schedules a step: picks this step's tree size from
         the running sequences that would speculate; returns the lookahead (0: no speculation).
         draining: no request waits for a place, so a sequence that finishes early leaves its place
-        empty; where every speculating decode's length is also fixed (``fixed_length``), the batch
-        ends with its slowest sequence, and the policy asks for its drain margin.
+        empty; where the speculating decodes would also end together without speculation
+        (``ends_together``: fixed lengths, nearly equal remaining tokens), the batch ends with its
+        slowest sequence, and the policy asks for its drain margin.
         While the policy keeps speculation off and the running set looks the same (its size and
         its ends) or has only lost sequences (fewer, the same ends), the choice stands for
         ``recheck_every`` steps without a scan of every sequence
@@ -476,7 +483,7 @@ class SpecDecoder:
             for s in seqs:  # a new sequence starts from its class's estimates (greedy or sampled)
                 if s.seq_id not in tracked:
                     pol.track(s.seq_id, s.params.temperature >= GREEDY_EPS)
-        drain = draining and len(seqs) > 1 and all_fixed_length(seqs)
+        drain = draining and len(seqs) > 1 and ends_together(seqs)
         self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind, sampled=sampled, rest=rest,
                             drain=drain)
         if self.n > 1:

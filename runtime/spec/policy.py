@@ -72,8 +72,9 @@ load at batch 64 on the H100 0.88x of plain decoding (most of its steps split by
 near max_model_len, each paying a whole plain step more).
 
 A batch that ends together is judged by its slowest sequence. Where its requests have fixed
-lengths (EOS ignored, no stop) and none waits for a place (``choose(drain=True)``, from the
-scheduler through ``SpecDecoder.plan``), plain decoding ends them all at one step, while speculation
+lengths (EOS ignored, no stop) with nearly as many tokens left each (admitted together) and none
+waits for a place (``choose(drain=True)``, from the scheduler through ``SpecDecoder.plan``), plain
+decoding ends them all at one step, while speculation
 ends them when the one that accepts least is done, and a place freed early stays empty until then. A
 step's rate overstates such a batch's gain, so several sequences must then win by ``margin_drain``
 (15%, as sampled batches, whose acceptance varies more, always must). On the H100 a Medusa draft
@@ -155,8 +156,8 @@ class AdaptivePolicy:
     # temperature-1 waves at batch 8 speculated 248 of 700 steps on estimates of a 5% gain, steps
     # that gained ~1% each, and the run lost 12%: the wave's length is its slowest sequence's
     margin_sampled: float = 1.15
-    # ... and a step of several sequences of fixed lengths (EOS ignored, no stop) while no request
-    # waits for a place (``choose(drain=True)``): plain decoding ends them together, speculation
+    # ... and a step of several sequences of fixed, nearly equal lengths left (EOS ignored, no stop)
+    # while no request waits for a place (``choose(drain=True)``): plain decoding ends them together, speculation
     # when the slowest is done, and places freed early stay empty. On the H100 a Medusa draft
     # speculated through greedy waves at batch 32 on per-step gains of ~12% (after the measured
     # step costs); its waves ran 92 steps for 128 tokens, 1.39 tokens a step for the slowest
@@ -342,8 +343,8 @@ class AdaptivePolicy:
         step): its time is charged to speculation. Uncharged, the policy speculated in 404 of 437
         steps of a continuous load at batch 64 on the H100, ~317 of them split by a few sequences
         near max_model_len, each paying a whole plain step more: 0.88x of plain decoding.
-        drain: the sequences have fixed lengths and no request waits for a place (a batch that ends
-        with its slowest sequence): several of them must win by ``margin_drain``."""
+        drain: the sequences would end together without speculation and no request waits for a
+        place (a batch that ends with its slowest sequence): several of them must win by ``margin_drain``."""
         self._cost_cls = cls = int(sampled)
         b = len(seq_ids)
         if b == 0:

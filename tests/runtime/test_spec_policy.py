@@ -188,10 +188,10 @@ def test_a_draining_batch_of_fixed_lengths_must_win_by_the_drain_margin():
     assert pol.choose([0, 1], drain=True) == 1 and pol.choose([0, 1]) == 3
 
 
-def test_fixed_length_requests():
-    from optllm.runtime.spec_runner import all_fixed_length, fixed_length
+def test_fixed_length_requests_and_batches_that_end_together():
+    from optllm.runtime.spec_runner import ends_together, fixed_length
 
-    fixed = SamplingParams(max_tokens=8, ignore_eos=True)
+    fixed = SamplingParams(max_tokens=100, ignore_eos=True)
     assert fixed_length(fixed) and fixed_length(SamplingParams(max_tokens=8, min_tokens=8))
     for p in (SamplingParams(max_tokens=8), SamplingParams(max_tokens=None, ignore_eos=True),
               SamplingParams(max_tokens=8, ignore_eos=True, stop=["."]),
@@ -199,17 +199,21 @@ def test_fixed_length_requests():
               SamplingParams(max_tokens=8, min_tokens=7)):
         assert not fixed_length(p), p
 
-    class S:
-        def __init__(self, p):
-            self.params = p
+    class S:  # a sequence with `done` output tokens
+        def __init__(self, p, done):
+            self.params, self.num_prompt_tokens, self.token_ids = p, 3, [1, 2, 3] + [7] * done
 
-    assert all_fixed_length([S(fixed), S(fixed), S(SamplingParams(max_tokens=4, ignore_eos=True))])
-    assert not all_fixed_length([S(fixed), S(fixed), S(SamplingParams(max_tokens=4))])
+    # tokens left: 100, 95, 75 -- within a quarter of the longest; 74 is not
+    assert ends_together([S(fixed, 0), S(fixed, 5), S(SamplingParams(max_tokens=80, ignore_eos=True), 5)])
+    assert not ends_together([S(fixed, 0), S(fixed, 26)])
+    assert not ends_together([S(fixed, 0), S(SamplingParams(max_tokens=100), 0)])  # one ends at EOS
+    assert ends_together([S(fixed, 10)]) and not ends_together([])
 
 
 def test_plan_asks_for_the_drain_margin_only_while_nothing_waits(tiny_llama, tmp_path, monkeypatch):
-    """plan(running, draining): choose(drain=True) where no request waits and every speculating
-    decode has a fixed length, else drain=False; a change of the queue's state is a new set (scanned)."""
+    """plan(running, draining): choose(drain=True) where no request waits and the speculating decodes
+    would end together (fixed lengths, as many tokens left), else drain=False; a change of the queue's
+    state is a new set (scanned)."""
     from optllm.runtime.sequence import Sequence
 
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
@@ -229,11 +233,15 @@ def test_plan_asks_for_the_drain_margin_only_while_nothing_waits(tiny_llama, tmp
     fixed = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     a, b = seq(0, fixed), seq(1, fixed)
     c = seq(2, SamplingParams(temperature=0, max_tokens=60))  # ends at EOS: its length is not known
+    late = seq(3, fixed)
+    late.token_ids += [7] * 40  # 40 tokens behind the others' start: it would not end with them
+    late.num_computed_tokens = len(late.token_ids) - 1
     spec.plan([a, b], False)
     spec.plan([a, b], True)  # the queue emptied: scanned again, though the set is the same
     spec.plan([a, b, c], True)
+    spec.plan([a, b, late], True)
     spec.plan([a], True)  # alone: nothing to wait for
-    assert asked == [(2, False), (2, True), (3, False), (1, False)]
+    assert asked == [(2, False), (2, True), (3, False), (3, False), (1, False)]
     # the scheduler says whether anything waits
     asked.clear()
     llm.generate(["The interpreter reads", "x = 1"], fixed)
