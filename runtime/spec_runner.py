@@ -242,12 +242,16 @@ def fixed_length(params) -> bool:
         params.ignore_eos and not params.stop and not params.stop_token_ids)
 
 
-def ends_together(seqs, spread: float = 0.25) -> bool:
+DRAIN_SPREAD = 0.25  # ends_together: tokens left within this share of the longest's
+
+
+def ends_together(seqs, spread: float = DRAIN_SPREAD) -> bool:
     """Whether plain decoding would end these sequences together: every one's length fixed
     (``fixed_length``: each distinct parameters object checked once, a batch of one generate() call
     shares one), and their remaining tokens within ``spread`` of the longest's (a batch admitted at
     once; requests that arrived one by one have spread lengths left, and plain decoding too ends them
-    one by one)."""
+    one by one). plan()'s ``_scan`` has this written out in its pass: change both
+    (test_scan_ends_together_as_ends_together checks that they agree)."""
     last, most, least = None, 0, None
     for s in seqs:
         p = s.params
@@ -470,7 +474,7 @@ class SpecDecoder:
             return 0
         confirm = self.n == 1 and sig == last  # a scan after a skipped stretch of the same set
         self._plan_sig, self._plan_skips, self.scanned = sig, 0, True
-        seqs, ids, behind, sampled, rest = self._scan(running)
+        seqs, ids, behind, sampled, rest, drain = self._scan(running, draining)
         self._plan_rest = rest
         self._planned = planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
         self._plan_behind = (seqs, behind)
@@ -483,7 +487,6 @@ class SpecDecoder:
             for s in seqs:  # a new sequence starts from its class's estimates (greedy or sampled)
                 if s.seq_id not in tracked:
                     pol.track(s.seq_id, s.params.temperature >= GREEDY_EPS)
-        drain = draining and len(seqs) > 1 and ends_together(seqs)
         self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind, sampled=sampled, rest=rest,
                             drain=drain)
         if self.n > 1:
@@ -648,15 +651,18 @@ class SpecDecoder:
         speculate (``eligible``)."""
         return self._scan(running)[0]
 
-    def _scan(self, running) -> tuple[list, list[int], int, bool, int]:
+    def _scan(self, running, draining: bool = False) -> tuple[list, list[int], int, bool, int, bool]:
         """plan()'s one pass over the running sequences: ``eligible_decodes(running)``, their seq ids,
-        their ``rows_behind``, whether any of them samples, and how many other decodes there are (they
-        run plain: a step that speculates runs them in a forward of their own), with ``eligible`` and
-        ``_upto`` written out (a method call less per sequence, each of two passes fewer: a scan at
-        batch 64 cost ~21 -> ~11 µs on the CPU)."""
+        their ``rows_behind``, whether any of them samples, how many other decodes there are (they
+        run plain: a step that speculates runs them in a forward of their own), and, if draining,
+        whether two or more eligible ones end together (``ends_together``; False when not draining),
+        with ``eligible``, ``_upto`` and ``ends_together`` written out (a method call less per
+        sequence, each of three passes fewer: a scan at batch 64 cost ~21 -> ~11 µs on the CPU;
+        draining, ends_together's own pass after it cost 16 µs more, written out here 2.5 µs)."""
         longest, allow = self._longest, self._params_allow
         g = self.catch_rows if self.eagle else None
         seqs, ids, behind, sampled, rest = [], [], 0, False, 0
+        together, last, most, least = draining, None, 0, 1 << 62
         for s in running:
             n, c = len(s.token_ids), s.num_computed_tokens
             if n - c != 1:
@@ -664,19 +670,29 @@ class SpecDecoder:
             ok = s.spec_params_ok
             if ok is None:
                 ok = allow(s)
-            if not (ok and c > 0 and n <= longest and n - s.num_prompt_tokens >= s.params.min_tokens):
+            p, out = s.params, n - s.num_prompt_tokens
+            if not (ok and c > 0 and n <= longest and out >= p.min_tokens):
                 rest += 1
                 continue
             seqs.append(s)
             ids.append(s.seq_id)
-            if not sampled and s.params.temperature >= GREEDY_EPS:
+            if not sampled and p.temperature >= GREEDY_EPS:
                 sampled = True
             if g is not None:
                 st = s.spec_state
                 r = c - (st[1] if st is not None and st[0] == s.num_preemptions else 0) - g
                 if r > 0:
                     behind += r
-        return seqs, ids, behind, sampled, rest
+            if together and p is not last:
+                together, last = fixed_length(p), p
+            if together:
+                left = p.max_tokens - out
+                if left > most:
+                    most = left
+                if left < least:
+                    least = left
+        together = together and len(seqs) > 1 and most - least <= DRAIN_SPREAD * most
+        return seqs, ids, behind, sampled, rest, together
 
     def speculates(self, seq) -> bool:
         """The scheduler's question for each decode of a step whose plan() returned a lookahead:

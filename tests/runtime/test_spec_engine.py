@@ -366,7 +366,7 @@ def test_eligible_decodes_is_eligible_per_decode(tiny_llama, drafts):
     # plan()'s scan: the same sequences, their ids and rows behind (the draft's progress and preemptions)
     for i, s in enumerate(running):
         s.spec_state = None if i % 3 == 0 else (s.num_preemptions + (i % 3 == 2), i)
-    seqs, ids, behind, sampled, rest = spec._scan(running)
+    seqs, ids, behind, sampled, rest, _ = spec._scan(running)
     assert sampled and spec._scan([s for s in running if s.params.temperature == 0])[3] is False
     ref = sum(max(s.num_computed_tokens - spec._upto(s) - spec.catch_rows, 0) for s in want)
     assert seqs == want and ids == [s.seq_id for s in want] and behind == spec.rows_behind(want) == ref > 0

@@ -210,6 +210,42 @@ def test_fixed_length_requests_and_batches_that_end_together():
     assert ends_together([S(fixed, 10)]) and not ends_together([])
 
 
+def test_scan_ends_together_as_ends_together(tiny_llama, tmp_path):
+    """plan()'s scan, which has ``ends_together`` written out in its pass, agrees with it over its
+    eligible decodes (two or more), for fixed and open lengths and lengths left at and past the spread."""
+    from optllm.runtime.sequence import Sequence
+    from optllm.runtime.spec_runner import ends_together
+
+    draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
+              spec_top_k=3, spec_depth=4, spec_num_draft=10, max_num_seqs=8)
+    spec = llm.engine.runner.spec
+    fixed = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    kinds = [fixed, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=100),
+             SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, stop=["x"])]
+
+    def seq(i, params, done):
+        s = Sequence(f"q{i}", list(range(1, 8)), params)
+        s.token_ids += [7] * done
+        s.num_computed_tokens = len(s.token_ids) - 1
+        return s
+
+    cases = [[seq(0, fixed, 2), seq(1, fixed, 7)], [seq(0, fixed, 2), seq(1, kinds[1], 7)],
+             [seq(0, fixed, 0), seq(1, fixed, 25)], [seq(0, fixed, 0), seq(1, fixed, 26)],  # 100 and 75 / 74 left
+             [seq(0, fixed, 2), seq(1, kinds[2], 2)], [seq(0, fixed, 2), seq(1, kinds[3], 3)],
+             [seq(0, fixed, 2), seq(1, SamplingParams(temperature=0, max_tokens=None), 2), seq(2, fixed, 3)],
+             [seq(0, fixed, 2)], [seq(i, kinds[i % 2], 2 + i) for i in range(6)]]
+    seen = set()
+    for running in cases:
+        seqs, *_, together = spec._scan(running, True)
+        assert seqs == running
+        want = len(seqs) > 1 and ends_together(seqs)
+        assert together == want and spec._scan(running, False)[-1] is False, running
+        seen.add(want)
+    assert seen == {True, False}
+
+
 def test_plan_asks_for_the_drain_margin_only_while_nothing_waits(tiny_llama, tmp_path, monkeypatch):
     """plan(running, draining): choose(drain=True) where no request waits and the speculating decodes
     would end together (fixed lengths, as many tokens left), else drain=False; a change of the queue's
