@@ -192,10 +192,15 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         elif cfg.dataset is not None:
             shutil.copyfile(cfg.dataset, work / "dataset.jsonl")
         else:
-            seqs = build_dataset(cfg.target, cfg.num_prompts, cfg.prompts, seed=cfg.seed,
-                                 device="cuda" if use_cuda else "cpu", max_len=cfg.seq_len,
-                                 answer_tokens=cfg.answer_tokens, answer_temperature=cfg.answer_temperature, log=log)
-            write_dataset(seqs, work / "dataset.jsonl")
+            try:
+                seqs = build_dataset(cfg.target, cfg.num_prompts, cfg.prompts, seed=cfg.seed,
+                                     device="cuda" if use_cuda else "cpu", max_len=cfg.seq_len,
+                                     answer_tokens=cfg.answer_tokens, answer_temperature=cfg.answer_temperature,
+                                     log=log)
+                write_dataset(seqs, work / "dataset.jsonl")
+            except BaseException:  # a bad prompt file, an interrupt: no data, so nothing to resume
+                shutil.rmtree(work, ignore_errors=True)
+                raise
     acc.wait_for_everyone()
     seqs = given if given is not None else _read_checked(work / "dataset.jsonl")
     # a resume continues its run's split: the checkpoint's holdout (4 before it was kept there)

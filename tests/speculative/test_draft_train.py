@@ -332,3 +332,18 @@ def test_init_from_bad_draft_is_one_clear_error(case, pattern, straight, tiny_ch
     assert not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()  # nothing left half-written
     with pytest.raises(UserError, match="init_from is not allowed with resume"):
         DraftConfig(target=str(tiny_chat), out=tmp_path / "o", init_from=first, resume=first / "checkpoint-2")
+
+
+@pytest.mark.parametrize("line, pattern", [
+    ('{"token_ids": [1, 2, 99999, 4], "num_prompt_tokens": 3}', "token id 99999, past this target's vocabulary"),
+    ("{not json", "p.jsonl:1: not JSON"),
+])
+def test_a_bad_prompt_file_leaves_nothing_behind(tiny_chat, tmp_path, line, pattern):
+    """The data are written before any step: a prompt file that fails there is one clear error, and
+    the run's work folder goes with it (no 'unfinished run' to resume or overwrite next time)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(line + "\n")
+    for _ in range(2):  # the second run meets the same error, not the first one's leftovers
+        with pytest.raises(UserError, match=pattern):
+            train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "o", prompts=f, **SMALL), log=lambda _: None)
+        assert not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()
