@@ -75,7 +75,7 @@ def main() -> None:
     spec = engines["draft"].engine.runner.spec
     if spec.policy is None:
         sys.exit("the draft engine has no adaptive policy")
-    spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, drain=False: 1  # every step plain
+    spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, left=None: 1  # every step plain
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
     rows, lines = [], []
     for bs in batches:
@@ -127,7 +127,7 @@ def main() -> None:
         if n not in spec.policy.sizes:
             print(f"tree size {n} is not in the menu {spec.policy.sizes}; skipped", flush=True)
             continue
-        spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, drain=False, n=n: n
+        spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, left=None, n=n: n
         for bs in batches:
             prompts = [[100 + (7 * i + j) % 20000 for j in range(32)] for i in range(bs)]
             run(draft, prompts, params)  # warm-up

@@ -146,7 +146,7 @@ def main() -> None:
             if spec.graphs is None or n not in spec.sizes:
                 sys.exit(f"--spec-trees: no speculative step graphs of {n} nodes (menu {spec.sizes})")
             # speculate with trees of n
-            spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, drain=False, n=n: n
+            spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, left=None, n=n: n
             for bs in batches:
                 b = spec.graphs.bucket(bs, n)
                 if b is None:

@@ -53,7 +53,7 @@ def main() -> None:
         for r in range(a.rounds + 1):  # round 0: warm-up
             for name, llm, n in cases:
                 if n is not None:
-                    policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, drain=False, n=n: n
+                    policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, left=None, n=n: n
                 got = timed(llm, prompts, params)
                 if r:
                     times[name].append(got)

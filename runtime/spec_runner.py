@@ -242,27 +242,21 @@ def fixed_length(params) -> bool:
         params.ignore_eos and not params.stop and not params.stop_token_ids)
 
 
-DRAIN_SPREAD = 0.25  # ends_together: tokens left within this share of the longest's
-
-
-def ends_together(seqs, spread: float = DRAIN_SPREAD) -> bool:
-    """Whether plain decoding would end these sequences together: every one's length fixed
-    (``fixed_length``: each distinct parameters object checked once, a batch of one generate() call
-    shares one), and their remaining tokens within ``spread`` of the longest's (a batch admitted at
-    once; requests that arrived one by one have spread lengths left, and plain decoding too ends them
-    one by one). plan()'s ``_scan`` has this written out in its pass: change both
-    (test_scan_ends_together_as_ends_together checks that they agree)."""
-    last, most, least = None, 0, None
+def drain_left(seqs) -> list[int] | None:
+    """Each sequence's tokens left where every one's length is fixed (``fixed_length``: each distinct
+    parameters object checked once, a batch of one generate() call shares one), else None: what the
+    adaptive policy judges a draining batch by (it is done when its longest is). plan()'s ``_scan``
+    has this written out in its pass: change both (test_scan_drain_left_as_drain_left checks that
+    they agree)."""
+    last, left = None, []
     for s in seqs:
         p = s.params
         if p is not last:
             if not fixed_length(p):
-                return False
+                return None
             last = p
-        left = p.max_tokens - (len(s.token_ids) - s.num_prompt_tokens)
-        most = max(most, left)
-        least = left if least is None else min(least, left)
-    return least is not None and most - least <= spread * most
+        left.append(p.max_tokens - (len(s.token_ids) - s.num_prompt_tokens))
+    return left
 
 
 def catch_up_rows(rows: int) -> int:
@@ -444,9 +438,8 @@ class SpecDecoder:
         """Called by the scheduler before it schedules a step: picks this step's tree size from
         the running sequences that would speculate; returns the lookahead (0: no speculation).
         draining: no request waits for a place, so a sequence that finishes early leaves its place
-        empty; where the speculating decodes would also end together without speculation
-        (``ends_together``: fixed lengths, nearly equal remaining tokens), the batch ends with its
-        slowest sequence, and the policy asks for its drain margin.
+        empty; where the speculating decodes' lengths are fixed (``drain_left``), the batch is done
+        when its longest is, and the policy judges a tree by the drain's expected length.
         While the policy keeps speculation off and the running set looks the same (its size and
         its ends) or has only lost sequences (fewer, the same ends), the choice stands for
         ``recheck_every`` steps without a scan of every sequence
@@ -474,7 +467,7 @@ class SpecDecoder:
             return 0
         confirm = self.n == 1 and sig == last  # a scan after a skipped stretch of the same set
         self._plan_sig, self._plan_skips, self.scanned = sig, 0, True
-        seqs, ids, behind, sampled, rest, drain = self._scan(running, draining)
+        seqs, ids, behind, sampled, rest, left = self._scan(running, draining)
         self._plan_rest = rest
         self._planned = planned = set(ids)  # speculates() answers from it (the scheduler asks per sequence)
         self._plan_behind = (seqs, behind)
@@ -488,7 +481,7 @@ class SpecDecoder:
                 if s.seq_id not in tracked:
                     pol.track(s.seq_id, s.params.temperature >= GREEDY_EPS)
         self.n = pol.choose(ids, self.runner.config.max_num_batched_tokens, behind, sampled=sampled, rest=rest,
-                            drain=drain)
+                            left=left)
         if self.n > 1:
             self._recheck = self.recheck_every
             return self.lookahead
@@ -651,18 +644,18 @@ class SpecDecoder:
         speculate (``eligible``)."""
         return self._scan(running)[0]
 
-    def _scan(self, running, draining: bool = False) -> tuple[list, list[int], int, bool, int, bool]:
+    def _scan(self, running, draining: bool = False) -> tuple[list, list[int], int, bool, int, list[int] | None]:
         """plan()'s one pass over the running sequences: ``eligible_decodes(running)``, their seq ids,
         their ``rows_behind``, whether any of them samples, how many other decodes there are (they
-        run plain: a step that speculates runs them in a forward of their own), and, if draining,
-        whether two or more eligible ones end together (``ends_together``; False when not draining),
-        with ``eligible``, ``_upto`` and ``ends_together`` written out (a method call less per
-        sequence, each of three passes fewer: a scan at batch 64 cost ~21 -> ~11 µs on the CPU;
-        draining, ends_together's own pass after it cost 16 µs more, written out here 2.5 µs)."""
+        run plain: a step that speculates runs them in a forward of their own), and, if draining and
+        two or more are eligible, their tokens left (``drain_left``; None when not draining, or where
+        a length is open), with ``eligible``, ``_upto`` and ``drain_left`` written out (a method call
+        less per sequence, each of three passes fewer: a scan at batch 64 cost ~21 -> ~11 µs on the
+        CPU; draining, a second pass after it cost 16 µs more, written out here 2.5 µs)."""
         longest, allow = self._longest, self._params_allow
         g = self.catch_rows if self.eagle else None
         seqs, ids, behind, sampled, rest = [], [], 0, False, 0
-        together, last, most, least = draining, None, 0, 1 << 62
+        together, last, left = draining, None, []
         for s in running:
             n, c = len(s.token_ids), s.num_computed_tokens
             if n - c != 1:
@@ -686,13 +679,8 @@ class SpecDecoder:
             if together and p is not last:
                 together, last = fixed_length(p), p
             if together:
-                left = p.max_tokens - out
-                if left > most:
-                    most = left
-                if left < least:
-                    least = left
-        together = together and len(seqs) > 1 and most - least <= DRAIN_SPREAD * most
-        return seqs, ids, behind, sampled, rest, together
+                left.append(p.max_tokens - out)
+        return seqs, ids, behind, sampled, rest, left if together and len(seqs) > 1 else None
 
     def speculates(self, seq) -> bool:
         """The scheduler's question for each decode of a step whose plan() returned a lookahead:

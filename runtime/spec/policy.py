@@ -71,15 +71,19 @@ speculative step plus that plain part (``choose(rest=...)``); charged nothing, i
 load at batch 64 on the H100 0.88x of plain decoding (most of its steps split by a few sequences
 near max_model_len, each paying a whole plain step more).
 
-A batch that ends together is judged by its slowest sequence. Where its requests have fixed
-lengths (EOS ignored, no stop) with nearly as many tokens left each (admitted together) and none
-waits for a place (``choose(drain=True)``, from the scheduler through ``SpecDecoder.plan``), plain
-decoding ends them all at one step, while speculation
-ends them when the one that accepts least is done, and a place freed early stays empty until then. A
-step's rate overstates such a batch's gain, so several sequences must then win by ``margin_drain``
-(15%, as sampled batches, whose acceptance varies more, always must). On the H100 a Medusa draft
-gained ~12% a step in greedy waves at batch 32 and lost 7% over the run. With a waiting request a
-freed place is refilled at once, and the step's rate is the server's.
+A batch that drains is judged by its slowest sequence. Where its requests have fixed lengths (EOS
+ignored, no stop) and none waits for a place (``choose(left=...)``, each sequence's tokens left, from
+the scheduler through ``SpecDecoder.plan``), the batch is done when its longest is: plain decoding
+takes L steps (L the most tokens left), speculation as many as the sequence that falls furthest
+behind, and a place freed early stays empty until then. A step's mean rate overstates such a
+batch's gain: on the H100 a Medusa draft gained ~12% a step in greedy waves at batch 32 and lost 7%
+over the run, its speculative steps advancing the wave 1.30 tokens each against a mean of 1.57. So a
+tree is judged there by the drain's expected length (``drain_taus``): sequence i needs T_i =
+left_i / (1 + a_i) speculative steps, give or take s_i = sigma sqrt(T_i) / (1 + a_i) (sigma: the
+per-step spread of accepted tokens, from the engine-wide second moment), and the drain lasts
+max_i T_i + z(B') s (z(B'): the expected largest of B' standard normals, B' the sequences within
+their s_i of the longest). Its tokens a step are L over that, for every decode of the batch. With a
+waiting request a freed place is refilled at once, and the step's mean rate is the server's.
 
 Greedy and sampled sequences keep separate engine-wide estimates (``track``): rejection sampling
 accepts about half the tokens greedy acceptance does, and on the H100 a sampled request that
@@ -95,9 +99,11 @@ batch 64 on the CPU runner, 6 -> 9 µs at batch 1).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import KeysView
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 
@@ -156,14 +162,7 @@ class AdaptivePolicy:
     # temperature-1 waves at batch 8 speculated 248 of 700 steps on estimates of a 5% gain, steps
     # that gained ~1% each, and the run lost 12%: the wave's length is its slowest sequence's
     margin_sampled: float = 1.15
-    # ... and a step of several sequences of fixed, nearly equal lengths left (EOS ignored, no stop)
-    # while no request waits for a place (``choose(drain=True)``): plain decoding ends them together, speculation
-    # when the slowest is done, and places freed early stay empty. On the H100 a Medusa draft
-    # speculated through greedy waves at batch 32 on per-step gains of ~12% (after the measured
-    # step costs); its waves ran 92 steps for 128 tokens, 1.39 tokens a step for the slowest
-    # sequence against a mean of 1.57, and the run was 0.93x of plain decoding. With a waiting
-    # queue a freed place is refilled at once, and the step's own rate is what counts (margin)
-    margin_drain: float = 1.15
+    drain_every: int = 4  # a draining batch's expected length: computed again after this many choices
     explore_every: int = 16
     explore_budget: float = 0.01
     # the budget is for estimates at the bar; below it, the budget times explore_gap / (gap - 1),
@@ -201,6 +200,7 @@ class AdaptivePolicy:
     # with their classes' engine-wide ones once _relaxed() needed them
     _version: int = 0
     _sums: tuple | None = None
+    _drain_cache: tuple | None = None  # (seq ids, choices since computed, drain_taus' rates)
 
     def __post_init__(self) -> None:
         self.sizes = sorted(set(self.sizes))
@@ -216,6 +216,9 @@ class AdaptivePolicy:
         g = np.array([float(base.get(n, 0.0)) for n in self.sizes])
         # the engine-wide estimates of greedy (0) and sampled (1) sequences, and their observation counts
         self._G = np.stack([g, g * self.sampled_prior])
+        # ... and their second moments (the spread of a step's accepted tokens: choose(left=)'s
+        # drains), starting as if the variance were the mean (Poisson-like)
+        self._G2 = self._G * self._G + self._G
         self._gn = [0, 0]
         self._n_sampled = 0  # tracked sampled sequences
         self._slot: dict[int, int] = {}  # a sequence's row of _est (and of _cls: its class)
@@ -234,6 +237,7 @@ class AdaptivePolicy:
     def _global(self, values: dict[int, float]) -> None:
         """Sets both classes' engine-wide estimates (tests and benchmarks that force a choice)."""
         self._G[:] = np.array([float(values[n]) for n in self.sizes])
+        self._G2 = self._G * self._G + self._G
         self._version += 1
 
     @property
@@ -333,7 +337,7 @@ class AdaptivePolicy:
         return self._global if j is None else dict(zip(self.sizes, self._est[j].tolist()))
 
     def choose(self, seq_ids: list[int], budget: int | None = None, behind: int = 0, sampled: bool = False,
-               rest: int = 0, drain: bool = False) -> int:
+               rest: int = 0, left=None) -> int:
         """The tree size for a step whose eligible decodes are seq_ids (1: no speculation);
         budget: the step's token budget (sizes whose B * n exceeds it are not considered);
         behind: the rows the draft must catch up on first (their cost spread over a stretch);
@@ -343,8 +347,9 @@ class AdaptivePolicy:
         step): its time is charged to speculation. Uncharged, the policy speculated in 404 of 437
         steps of a continuous load at batch 64 on the H100, ~317 of them split by a few sequences
         near max_model_len, each paying a whole plain step more: 0.88x of plain decoding.
-        drain: the sequences would end together without speculation and no request waits for a
-        place (a batch that ends with its slowest sequence): several of them must win by ``margin_drain``."""
+        left: where the batch drains (fixed lengths, no request waiting for a place: it is done when
+        its longest is), each of seq_ids' tokens left; a tree of a batch of several is then judged by
+        the drain's expected length (``drain_taus``), not by a step's mean rate."""
         self._cost_cls = cls = int(sampled)
         b = len(seq_ids)
         if b == 0:
@@ -360,12 +365,18 @@ class AdaptivePolicy:
         # a split step's plain part: charged to every tree (its tokens are in `everyone`)
         split_ms = self.step_cost(1, rest) if rest else 0.0
         extra += split_ms
-        margin = self.margin
-        if b > 1:
-            if cls:
-                margin = self.margin_sampled
-            if drain:
-                margin = max(margin, self.margin_drain)
+        margin = self.margin_sampled if cls and b > 1 else self.margin
+        drain = None
+        if left is not None and b > 1:
+            # recomputed when the set changes and every drain_every steps (~30 µs at batch 32 on the
+            # CPU): a drain's rates move slowly, a step's host time is the engine's
+            key = tuple(seq_ids)
+            got = self._drain_cache
+            if got is not None and got[0] == key and got[1] < self.drain_every:
+                self._drain_cache = (key, got[1] + 1, got[2])
+                drain = got[2]
+            else:
+                drain = self._drain_inputs(seq_ids, left)
         best, best_rate = 1, plain * margin
         win = best_rate  # what a tree must beat even if every draft token were accepted
         max_accept = self.max_accept or {}
@@ -380,9 +391,15 @@ class AdaptivePolicy:
             if (everyone + b * max_accept.get(n, n - 1)) / spec_ms <= win:
                 continue  # slower than plain even if every draft token were accepted
             last = (n, step_ms)
-            if sums is None:
-                sums = self._relaxed(self._summed(seq_ids))
-            rate = (everyone + sums[n]) / spec_ms
+            if drain is not None:  # every decode at the drain's rate: L tokens over its expected steps
+                if not isinstance(drain, np.ndarray):
+                    drain = self.drain_taus(drain)
+                    self._drain_cache = (key, 1, drain)
+                rate = everyone * float(drain[self._col[n]]) / spec_ms
+            else:
+                if sums is None:
+                    sums = self._relaxed(self._summed(seq_ids))
+                rate = (everyone + sums[n]) / spec_ms
             top = max(top, rate)
             if rate > best_rate:
                 best, best_rate = n, rate
@@ -410,6 +427,57 @@ class AdaptivePolicy:
         if self.explore_gap is None or gap - 1.0 <= self.explore_gap:
             return self.explore_budget
         return self.explore_budget * self.explore_gap / (gap - 1.0)
+
+    def _drain_inputs(self, seq_ids: list[int], left) -> tuple:
+        """``drain_taus``' inputs for a draining batch: each sequence's expected accepted draft tokens
+        per size (relaxed as ``_relaxed`` relaxes the sums; a sequence without estimates of its own:
+        the greedy engine-wide ones), [B, S], its class's per-step variance of them ([S] where every
+        one is greedy, else [B, S]), and its tokens left float [B]."""
+        b = len(seq_ids)
+        lefts = np.maximum(np.asarray(left, dtype=np.float64), 1.0)
+        if lefts.shape != (b,):
+            raise ValueError(f"left: one count of tokens left per sequence ({b}), got shape {lefts.shape}")
+        slot = self._slot
+        rows = [slot.get(s, -1) for s in seq_ids]
+        if not self._n_sampled and -1 not in rows:  # (most drains: greedy, every sequence tracked)
+            g = self._G[0]
+            est = self._est[rows]
+        else:
+            idx = np.asarray(rows, dtype=np.int64)
+            own = idx >= 0
+            cls = np.where(own, self._cls[idx], 0)
+            g = self._G[cls]
+            est = np.where(own[:, None], self._est[idx], g)
+        if self._plain_run and self.relax < 1.0:
+            est = g + (est - g) * self.relax ** self._plain_run
+        g2 = self._G2[0] if g.ndim == 1 else self._G2[cls]
+        return est, np.maximum(g2 - g * g, 0.0), lefts
+
+    @staticmethod
+    def drain_taus(drain: tuple) -> np.ndarray:
+        """Tokens a step of a draining batch, for each size of the menu (float [S]): L (the most tokens
+        left) over the expected speculative steps until its last sequence is done. Sequence i needs
+        T_i = (left_i + o_i) / mu_i steps (mu_i = 1 + its expected accepted draft tokens; o_i = (var_i
+        + mu_i^2) / (2 mu_i) - 1/2, the tokens its last step emits past its end), with a spread of
+        s_i = sqrt(var_i T_i) / mu_i (a sum of T_i steps' accepted tokens, var_i a step's variance);
+        the drain lasts max_i T_i plus z(B') s of that longest, B' the sequences whose T_i + s_i reach
+        it (tied with it, any of them may be last: z(B') is the expected largest of B' standard
+        normals), and never more than L steps (each emits a token). Within 4% of a simulated drain
+        (tests); var_i is its class's engine-wide variance, which also holds the spread between the
+        sequences' means that mu_i already carries: where they differ, the drain reads a little long
+        (up to 7% in the tests), erring toward plain decoding."""
+        est, var, lefts = drain
+        mu = est + 1.0
+        inv = 1.0 / mu
+        # the last step's overshoot: renewal theory's mean residual, E[X^2] / (2 E[X]) - 1/2 tokens
+        steps = (lefts[:, None] + 0.5 * (var * inv + mu) - 0.5) * inv
+        cols = _arange(steps.shape[1])
+        k = steps.argmax(0)
+        most = steps[k, cols]
+        sd = np.sqrt(var * steps) * inv
+        tied = np.count_nonzero(steps + sd >= most, axis=0)
+        longest = lefts.max()
+        return longest / np.minimum(most + _max_normals(len(lefts))[tied] * sd[k, cols], longest)
 
     def _chose(self, best: int, explored: bool = False) -> int:
         """Record a choice: the stretch of speculative steps it ends feeds run_len. An exploring
@@ -544,7 +612,7 @@ class AdaptivePolicy:
         """The engine-wide estimate of class c after the observations k[pos] (in order), and the
         untracked sequences among them given rows (idx[i], from that estimate as it stands when
         their row is reached)."""
-        G, gn = self._G[c], self._gn[c]
+        G, G2, gn = self._G[c], self._G2[c], self._gn[c]
         b = len(pos)
         every = isinstance(pos, range)
         if not every:
@@ -564,8 +632,12 @@ class AdaptivePolicy:
                 g = G[cs]
                 g *= gb
                 g += w @ k
+                g2 = G2[cs]
+                g2 *= gb
+                g2 += w @ (k * k)
             else:
                 G[cs] = gb * G[cs] + w @ k
+                G2[cs] = gb * G2[cs] + w @ (k * k)
         else:
             for r, i in enumerate(pos):  # a class's first 49 observations: one by one
                 gn += 1
@@ -573,6 +645,7 @@ class AdaptivePolicy:
                 if idx[i] < 0:
                     idx[i] = self._new_slot(seq_ids[i], c, G)
                 G[cs] = g * G[cs] + (1.0 - g) * k[r]
+                G2[cs] = g * G2[cs] + (1.0 - g) * k[r] * k[r]
 
     def _weights(self, b: int) -> tuple[np.ndarray, float]:
         """The capped (g = 0.98) engine-wide update of b observations in order: each one's weight
@@ -588,6 +661,29 @@ class AdaptivePolicy:
         if j is not None:
             self._n_sampled -= int(self._cls[j])
             self._free.append(j)
+
+
+@functools.lru_cache(maxsize=1024)
+def expected_max_normal(n: int) -> float:
+    """The expected largest of n independent standard normals, by Blom's approximation
+    inv_cdf((n - 0.375) / (n + 0.25)): 0 for n = 1, within 4% of the exact value at n = 2 and
+    1% from n = 8 on (2.067 for 32 against 2.070)."""
+    return 0.0 if n <= 1 else NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int) -> np.ndarray:
+    return np.arange(n)
+
+
+def _max_normals(n: int) -> np.ndarray:
+    """expected_max_normal(m) for m = 0 .. n at least, one array (one per power of two: cached)."""
+    return _max_normals_upto(1 << max(n, 64).bit_length())
+
+
+@functools.lru_cache(maxsize=32)
+def _max_normals_upto(n: int) -> np.ndarray:
+    return np.array([expected_max_normal(m) for m in range(n + 1)])
 
 
 def acceptance_prior(heldout_top1, depths: dict[int, int]) -> dict[int, float] | None:

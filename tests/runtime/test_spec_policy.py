@@ -174,22 +174,107 @@ def test_a_sampled_batch_must_win_by_a_wider_margin():
         assert pol.choose([0], sampled=True) == greedy
 
 
-def test_a_draining_batch_of_fixed_lengths_must_win_by_the_drain_margin():
-    """The same step, greedy, where the batch drains (fixed lengths, nothing waiting: it ends with its
-    slowest sequence): at 1.10x the plain rate it stays plain under margin_drain (1.15), at 1.21x it
-    speculates; a lone sequence waits for none (margin 1.05); the sampled margin stands either way."""
-    for acc, drained in ((0.54, 1), (0.7, 3)):
-        pol = AdaptivePolicy([3], gpu_like_costs([3]), prior={3: acc}, sampled_prior=1.0, explore_every=10**6)
-        assert pol.choose([0, 1]) == 3
-        assert pol.choose([0, 1], drain=True) == drained
-        assert pol.choose([0], drain=True) == 3
-        assert pol.choose([0, 1], sampled=True, drain=True) == drained
-    pol = AdaptivePolicy([3], gpu_like_costs([3]), prior={3: 0.7}, explore_every=10**6, margin_drain=1.3)
-    assert pol.choose([0, 1], drain=True) == 1 and pol.choose([0, 1]) == 3
+def simulated_drain(p, lefts, rng, reps=300) -> float:
+    """Mean steps until every sequence is done, each emitting 1 + a tokens a step (a ~ p[i] for
+    sequence i, drawn afresh each step; p: one distribution over 0, 1, ... per sequence)."""
+    p = np.asarray(p, dtype=np.float64)
+    cum = np.cumsum(p, axis=1)
+    total = 0
+    for _ in range(reps):
+        left, steps = np.asarray(lefts, dtype=np.int64).copy(), 0
+        while (left > 0).any():
+            a = (rng.random(len(left))[:, None] > cum).sum(1)
+            left -= (1 + a) * (left > 0)
+            steps += 1
+        total += steps
+    return total / reps
 
 
-def test_fixed_length_requests_and_batches_that_end_together():
-    from optllm.runtime.spec_runner import ends_together, fixed_length
+@pytest.mark.parametrize("case", ["medusa-like", "eagle-like", "mixed", "spread"])
+@pytest.mark.parametrize("batch", [2, 8, 32])
+def test_drain_tau_predicts_a_simulated_drain(case, batch):
+    """drain_taus against a Monte Carlo drain of `batch` sequences (fresh draws): within 4% of the
+    simulated steps, where a step's mean rate (what choose() assumes with a waiting queue) is
+    8-25% off at batch 32. Cases: the per-step accepted tokens of the H100's Medusa (P(a >= 1) 54%,
+    >= 2 14%) and EAGLE-3 (~2.7 tokens a step) drafts, 128 tokens left each; tokens left spread over
+    40-128 (the longest decides); sequences of both kinds mixed, each with its own mean and the
+    batch's pooled variance, as the engine-wide second moment holds it: that variance also carries
+    the spread between the means, so the drain reads up to 7% long there, never short."""
+    rng = np.random.default_rng(batch * 7 + len(case))
+    medusa, eagle = [0.46, 0.40, 0.14], [0.23, 0.28, 0.22, 0.12, 0.09, 0.06]
+    width = len(eagle)
+    pad = lambda q: q + [0.0] * (width - len(q))  # noqa: E731
+    p = [pad(eagle if case == "eagle-like" or (case == "mixed" and i % 2) else medusa) for i in range(batch)]
+    lefts = [128] * batch if case != "spread" else list(rng.integers(40, 129, batch))
+    pa = np.asarray(p)
+    k = np.arange(width)
+    mean, second = pa @ k, pa @ (k * k)
+    # the policy's inputs: each sequence's own mean; the variance of its class, engine-wide (here the
+    # pooled variance over the batch's sequences, as the engine-wide second moment would hold it)
+    pooled = second.mean() - mean.mean() ** 2
+    est, var = mean[:, None], np.full((batch, 1), pooled if case == "mixed" else 0.0) + (
+        0.0 if case == "mixed" else (second - mean * mean)[:, None])
+    tau = AdaptivePolicy.drain_taus((est, var, np.asarray(lefts, dtype=np.float64)))[0]
+    steps = simulated_drain(p, lefts, rng)
+    if case == "mixed":  # the pooled variance also holds the spread between the means: long, never short
+        assert steps * 0.99 <= max(lefts) / tau <= steps * 1.07
+    else:
+        assert max(lefts) / tau == pytest.approx(steps, rel=0.04)
+    if batch == 32 and case != "spread":
+        slowest_mean = 1 + mean.min()
+        assert max(lefts) / steps < slowest_mean * 0.95  # the mean rate would be well off
+
+
+def test_a_draining_batch_is_judged_by_its_expected_length():
+    """bs 32, a tree of 3 at 1.4 ms against 1 ms plain at every batch size, each sequence expecting
+    0.7 draft tokens a step (variance 0.5): a step's mean rate is 1.7 / 1.4 = 1.21x plain, so with a
+    waiting queue (left=None) the tree wins. Draining with 128 tokens left each, the drain's expected
+    83 steps give 1.54 tokens a step, 1.10x: speculate (margin 1.05), but not where a row samples
+    (1.15); with 32 left each, 1.40 a step, 1.00x: plain at the end of a wave. One sequence far
+    behind the rest has no rival for last: its own rate, 1.21x. A lone sequence: left is not asked."""
+    b = 32
+    flat = CostTable([1, 64], {1: [1.0, 1.0], 3: [1.4, 1.4]})
+    pol = AdaptivePolicy([3], flat, prior={3: 0.7}, sampled_prior=1.0, explore_every=10**6, drain_every=1)
+    pol._G2[:] = 0.5 + 0.7 ** 2
+    ids = list(range(b))
+    assert pol.choose(ids) == 3
+    assert pol.choose(ids, left=[128] * b) == 3
+    assert pol.choose(ids, sampled=True, left=[128] * b) == 1
+    assert pol.choose(ids, left=[32] * b) == 1
+    assert pol.choose(ids, left=[32] * (b - 1) + [128]) == 3
+    assert pol.choose([0], left=[8]) == 3
+    tau = AdaptivePolicy.drain_taus(pol._drain_inputs(ids, [128] * b))[0]
+    assert tau == pytest.approx(1.54, abs=0.01)
+    with pytest.raises(ValueError, match="one count of tokens left per sequence"):
+        pol.choose(ids, left=[128] * (b - 1))
+    # by default the drain's rates stand for drain_every (4) choices of one set, then are made again
+    pol = AdaptivePolicy([3], flat, prior={3: 0.7}, sampled_prior=1.0, explore_every=10**6)
+    pol._G2[:] = 0.5 + 0.7 ** 2
+    assert [pol.choose(ids, left=[128 if i == 0 else 32] * b) for i in range(6)] == [3, 3, 3, 3, 1, 1]
+    assert pol.choose(ids[1:], left=[128] * (b - 1)) == 3  # another set: made again
+
+
+def test_the_engine_wide_second_moment_follows_the_observations():
+    """observe_many keeps the engine-wide E[k^2] beside E[k], one by one for a class's first 49
+    observations and in closed form after: against the same weights applied in a plain loop."""
+    sizes = [3, 6]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.5, 6: 1.0})
+    rng = np.random.default_rng(3)
+    m1, m2, n = np.array([0.5, 1.0]), np.array([0.5 ** 2 + 0.5, 1.0 + 1.0]), 0
+    for step in range(12):
+        k = rng.integers(0, 3, (8, 2)).astype(np.float64)
+        k[:, 1] += k[:, 0]
+        pol.observe_many(list(range(100 * step, 100 * step + 8)), sizes, k)
+        for row in k:
+            n += 1
+            g = min(0.98, 1.0 - 1.0 / (n + 1))
+            m1, m2 = g * m1 + (1 - g) * row, g * m2 + (1 - g) * row * row
+    np.testing.assert_allclose(pol._G[0], m1, rtol=1e-9)
+    np.testing.assert_allclose(pol._G2[0], m2, rtol=1e-9)
+
+
+def test_fixed_length_requests_and_the_tokens_they_have_left():
+    from optllm.runtime.spec_runner import drain_left, fixed_length
 
     fixed = SamplingParams(max_tokens=100, ignore_eos=True)
     assert fixed_length(fixed) and fixed_length(SamplingParams(max_tokens=8, min_tokens=8))
@@ -203,18 +288,17 @@ def test_fixed_length_requests_and_batches_that_end_together():
         def __init__(self, p, done):
             self.params, self.num_prompt_tokens, self.token_ids = p, 3, [1, 2, 3] + [7] * done
 
-    # tokens left: 100, 95, 75 -- within a quarter of the longest; 74 is not
-    assert ends_together([S(fixed, 0), S(fixed, 5), S(SamplingParams(max_tokens=80, ignore_eos=True), 5)])
-    assert not ends_together([S(fixed, 0), S(fixed, 26)])
-    assert not ends_together([S(fixed, 0), S(SamplingParams(max_tokens=100), 0)])  # one ends at EOS
-    assert ends_together([S(fixed, 10)]) and not ends_together([])
+    assert drain_left([S(fixed, 0), S(fixed, 5), S(SamplingParams(max_tokens=80, ignore_eos=True), 5)]) == [100, 95, 75]
+    assert drain_left([S(fixed, 0), S(fixed, 90)]) == [100, 10]
+    assert drain_left([S(fixed, 0), S(SamplingParams(max_tokens=100), 0)]) is None  # one ends at EOS
+    assert drain_left([S(fixed, 10)]) == [90] and drain_left([]) == []
 
 
-def test_scan_ends_together_as_ends_together(tiny_llama, tmp_path):
-    """plan()'s scan, which has ``ends_together`` written out in its pass, agrees with it over its
-    eligible decodes (two or more), for fixed and open lengths and lengths left at and past the spread."""
+def test_scan_drain_left_as_drain_left(tiny_llama, tmp_path):
+    """plan()'s scan, which has ``drain_left`` written out in its pass, agrees with it over its
+    eligible decodes (two or more), for fixed and open lengths; not draining, it gives None."""
     from optllm.runtime.sequence import Sequence
-    from optllm.runtime.spec_runner import ends_together
+    from optllm.runtime.spec_runner import drain_left
 
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="adaptive",
@@ -232,24 +316,24 @@ def test_scan_ends_together_as_ends_together(tiny_llama, tmp_path):
         return s
 
     cases = [[seq(0, fixed, 2), seq(1, fixed, 7)], [seq(0, fixed, 2), seq(1, kinds[1], 7)],
-             [seq(0, fixed, 0), seq(1, fixed, 25)], [seq(0, fixed, 0), seq(1, fixed, 26)],  # 100 and 75 / 74 left
+             [seq(0, fixed, 0), seq(1, fixed, 60)],
              [seq(0, fixed, 2), seq(1, kinds[2], 2)], [seq(0, fixed, 2), seq(1, kinds[3], 3)],
              [seq(0, fixed, 2), seq(1, SamplingParams(temperature=0, max_tokens=None), 2), seq(2, fixed, 3)],
              [seq(0, fixed, 2)], [seq(i, kinds[i % 2], 2 + i) for i in range(6)]]
     seen = set()
     for running in cases:
-        seqs, *_, together = spec._scan(running, True)
+        seqs, *_, left = spec._scan(running, True)
         assert seqs == running
-        want = len(seqs) > 1 and ends_together(seqs)
-        assert together == want and spec._scan(running, False)[-1] is False, running
-        seen.add(want)
+        want = drain_left(seqs) if len(seqs) > 1 else None
+        assert left == want and spec._scan(running, False)[-1] is None, running
+        seen.add(want is None)
     assert seen == {True, False}
 
 
-def test_plan_asks_for_the_drain_margin_only_while_nothing_waits(tiny_llama, tmp_path, monkeypatch):
-    """plan(running, draining): choose(drain=True) where no request waits and the speculating decodes
-    would end together (fixed lengths, as many tokens left), else drain=False; a change of the queue's
-    state is a new set (scanned)."""
+def test_plan_gives_the_tokens_left_only_while_nothing_waits(tiny_llama, tmp_path, monkeypatch):
+    """plan(running, draining): choose(left=tokens left of each) where no request waits and every
+    speculating decode's length is fixed, else left=None; a change of the queue's state is a new set
+    (scanned)."""
     from optllm.runtime.sequence import Sequence
 
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
@@ -258,7 +342,7 @@ def test_plan_asks_for_the_drain_margin_only_while_nothing_waits(tiny_llama, tmp
     spec = llm.engine.runner.spec
     asked = []
     monkeypatch.setattr(spec.policy, "choose", lambda ids, budget=None, behind=0, sampled=False, rest=0,
-                        drain=False: asked.append((len(ids), drain)) or 1)
+                        left=None: asked.append((len(ids), left)) or 1)
 
     def seq(i, params):
         s = Sequence(f"q{i}", list(range(1, 8)), params)
@@ -270,21 +354,21 @@ def test_plan_asks_for_the_drain_margin_only_while_nothing_waits(tiny_llama, tmp
     a, b = seq(0, fixed), seq(1, fixed)
     c = seq(2, SamplingParams(temperature=0, max_tokens=60))  # ends at EOS: its length is not known
     late = seq(3, fixed)
-    late.token_ids += [7] * 40  # 40 tokens behind the others' start: it would not end with them
+    late.token_ids += [7] * 40  # 40 tokens further on than the others: 18 left
     late.num_computed_tokens = len(late.token_ids) - 1
     spec.plan([a, b], False)
     spec.plan([a, b], True)  # the queue emptied: scanned again, though the set is the same
     spec.plan([a, b, c], True)
     spec.plan([a, b, late], True)
     spec.plan([a], True)  # alone: nothing to wait for
-    assert asked == [(2, False), (2, True), (3, False), (3, False), (1, False)]
+    assert asked == [(2, None), (2, [58, 58]), (3, None), (3, [58, 58, 18]), (1, None)]
     # the scheduler says whether anything waits
     asked.clear()
     llm.generate(["The interpreter reads", "x = 1"], fixed)
-    assert asked and all(drain for n, drain in asked if n > 1)
+    assert asked and all(left is not None for n, left in asked if n > 1)
     asked.clear()
     llm.generate(["The interpreter reads", "x = 1"], SamplingParams(temperature=0, max_tokens=20))
-    assert asked and not any(drain for n, drain in asked)
+    assert asked and not any(left is not None for n, left in asked)
 
 
 def test_an_exploring_step_is_charged_the_whole_catch_up():
