@@ -79,8 +79,9 @@ behind, and a place freed early stays empty until then. A step's mean rate overs
 batch's gain: on the H100 a Medusa draft gained ~12% a step in greedy waves at batch 32 and lost 7%
 over the run, its speculative steps advancing the wave 1.30 tokens each against a mean of 1.57. So a
 tree is judged there by the drain's expected length (``drain_taus``): sequence i needs T_i =
-left_i / (1 + a_i) speculative steps, give or take s_i = sigma sqrt(T_i) / (1 + a_i) (sigma: the
-per-step spread of accepted tokens, from the engine-wide second moment), and the drain lasts
+left_i / (1 + a) speculative steps, give or take s_i = sigma sqrt(T_i) / (1 + a) (a, sigma: the
+mean and spread of a step's accepted tokens in its class, engine-wide: each sequence's own moving
+average is too noisy to take the slowest of), and the drain lasts
 max_i T_i + z(B') s (z(B'): the expected largest of B' standard normals, B' the sequences within
 their s_i of the longest). Its tokens a step are L over that, for every decode of the batch. With a
 waiting request a freed place is refilled at once, and the step's mean rate is the server's.
@@ -429,29 +430,26 @@ class AdaptivePolicy:
         return self.explore_budget * self.explore_gap / (gap - 1.0)
 
     def _drain_inputs(self, seq_ids: list[int], left) -> tuple:
-        """``drain_taus``' inputs for a draining batch: each sequence's expected accepted draft tokens
-        per size (relaxed as ``_relaxed`` relaxes the sums; a sequence without estimates of its own:
-        the greedy engine-wide ones), [B, S], its class's per-step variance of them ([S] where every
-        one is greedy, else [B, S]), and its tokens left float [B]."""
+        """``drain_taus``' inputs for a draining batch: the expected accepted draft tokens per size of
+        each sequence's class (greedy or sampled; engine-wide, not the sequence's own estimate), and
+        its per-step variance, [B or 1, S] each, and the tokens left float [B].
+
+        Not the sequences' own estimates: each is a moving average of a few verifies, and the slowest
+        of 32 such noisy estimates reads far below any sequence's real rate. With them, the H100's
+        EAGLE-3 waves went plain for much of each wave: 1.39x -> 1.14x at batch 8, 1.07x -> 0.95x at
+        32 (docs/BENCHMARKS.md, thirty-fifth session). Sequences that really differ add to the class's
+        variance, which the drain's spread then carries."""
         b = len(seq_ids)
         lefts = np.maximum(np.asarray(left, dtype=np.float64), 1.0)
         if lefts.shape != (b,):
             raise ValueError(f"left: one count of tokens left per sequence ({b}), got shape {lefts.shape}")
-        slot = self._slot
-        rows = [slot.get(s, -1) for s in seq_ids]
-        if not self._n_sampled and -1 not in rows:  # (most drains: greedy, every sequence tracked)
-            g = self._G[0]
-            est = self._est[rows]
+        if not self._n_sampled:  # every tracked sequence greedy (an untracked one counts as greedy)
+            g, g2 = self._G[:1], self._G2[:1]
         else:
-            idx = np.asarray(rows, dtype=np.int64)
-            own = idx >= 0
-            cls = np.where(own, self._cls[idx], 0)
-            g = self._G[cls]
-            est = np.where(own[:, None], self._est[idx], g)
-        if self._plain_run and self.relax < 1.0:
-            est = g + (est - g) * self.relax ** self._plain_run
-        g2 = self._G2[0] if g.ndim == 1 else self._G2[cls]
-        return est, np.maximum(g2 - g * g, 0.0), lefts
+            slot, cls = self._slot, self._cls
+            c = np.fromiter((cls[slot[s]] if s in slot else 0 for s in seq_ids), np.int64, b)
+            g, g2 = self._G[c], self._G2[c]
+        return g, np.maximum(g2 - g * g, 0.0), lefts
 
     @staticmethod
     def drain_taus(drain: tuple) -> np.ndarray:
@@ -465,7 +463,8 @@ class AdaptivePolicy:
         normals), and never more than L steps (each emits a token). Within 4% of a simulated drain
         (tests); var_i is its class's engine-wide variance, which also holds the spread between the
         sequences' means that mu_i already carries: where they differ, the drain reads a little long
-        (up to 7% in the tests), erring toward plain decoding."""
+        (up to 7% in the tests), erring toward plain decoding. drain: (est, var, lefts), est and var
+        [B, S], or [1, S] for every sequence alike (the policy's: its classes' engine-wide rows)."""
         est, var, lefts = drain
         mu = est + 1.0
         inv = 1.0 / mu
