@@ -79,12 +79,13 @@ behind, and a place freed early stays empty until then. A step's mean rate overs
 batch's gain: on the H100 a Medusa draft gained ~12% a step in greedy waves at batch 32 and lost 7%
 over the run, its speculative steps advancing the wave 1.30 tokens each against a mean of 1.57. So a
 tree is judged there by the drain's expected length (``drain_taus``): sequence i needs T_i =
-left_i / (1 + a) speculative steps, give or take s_i = sigma sqrt(T_i) / (1 + a) (a, sigma: the
-mean and spread of a step's accepted tokens in its class, engine-wide: each sequence's own moving
-average is too noisy to take the slowest of), and the drain lasts
-max_i T_i + z(B') s (z(B'): the expected largest of B' standard normals, B' the sequences within
-their s_i of the longest). Its tokens a step are L over that, for every decode of the batch. With a
-waiting request a freed place is refilled at once, and the step's mean rate is the server's.
+left_i / (1 + a) speculative steps, give or take the noise of its steps' accepted tokens and a true
+rate of its own above or below the mean, and the drain lasts max_i T_i plus the expected largest of
+those deviations over the sequences that could be last. a and the steps' variance are the class's,
+engine-wide (each sequence's own moving average is too noisy to take the slowest of); how much
+sequences' true rates differ is learnt from the lifetime means of those that finished
+(``_learn_spread``). Its tokens a step are L over that, for every decode of the batch. With a waiting
+request a freed place is refilled at once, and the step's mean rate is the server's.
 
 Greedy and sampled sequences keep separate engine-wide estimates (``track``): rejection sampling
 accepts about half the tokens greedy acceptance does, and on the H100 a sampled request that
@@ -164,6 +165,7 @@ class AdaptivePolicy:
     # that gained ~1% each, and the run lost 12%: the wave's length is its slowest sequence's
     margin_sampled: float = 1.15
     drain_every: int = 4  # a draining batch's expected length: computed again after this many choices
+    spread_min: int = 8  # verifies a departing sequence needs for its mean to teach the spread between sequences
     explore_every: int = 16
     explore_budget: float = 0.01
     # the budget is for estimates at the bar; below it, the budget times explore_gap / (gap - 1),
@@ -223,8 +225,17 @@ class AdaptivePolicy:
         self._gn = [0, 0]
         self._n_sampled = 0  # tracked sampled sequences
         self._slot: dict[int, int] = {}  # a sequence's row of _est (and of _cls: its class)
-        self._est = np.zeros((64, len(self.sizes)))
+        # a sequence's row: its estimates per size (_est), and its accepted draft tokens summed per size
+        # over its whole life (_sum) with the verifies that scored each size (_cnt), which at forget()
+        # say how sequences differ: views of one array, so that a step's update is one gather and one
+        # scatter of the rows (three arrays cost observe_many 16 -> 33 µs at batch 32 on the CPU)
+        self._rows = np.zeros((64, 3 * len(self.sizes)))
+        self._views()
         self._cls = np.zeros(64, dtype=np.int64)
+        # per class and size, the variance between sequences' true means (their lifetime means'
+        # spread less what their per-step noise explains), and how many sequences taught it
+        self._H = np.zeros((2, len(self.sizes)))
+        self._hn = [0, 0]
         self._free: list[int] = []
         self._wcache: dict[int, tuple[np.ndarray, float]] = {}
         self._menus: dict[tuple, tuple] = {}  # observe_many's column maps by the sizes it was given
@@ -264,17 +275,24 @@ class AdaptivePolicy:
         """The sequences with estimates of their own (a view: forget() changes it)."""
         return self._slot.keys()
 
+    def _views(self) -> None:
+        s = len(self.sizes)
+        self._est, self._sum, self._cnt = self._rows[:, :s], self._rows[:, s:2 * s], self._rows[:, 2 * s:]
+
     def _new_slot(self, sid: int, c: int, init: np.ndarray) -> int:
         """A row of _est for sequence sid, of class c, its estimates init."""
         if self._free:
             j = self._free.pop()
         else:
             j = len(self._slot)
-            if j == len(self._est):
-                self._est = np.concatenate([self._est, np.zeros_like(self._est)])
+            if j == len(self._rows):
+                self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
+                self._views()
                 self._cls = np.concatenate([self._cls, np.zeros_like(self._cls)])
         self._slot[sid] = j
-        self._est[j] = init
+        row = self._rows[j]
+        row[:] = 0.0
+        row[:len(self.sizes)] = init
         self._cls[j] = c
         self._n_sampled += c
         return j
@@ -431,8 +449,9 @@ class AdaptivePolicy:
 
     def _drain_inputs(self, seq_ids: list[int], left) -> tuple:
         """``drain_taus``' inputs for a draining batch: the expected accepted draft tokens per size of
-        each sequence's class (greedy or sampled; engine-wide, not the sequence's own estimate), and
-        its per-step variance, [B or 1, S] each, and the tokens left float [B].
+        each sequence's class (greedy or sampled; engine-wide, not the sequence's own estimate), its
+        per-step variance and the variance between sequences' true rates (``_learn_spread``), [B or
+        1, S] each, and the tokens left float [B].
 
         Not the sequences' own estimates: each is a moving average of a few verifies, and the slowest
         of 32 such noisy estimates reads far below any sequence's real rate. With them, the H100's
@@ -444,39 +463,47 @@ class AdaptivePolicy:
         if lefts.shape != (b,):
             raise ValueError(f"left: one count of tokens left per sequence ({b}), got shape {lefts.shape}")
         if not self._n_sampled:  # every tracked sequence greedy (an untracked one counts as greedy)
-            g, g2 = self._G[:1], self._G2[:1]
+            g, g2, h = self._G[:1], self._G2[:1], self._H[:1]
         else:
             slot, cls = self._slot, self._cls
             c = np.fromiter((cls[slot[s]] if s in slot else 0 for s in seq_ids), np.int64, b)
-            g, g2 = self._G[c], self._G2[c]
-        return g, np.maximum(g2 - g * g, 0.0), lefts
+            g, g2, h = self._G[c], self._G2[c], self._H[c]
+        # the class's variance of a step holds both the steps' noise and the spread between sequences
+        h = np.maximum(h, 0.0)
+        return g, np.maximum(g2 - g * g - h, 0.0), h, lefts
 
     @staticmethod
     def drain_taus(drain: tuple) -> np.ndarray:
         """Tokens a step of a draining batch, for each size of the menu (float [S]): L (the most tokens
-        left) over the expected speculative steps until its last sequence is done. Sequence i needs
-        T_i = (left_i + o_i) / mu_i steps (mu_i = 1 + its expected accepted draft tokens; o_i = (var_i
-        + mu_i^2) / (2 mu_i) - 1/2, the tokens its last step emits past its end), with a spread of
-        s_i = sqrt(var_i T_i) / mu_i (a sum of T_i steps' accepted tokens, var_i a step's variance);
-        the drain lasts max_i T_i plus z(B') s of that longest, B' the sequences whose T_i + s_i reach
-        it (tied with it, any of them may be last: z(B') is the expected largest of B' standard
-        normals), and never more than L steps (each emits a token). Within 4% of a simulated drain
-        (tests); var_i is its class's engine-wide variance, which also holds the spread between the
-        sequences' means that mu_i already carries: where they differ, the drain reads a little long
-        (up to 7% in the tests), erring toward plain decoding. drain: (est, var, lefts), est and var
-        [B, S], or [1, S] for every sequence alike (the policy's: its classes' engine-wide rows)."""
-        est, var, lefts = drain
+        left) over the expected speculative steps until its last sequence is done. Sequence i has
+        left_i + o_i tokens to emit (o_i = (var_i + mu_i^2) / (2 mu_i) - 1/2: what its last step emits
+        past its end, renewal theory's mean residual) at mu_i a step (1 + its expected accepted draft
+        tokens): T_i steps, give or take s_i, from two sources: the steps' noise, sqrt(var_i T_i) /
+        mu_i (var_i a step's variance), and a true rate slower or faster than mu_i by sqrt(het_i)
+        over all its steps, T_i sqrt(het_i) / mu_i (the slow side longer: T_i sqrt(het_i) / (mu_i -
+        z sqrt(het_i)) for the tail). The drain lasts max_i T_i plus z(B') s of that longest, B' the
+        sequences whose T_i + s_i reach it (any of them may be last: z(B') is the expected largest
+        of B' standard normals), and never more than L steps (each emits a token). Within 5% of
+        simulated drains (tests: sequences alike or differing, lengths equal or spread); given the
+        pooled figures of sequences whose means differ as if they were noise, it reads the drain up
+        to 7% long, erring toward plain decoding. drain: (est, var, het, lefts), est, var and het [B,
+        S], or [1, S] for every sequence alike (the policy's: its classes' engine-wide rows)."""
+        est, var, het, lefts = drain
         mu = est + 1.0
         inv = 1.0 / mu
-        # the last step's overshoot: renewal theory's mean residual, E[X^2] / (2 E[X]) - 1/2 tokens
+        # tokens to emit, the last step's overshoot included
         steps = (lefts[:, None] + 0.5 * (var * inv + mu) - 0.5) * inv
+        noise = var * steps * inv * inv  # the noise's variance of T_i
+        dev = np.sqrt(het) * steps  # a true rate one sd off moves the tokens done by this much
+        sd = np.sqrt(noise + (dev * inv) ** 2)
         cols = _arange(steps.shape[1])
         k = steps.argmax(0)
         most = steps[k, cols]
-        sd = np.sqrt(var * steps) * inv
         tied = np.count_nonzero(steps + sd >= most, axis=0)
+        z = _max_normals(len(lefts))[tied]
+        slow = (dev / np.maximum(mu - z * np.sqrt(het), 0.5))[k, cols]  # the slow tail of the rates
         longest = lefts.max()
-        return longest / np.minimum(most + _max_normals(len(lefts))[tied] * sd[k, cols], longest)
+        return longest / np.minimum(most + z * np.sqrt(noise[k, cols] + slow * slow), longest)
 
     def _chose(self, best: int, explored: bool = False) -> int:
         """Record a choice: the stretch of speculative steps it ends feeds run_len. An exploring
@@ -598,14 +625,22 @@ class AdaptivePolicy:
                 pos = [i for i in range(b) if cl[i] == c]
                 if pos:
                     self._observe_class(c, pos, seq_ids, idx, k, cs)
-        d = self.decay
-        if b == 1 and run:  # (batch 1: the row's columns in place, a view)
-            row = self._est[idx[0], cs]
-            row *= d
-            row += (1.0 - d) * k[0]
+        d, s = self.decay, len(self.sizes)
+        if run:  # (the usual case: the columns a run -- batch 1: the row itself, a view; else one gather)
+            r = self._rows[idx[0]][None] if b == 1 else self._rows[idx]
+            lo, hi = cs.start, cs.stop
+            e = r[:, lo:hi]
+            e *= d
+            e += (1.0 - d) * k
+            r[:, s + lo:s + hi] += k
+            r[:, 2 * s + lo:2 * s + hi] += 1.0
+            if b > 1:
+                self._rows[idx] = r
             return
-        sub = (idx, cs) if run else np.ix_(idx, cols)
+        sub = np.ix_(idx, cols)
         self._est[sub] = d * self._est[sub] + (1.0 - d) * k
+        self._sum[sub] += k
+        self._cnt[sub] += 1.0
 
     def _observe_class(self, c: int, pos, seq_ids, idx: list[int], k: np.ndarray, cs) -> None:
         """The engine-wide estimate of class c after the observations k[pos] (in order), and the
@@ -658,8 +693,32 @@ class AdaptivePolicy:
         self._version += 1
         j = self._slot.pop(seq_id, None)
         if j is not None:
+            self._learn_spread(j)
             self._n_sampled -= int(self._cls[j])
             self._free.append(j)
+
+    def _learn_spread(self, j: int) -> None:
+        """A departing sequence's lifetime mean per size (where at least ``spread_min`` verifies
+        scored it) into its class's between-sequence variance: (mean - class mean)^2 less the noise
+        of a mean of n steps, var / n, so that what remains estimates how much sequences' true
+        rates differ. Averaged over sequences as the class mean is over steps (the prior, 0, counts
+        as one; the weight of the past capped at 0.98)."""
+        n = self._cnt[j]
+        ok = n >= self.spread_min
+        if not ok.any():
+            return
+        c = int(self._cls[j])
+        g = self._G[c]
+        var = np.maximum(self._G2[c] - g * g, 0.0)
+        mean = self._sum[j] / np.maximum(n, 1.0)
+        seen = self._hn[c] = self._hn[c] + 1
+        w = min(0.98, 1.0 - 1.0 / (seen + 1))
+        h = self._H[c]
+        h[ok] = w * h[ok] + (1.0 - w) * ((mean - g) ** 2 - var / np.maximum(n, 1.0))[ok]
+
+    def spread_between(self, cls: int = 0) -> np.ndarray:
+        """The variance between sequences' true rates per size (class cls), as learnt so far (>= 0)."""
+        return np.maximum(self._H[cls], 0.0)
 
 
 @functools.lru_cache(maxsize=1024)
