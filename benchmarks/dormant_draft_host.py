@@ -17,7 +17,7 @@ size and engine, the median over rounds of each part's mean µs a decode step, a
 estimates say they do not, and exploration is off -- the H100's case (the sums and their
 relaxation computed on each scan) without a speculative step.
 
-    python benchmarks/dormant_draft_host.py [--batches 1,8,32,64] [--tokens 384] [--rounds 7]
+    python benchmarks/dormant_draft_host.py [--batches 1,8,32,64] [--tokens 256] [--rounds 7]
         [--mode lose|never] [--profile B]     # --profile: cProfile of both engines' decode steps at batch B
         [--continuous]                        # eval's continuous load (the H100: +34% host at batch 64)
 """
@@ -123,7 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path("/tmp/dormant_draft_models"))
     ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--tokens", type=int, default=384)
+    ap.add_argument("--tokens", type=int, default=256)  # the tiny model: 1.5x + 84 within its 512 positions
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--mode", choices=["lose", "never"], default="lose")
     ap.add_argument("--profile", type=int, default=0)
