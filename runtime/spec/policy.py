@@ -709,11 +709,11 @@ class AdaptivePolicy:
             return
         c = int(self._cls[j])
         g = self._G[c]
-        var = np.maximum(self._G2[c] - g * g, 0.0)
+        h = self._H[c]
+        var = np.maximum(self._G2[c] - g * g - np.maximum(h, 0.0), 0.0)  # a step's noise (the spread between, out)
         mean = self._sum[j] / np.maximum(n, 1.0)
         seen = self._hn[c] = self._hn[c] + 1
         w = min(0.98, 1.0 - 1.0 / (seen + 1))
-        h = self._H[c]
         h[ok] = w * h[ok] + (1.0 - w) * ((mean - g) ** 2 - var / np.maximum(n, 1.0))[ok]
 
     def spread_between(self, cls: int = 0) -> np.ndarray:
