@@ -997,7 +997,7 @@ def test_the_policy_in_simulated_waves(p, sd, ratio, batch):
     gains (tau 1.9 at 1.3x a plain step), it speculates nearly throughout and keeps within 2% of
     speculating every step (~1.35x plain); where their true rates differ (p_i ~ N(0.3-0.35,
     0.1-0.15)), speculating every step runs 0.78-0.84x plain -- the H100's Medusa waves at batch 32
-    -- and the policy stays within 3.5% of plain decoding: 0.987-0.993x; with the spread between
+    -- and the policy stays within 2% of plain decoding: 0.987-0.993x; with the spread between
     sequences learnt from finished ones only, 0.97-0.99x (the first wave has no record); without
     any spread term, 0.90-0.985x."""
     plain = simulated_waves(p, sd, batch, ratio, "plain")[0]
@@ -1006,7 +1006,7 @@ def test_the_policy_in_simulated_waves(p, sd, ratio, batch):
     if sd == 0.0:
         assert always > 1.25 and got >= always - 0.02
     else:
-        assert always < 0.85 and got >= 0.965
+        assert always < 0.85 and got >= 0.98
 
 
 def test_a_first_batch_teaches_the_spread_while_it_runs():
