@@ -488,15 +488,22 @@ class AdaptivePolicy:
         h, seen = self._H[c], self._hn[c]
         if len(rows) < 2 or seen >= self.spread_recent:  # (a long-served engine: its record alone, ~10 µs less)
             return h
-        n = self._cnt[rows]
-        ok = n >= self.spread_min
+        terms, ok = self._spread_terms(c, rows)
         m = ok.sum(0)
         if not m.any():
             return h
+        return (seen * h + np.where(ok, terms, 0.0).sum(0)) / np.maximum(seen + m, 1)
+
+    def _spread_terms(self, c: int, rows):
+        """What sequences at these rows of class c say of the spread between sequences, per size:
+        (lifetime mean - class mean)^2 less the noise of a mean of n steps (a step's variance, the
+        learnt spread taken out, over n), and where it counts (n >= ``spread_min``). rows: one row
+        (arrays [S]) or a list ([R, S])."""
+        n = self._cnt[rows]
         g = self._G[c]
-        var = np.maximum(self._G2[c] - g * g - np.maximum(h, 0.0), 0.0)
-        dev = np.where(ok, (self._sum[rows] / np.maximum(n, 1.0) - g) ** 2 - var / np.maximum(n, 1.0), 0.0)
-        return (seen * h + dev.sum(0)) / np.maximum(seen + m, 1)
+        var = np.maximum(self._G2[c] - g * g - np.maximum(self._H[c], 0.0), 0.0)
+        per = np.maximum(n, 1.0)
+        return (self._sum[rows] / per - g) ** 2 - var / per, n >= self.spread_min
 
     @staticmethod
     def drain_taus(drain: tuple) -> np.ndarray:
@@ -729,18 +736,14 @@ class AdaptivePolicy:
         of a mean of n steps, var / n, so that what remains estimates how much sequences' true
         rates differ. Averaged over sequences as the class mean is over steps (the prior, 0, counts
         as one; the weight of the past capped at 0.98)."""
-        n = self._cnt[j]
-        ok = n >= self.spread_min
+        c = int(self._cls[j])
+        terms, ok = self._spread_terms(c, j)
         if not ok.any():
             return
-        c = int(self._cls[j])
-        g = self._G[c]
-        h = self._H[c]
-        var = np.maximum(self._G2[c] - g * g - np.maximum(h, 0.0), 0.0)  # a step's noise (the spread between, out)
-        mean = self._sum[j] / np.maximum(n, 1.0)
         seen = self._hn[c] = self._hn[c] + 1
         w = min(0.98, 1.0 - 1.0 / (seen + 1))
-        h[ok] = w * h[ok] + (1.0 - w) * ((mean - g) ** 2 - var / np.maximum(n, 1.0))[ok]
+        h = self._H[c]
+        h[ok] = w * h[ok] + (1.0 - w) * terms[ok]
 
     def spread_between(self, cls: int = 0) -> np.ndarray:
         """The variance between sequences' true rates per size (class cls), as learnt so far (>= 0)."""
