@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import math
 from collections.abc import KeysView
 from dataclasses import dataclass, field
@@ -463,21 +464,24 @@ class AdaptivePolicy:
         lefts = np.maximum(np.asarray(left, dtype=np.float64), 1.0)
         if lefts.shape != (b,):
             raise ValueError(f"left: one count of tokens left per sequence ({b}), got shape {lefts.shape}")
+        # each sequence's row (-1: untracked, which counts as greedy), one pass in C: per-element numpy
+        # indexing in Python loops cost a sampled batch of 64 ~70 µs a drain on the CPU
         slot = self._slot
-        if not self._n_sampled:  # every tracked sequence greedy (an untracked one counts as greedy)
-            g, g2 = self._G[:1], self._G2[:1]
-            h = np.maximum(self._spread_with_running(0, [slot[s] for s in seq_ids if s in slot]), 0.0)[None]
+        rows = np.fromiter(map(slot.get, seq_ids, itertools.repeat(-1)), np.int64, b)
+        known = rows >= 0
+        c = np.where(known, self._cls[rows], 0) if self._n_sampled else None
+        one = 0 if c is None or not c.any() else 1 if c.all() else None
+        if one is not None:  # one class (the usual case): its rows [1, S], broadcast over the batch
+            g, g2 = self._G[one:one + 1], self._G2[one:one + 1]
+            h = np.maximum(self._spread_with_running(one, rows[known]), 0.0)[None]
         else:
-            cls = self._cls
-            c = np.fromiter((cls[slot[s]] if s in slot else 0 for s in seq_ids), np.int64, b)
             g, g2 = self._G[c], self._G2[c]
-            hs = [self._spread_with_running(k, [slot[s] for s in seq_ids if s in slot and cls[slot[s]] == k])
-                  for k in (0, 1)]
+            hs = [self._spread_with_running(k, rows[known & (c == k)]) for k in (0, 1)]
             h = np.maximum(np.stack(hs)[c], 0.0)
         # the class's variance of a step holds both the steps' noise and the spread between sequences
         return g, np.maximum(g2 - g * g - h, 0.0), h, lefts
 
-    def _spread_with_running(self, c: int, rows: list[int]) -> np.ndarray:
+    def _spread_with_running(self, c: int, rows: np.ndarray) -> np.ndarray:
         """Class c's between-sequence variance per size: what finished sequences taught (``_learn_spread``),
         pooled with what these running ones' lifetime means say so far, each sequence counted once,
         until ``spread_recent`` sequences have finished (from then on their record alone). Before any
@@ -488,18 +492,21 @@ class AdaptivePolicy:
         h, seen = self._H[c], self._hn[c]
         if len(rows) < 2 or seen >= self.spread_recent:  # (a long-served engine: its record alone, ~10 µs less)
             return h
-        terms, ok = self._spread_terms(c, rows)
+        n = self._cnt[rows]
+        ok = n >= self.spread_min
         m = ok.sum(0)
-        if not m.any():
+        if not m.any():  # (none has verified enough: a dormant draft's batches; the terms' ~8 µs spared)
             return h
+        terms, _ = self._spread_terms(c, rows, n)
         return (seen * h + np.where(ok, terms, 0.0).sum(0)) / np.maximum(seen + m, 1)
 
-    def _spread_terms(self, c: int, rows):
+    def _spread_terms(self, c: int, rows, n: np.ndarray | None = None):
         """What sequences at these rows of class c say of the spread between sequences, per size:
         (lifetime mean - class mean)^2 less the noise of a mean of n steps (a step's variance, the
         learnt spread taken out, over n), and where it counts (n >= ``spread_min``). rows: one row
-        (arrays [S]) or a list ([R, S])."""
-        n = self._cnt[rows]
+        (arrays [S]) or an index array ([R, S]); n: their verify counts, if already read."""
+        if n is None:
+            n = self._cnt[rows]
         g = self._G[c]
         var = np.maximum(self._G2[c] - g * g - np.maximum(self._H[c], 0.0), 0.0)
         per = np.maximum(n, 1.0)

@@ -1027,3 +1027,51 @@ def test_a_first_batch_teaches_the_spread_while_it_runs():
     for _ in range(fresh.spread_min - 1):
         fresh.observe_many(ids, [3], rng.binomial(2, p)[:, None])
     assert fresh._drain_inputs(ids, [50] * 64)[2][0, 0] == 0.0
+
+
+def test_drain_inputs_give_each_sequence_its_own_class_rows():
+    """_drain_inputs for a batch of one class (its rows [1, S], broadcast) and of both (rows [B, S]):
+    each sequence gets its class's engine-wide mean, the class's per-step variance less the spread,
+    and the spread between sequences pooled from the batch's running sequences of that class with 8+
+    verifies, (lifetime mean - class mean)^2 - var / n, averaged -- written out here from the raw
+    sums; an untracked sequence counts as greedy, and sequences short of spread_min verifies count for
+    nothing."""
+    rng = np.random.default_rng(3)
+    sizes = [3, 5]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.8, 5: 1.2})
+    greedy, sampled = list(range(6)), list(range(100, 106))
+    for sid in greedy:
+        pol.track(sid, sampled=False)
+    for sid in sampled:
+        pol.track(sid, sampled=True)
+    for step in range(12):
+        ids = greedy + sampled[:4 if step < 5 else 6]  # the last two sampled ones: 7 verifies, too few
+        a = rng.binomial(2, np.linspace(0.2, 0.7, len(ids)))
+        pol.observe_many(ids, sizes, np.stack([a, 2 * a], axis=1))
+
+    def want(c, ids):
+        g, g2 = pol._G[c], pol._G2[c]
+        var = g2 - g * g
+        terms = []
+        for sid in ids:
+            j = pol._slot[sid]
+            n = pol._cnt[j]
+            if (n >= pol.spread_min).all():
+                terms.append((pol._sum[j] / n - g) ** 2 - var / n)
+        h = np.maximum(np.mean(terms, axis=0), 0.0) if len(terms) else np.zeros(len(sizes))
+        return g, np.maximum(var - h, 0.0), h
+
+    left = [40.0] * 6
+    est, var, het, lefts = pol._drain_inputs(sampled, left)
+    assert est.shape == (1, 2) and lefts.tolist() == left
+    for got, ref in zip((est[0], var[0], het[0]), want(1, sampled[:4])):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    mixed = [greedy[0], sampled[0], 999, sampled[5], greedy[1]]  # 999: untracked
+    est, var, het, _ = pol._drain_inputs(mixed, [10] * 5)
+    assert est.shape == (5, 2)
+    g_ref, s_ref = want(0, [greedy[0], greedy[1]]), want(1, [sampled[0]])  # (the batch's own, each class's)
+    assert (s_ref[2] > 0).all() and (g_ref[2] > 0).all()
+    for i, c in enumerate([0, 1, 0, 1, 0]):
+        ref = s_ref if c else g_ref
+        for got, r in zip((est[i], var[i], het[i]), ref):
+            np.testing.assert_allclose(got, r, rtol=1e-12, atol=1e-12)
