@@ -231,7 +231,8 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth, steps_by_size=c["steps_by_size"],
             explored=c["explored"],
             identical=(r["plain_ids"] == r["spec_ids"]) if t == 0 else None, cost_ms=r.get("cost_ms"),
-            catch_up_model=r.get("catch_up_model"), time=_time_split(r, c),
+            cost_sampled_ms=r.get("cost_sampled_ms"), catch_up_model=r.get("catch_up_model"),
+            policy_state=r.get("policy_state"), time=_time_split(r, c),
             **(_identity(r["margins"]) if t == 0 else {}),
         ))
     return rows
@@ -301,6 +302,12 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
             # the catch-up's start-up fit and how far the case's measured catch-ups moved it
             r["catch_up_model"] = None if pol is None or pol.catch_up is None else {
                 "c0_ms": pol.catch_up[0], "c1_ms_a_row": pol.catch_up[1], "measured_ratio": pol.catch_up_ratio}
+            # what the policy had learnt by the end of the case (its estimates and cost ratios: why it
+            # chose what it chose), and the sampled steps' own start-up profile
+            r["policy_state"] = None if pol is None else pol.snapshot()
+            sampled_table = getattr(spec, "cost_table_sampled", None)
+            r["cost_sampled_ms"] = None if sampled_table is None else {"batches": sampled_table.batches,
+                                                                       "ms": sampled_table.ms}
             if t == 0:
                 r["margins"] = _divergence_margins(engines["spec"], [p for b in batches[1:] for p in b],
                                                    r["plain_ids"], r["spec_ids"])

@@ -752,6 +752,21 @@ class AdaptivePolicy:
         h = self._H[c]
         h[ok] = w * h[ok] + (1.0 - w) * terms[ok]
 
+    def snapshot(self) -> dict:
+        """What the policy has learnt so far, for a report: per class (greedy, sampled) the engine-wide
+        expected accepted draft tokens per size, how many verifies taught them, their per-step
+        variance and the spread between sequences; the measured / profiled step-cost ratios, keyed
+        "size/batch bucket/class" (those not yet measured are 1); the catch-up's ratio."""
+        classes = ("greedy", "sampled")
+        return {"sizes": list(self.sizes),
+                "accepted": {c: self._G[i].tolist() for i, c in enumerate(classes)},
+                "verifies": {c: self._gn[i] for i, c in enumerate(classes)},
+                "step_variance": {c: np.maximum(self._G2[i] - self._G[i] ** 2, 0.0).tolist()
+                                  for i, c in enumerate(classes)},
+                "spread_between": {c: self.spread_between(i).tolist() for i, c in enumerate(classes)},
+                "cost_ratio": {f"{n}/{b}/{classes[c]}": r for (n, b, c), r in sorted(self._ratio.items())},
+                "catch_up_ratio": self.catch_up_ratio}
+
     def spread_between(self, cls: int = 0) -> np.ndarray:
         """The variance between sequences' true rates per size (class cls), as learnt so far (>= 0)."""
         return np.maximum(self._H[cls], 0.0)

@@ -206,7 +206,8 @@ def test_eval_takes_the_eagle_tree_options(tiny_llama, tmp_path):
 def test_an_adaptive_eagle_row_reports_its_catch_up_model(tiny_llama, tmp_path):
     """Under the adaptive policy an EAGLE row carries the policy's catch-up model: the start-up fit
     (c0 ms + c1 ms a row) and the measured / profiled ratio its catch-ups had moved it to (1 while
-    none was measured; the catch-ups' own counts are in the time split)."""
+    none was measured; the catch-ups' own counts are in the time split); and the policy's snapshot
+    at the case's end (its estimates per class and size, the verifies behind them, cost ratios)."""
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
     res = evaluate_speculation([str(tiny_llama)], str(draft), [2], 8, device="cpu", dtype="float32",
                                temperatures=(0.0,), reps=1, policy="adaptive", progress=False)
@@ -216,6 +217,15 @@ def test_an_adaptive_eagle_row_reports_its_catch_up_model(tiny_llama, tmp_path):
     assert m["c0_ms"] > 0 and m["c1_ms_a_row"] >= 0 and 0.25 <= m["measured_ratio"] <= 20
     if row["time"]["spec"]["caught_up_steps"] == 0:
         assert m["measured_ratio"] == 1.0
+    # and what the policy had learnt by the case's end: its greedy estimates from this case's verifies
+    pol = row["policy_state"]
+    sizes = pol["sizes"]
+    assert sizes and all(len(pol[k][c]) == len(sizes) for k in ("accepted", "step_variance", "spread_between")
+                         for c in ("greedy", "sampled"))
+    assert pol["verifies"]["greedy"] >= row["spec_seq_steps"] and pol["verifies"]["sampled"] == 0
+    assert all(0 <= a <= n - 1 for a, n in zip(pol["accepted"]["greedy"], sizes))
+    assert pol["catch_up_ratio"] == m["measured_ratio"]
+    assert all(k.split("/")[2] in ("greedy", "sampled") and 0.25 <= v <= 20 for k, v in pol["cost_ratio"].items())
 
 
 def test_spec_reps_sets_the_timed_batches(tiny_llama, tmp_path):

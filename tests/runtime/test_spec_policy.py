@@ -1075,3 +1075,26 @@ def test_drain_inputs_give_each_sequence_its_own_class_rows():
         ref = s_ref if c else g_ref
         for got, r in zip((est[i], var[i], het[i]), ref):
             np.testing.assert_allclose(got, r, rtol=1e-12, atol=1e-12)
+
+
+def test_snapshot_reports_what_the_policy_learnt():
+    """snapshot(): per class the engine-wide estimates and verify counts as observe_many left them (a
+    greedy class seen 3 times from a prior counted once: the mean of prior and observations), the
+    per-step variance, the spread, and the cost ratios by size / batch bucket / class."""
+    sizes = [3, 5]
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 1.0, 5: 1.5})
+    pol.track(0, sampled=False)
+    pol.track(1, sampled=True)
+    for k in ([2, 4], [0, 0], [1, 2]):
+        pol.observe_many([0], sizes, [k])
+    pol.observe_many([1], sizes, [[1, 1]])
+    pol.choose([0])
+    pol.observe_cost(3, 1, 2 * pol.cost.cost(3, 1))
+    snap = pol.snapshot()
+    assert snap["sizes"] == sizes
+    assert snap["accepted"]["greedy"] == pytest.approx([(1.0 + 2 + 0 + 1) / 4, (1.5 + 4 + 0 + 2) / 4])
+    assert snap["verifies"] == {"greedy": 3, "sampled": 1}
+    assert snap["step_variance"]["greedy"] == pytest.approx((pol._G2[0] - pol._G[0] ** 2).tolist())
+    assert snap["spread_between"]["greedy"] == [0.0, 0.0]
+    assert list(snap["cost_ratio"]) == ["3/1/greedy"] and 1.0 < snap["cost_ratio"]["3/1/greedy"] < 2.0
+    assert snap["catch_up_ratio"] == 1.0
