@@ -66,13 +66,21 @@ def test_plain_steps_replay_graphs_and_speculation_stays_exact(tiny_llama, tmp_p
     assert llm.engine.stats().speculation["seq_steps"] > 0
 
 
-def test_cost_profile_times_the_graph_replay(tiny_llama, tmp_path):
+def test_cost_profile_times_the_graph_replay(tiny_llama, tmp_path, monkeypatch):
+    """The plain step's profile replays the decode graph for the batches that fit one (8 runs eager),
+    its inputs made once per batch size, outside the timed calls (a warm-up and 3 timed replays each)."""
+    from optllm.runtime import spec_runner
+
     draft = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
               spec_num_draft=10, spec_policy="fixed", max_num_seqs=8)
     replays = _with_stand_in_graphs(llm, 4)
-    table = llm.engine.runner.spec.measure(batches=[1, 2, 8], repeats=1)
-    assert replays and max(replays) <= 4  # batches that fit a graph replay it; 8 runs eager
+    made: list[int] = []
+    host_batch = spec_runner.HostBatch
+    monkeypatch.setattr(spec_runner, "HostBatch", lambda *a: made.append(len(a[0])) or host_batch(*a))
+    table = llm.engine.runner.spec.measure(batches=[1, 2, 8], repeats=3)
+    assert sorted(replays) == [1] * 4 + [2] * 4  # batches that fit a graph replay it; 8 runs eager
+    assert made == [1, 2]
     assert set(table.ms) == {1, *llm.engine.runner.spec.sizes} and all(v > 0 for v in table.ms[1])
 
 
