@@ -168,6 +168,14 @@ class AdaptivePolicy:
     drain_every: int = 4  # a draining batch's expected length: computed again after this many choices
     spread_min: int = 8  # verifies a sequence needs for its mean to teach the spread between sequences
     spread_recent: int = 64  # finished sequences after which a draining batch's running ones no longer count
+    # whether a drain counts the spread between sequences' true rates (learnt all the same, and reported
+    # by snapshot()). Off: on the H100 (thirty-sixth session) EAGLE-3's greedy waves with it fell from
+    # 1.04x / 0.99x (012f98f, without) to 0.97x / 0.93x at batch 32 / 64, speculating mostly with
+    # 2-node trees. The spread it had learnt, 0.33-0.58 tokens^2 at 20-41 nodes, reads high: a size
+    # is scored only by steps of that size or larger, so a sequence's lifetime mean and the class's
+    # recent one come from different steps. In CPU simulations of sequences that differ it held
+    # 0.98-0.99x of plain where speculating every step ran 0.78-0.84x.
+    drain_spread: bool = False
     explore_every: int = 16
     explore_budget: float = 0.01
     # the budget is for estimates at the bar; below it, the budget times explore_gap / (gap - 1),
@@ -466,6 +474,15 @@ class AdaptivePolicy:
             raise ValueError(f"left: one count of tokens left per sequence ({b}), got shape {lefts.shape}")
         # each sequence's row (-1: untracked, which counts as greedy), one pass in C: per-element numpy
         # indexing in Python loops cost a sampled batch of 64 ~70 µs a drain on the CPU
+        if not self.drain_spread:  # each sequence's class alike (an untracked one counts as greedy)
+            if not self._n_sampled:
+                g, g2 = self._G[:1], self._G2[:1]
+            else:
+                slot, cls = self._slot, self._cls
+                c = np.fromiter(map(slot.get, seq_ids, itertools.repeat(-1)), np.int64, b)
+                c = np.where(c >= 0, cls[c], 0)
+                g, g2 = self._G[c], self._G2[c]
+            return g, np.maximum(g2 - g * g, 0.0), np.zeros_like(g), lefts
         slot = self._slot
         rows = np.fromiter(map(slot.get, seq_ids, itertools.repeat(-1)), np.int64, b)
         known = rows >= 0

@@ -964,7 +964,8 @@ def simulated_waves(p, sd, batch, ratio, mode, waves=6, left=128, seed=0):
     its wave ends, as the engine does). A sequence accepts Binomial(2, p_i) draft tokens a step, p_i
     ~ N(p, sd) drawn per wave. Returns (time, speculative steps, steps)."""
     rng = np.random.default_rng(seed)
-    pol = AdaptivePolicy([3], CostTable([1, 64], {1: [1.0, 1.0], 3: [ratio, ratio]}), prior={3: 2 * p})
+    pol = AdaptivePolicy([3], CostTable([1, 64], {1: [1.0, 1.0], 3: [ratio, ratio]}), prior={3: 2 * p},
+                         drain_spread=True)
     t = spec = steps = 0
     for w in range(waves):
         ids = list(range(w * 1000, w * 1000 + batch))
@@ -1015,7 +1016,7 @@ def test_a_first_batch_teaches_the_spread_while_it_runs():
     each come to the true 0.04 within 40%, where the finished sequences' record is still 0; a
     running sequence with fewer than spread_min verifies counts for nothing."""
     rng = np.random.default_rng(5)
-    pol = AdaptivePolicy([3], gpu_like_costs([3]), prior={3: 0.8})
+    pol = AdaptivePolicy([3], gpu_like_costs([3]), prior={3: 0.8}, drain_spread=True)
     ids = list(range(64))
     p = binomial_sequences(rng, 64, 0.4, 0.1)
     for _ in range(30):
@@ -1023,7 +1024,7 @@ def test_a_first_batch_teaches_the_spread_while_it_runs():
     assert pol.spread_between()[0] == 0.0
     _, _, het, _ = pol._drain_inputs(ids, [50] * 64)
     assert het[0, 0] == pytest.approx(0.04, rel=0.4)
-    fresh = AdaptivePolicy([3], gpu_like_costs([3]), prior={3: 0.8})
+    fresh = AdaptivePolicy([3], gpu_like_costs([3]), prior={3: 0.8}, drain_spread=True)
     for _ in range(fresh.spread_min - 1):
         fresh.observe_many(ids, [3], rng.binomial(2, p)[:, None])
     assert fresh._drain_inputs(ids, [50] * 64)[2][0, 0] == 0.0
@@ -1038,7 +1039,7 @@ def test_drain_inputs_give_each_sequence_its_own_class_rows():
     nothing."""
     rng = np.random.default_rng(3)
     sizes = [3, 5]
-    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.8, 5: 1.2})
+    pol = AdaptivePolicy(sizes, gpu_like_costs(sizes), prior={3: 0.8, 5: 1.2}, drain_spread=True)
     greedy, sampled = list(range(6)), list(range(100, 106))
     for sid in greedy:
         pol.track(sid, sampled=False)
@@ -1075,6 +1076,13 @@ def test_drain_inputs_give_each_sequence_its_own_class_rows():
         ref = s_ref if c else g_ref
         for got, r in zip((est[i], var[i], het[i]), ref):
             np.testing.assert_allclose(got, r, rtol=1e-12, atol=1e-12)
+    # by default (drain_spread off) a drain takes no spread: each class's whole per-step variance
+    pol.drain_spread = False
+    est, var, het, _ = pol._drain_inputs(mixed, [10] * 5)
+    assert not het.any()
+    for i, c in enumerate([0, 1, 0, 1, 0]):
+        np.testing.assert_allclose(est[i], pol._G[c], rtol=1e-12)
+        np.testing.assert_allclose(var[i], pol._G2[c] - pol._G[c] ** 2, rtol=1e-12, atol=1e-12)
 
 
 def test_snapshot_reports_what_the_policy_learnt():
