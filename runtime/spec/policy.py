@@ -472,27 +472,22 @@ class AdaptivePolicy:
         lefts = np.maximum(np.asarray(left, dtype=np.float64), 1.0)
         if lefts.shape != (b,):
             raise ValueError(f"left: one count of tokens left per sequence ({b}), got shape {lefts.shape}")
-        # each sequence's row (-1: untracked, which counts as greedy), one pass in C: per-element numpy
-        # indexing in Python loops cost a sampled batch of 64 ~70 µs a drain on the CPU
-        if not self.drain_spread:  # each sequence's class alike (an untracked one counts as greedy)
-            if not self._n_sampled:
-                g, g2 = self._G[:1], self._G2[:1]
-            else:
-                slot, cls = self._slot, self._cls
-                c = np.fromiter(map(slot.get, seq_ids, itertools.repeat(-1)), np.int64, b)
-                c = np.where(c >= 0, cls[c], 0)
-                g, g2 = self._G[c], self._G2[c]
-            return g, np.maximum(g2 - g * g, 0.0), np.zeros_like(g), lefts
-        slot = self._slot
-        rows = np.fromiter(map(slot.get, seq_ids, itertools.repeat(-1)), np.int64, b)
-        known = rows >= 0
-        c = np.where(known, self._cls[rows], 0) if self._n_sampled else None
+        # each sequence's row (-1: untracked, which counts as greedy) and class, one pass in C: per-element
+        # numpy indexing in Python loops cost a sampled batch of 64 ~70 µs a drain on the CPU
+        rows = c = None
+        if self._n_sampled or self.drain_spread:
+            rows = np.fromiter(map(self._slot.get, seq_ids, itertools.repeat(-1)), np.int64, b)
+        if self._n_sampled:
+            c = np.where(rows >= 0, self._cls[rows], 0)
         one = 0 if c is None or not c.any() else 1 if c.all() else None
-        if one is not None:  # one class (the usual case): its rows [1, S], broadcast over the batch
-            g, g2 = self._G[one:one + 1], self._G2[one:one + 1]
+        # one class (the usual case): its rows [1, S], broadcast over the batch
+        g, g2 = (self._G[one:one + 1], self._G2[one:one + 1]) if one is not None else (self._G[c], self._G2[c])
+        if not self.drain_spread:
+            return g, np.maximum(g2 - g * g, 0.0), np.zeros_like(g), lefts
+        known = rows >= 0
+        if one is not None:
             h = np.maximum(self._spread_with_running(one, rows[known]), 0.0)[None]
         else:
-            g, g2 = self._G[c], self._G2[c]
             hs = [self._spread_with_running(k, rows[known & (c == k)]) for k in (0, 1)]
             h = np.maximum(np.stack(hs)[c], 0.0)
         # the class's variance of a step holds both the steps' noise and the spread between sequences
