@@ -316,8 +316,18 @@ class AdaptivePolicy:
         """Expected milliseconds of a step of `batch` decodes with trees of n nodes (1: plain), in
         the last choose()'s cost class: the profile's time times the measured ratio of its (n, batch
         bucket, class), 1 until measured."""
-        return self._table(self._cost_cls).cost(n, batch) * self._ratio.get((n, self._bucket(batch), self._cost_cls),
-                                                                             1.0)
+        return self._table(self._cost_cls).cost(n, batch) * self._ratio_of(n, self._bucket(batch), self._cost_cls)
+
+    def _ratio_of(self, n: int, bucket: int, cls: int) -> float:
+        """The measured / profiled ratio of (tree size n, batch bucket, cost class); a tree size not
+        yet measured there takes the plain step's (what serving adds to the profile -- the host's
+        scheduling and bookkeeping -- adds to every step alike), 1 where neither is. At 1, a tree
+        looked cheaper against plain than it was wherever plain's ratio had been learnt first: on the
+        H100 sampled plain steps at batch 64 ran 1.42x their profile, and the temperature-1 runs at
+        batch 32-64 each paid 2-3 explorations (~1% of the run) that a tree at its bare profile
+        invited, each teaching one size's ratio (docs/BENCHMARKS.md, thirty-seventh session)."""
+        r = self._ratio.get((n, bucket, cls))
+        return r if r is not None else self._ratio.get((1, bucket, cls), 1.0)
 
     def _table(self, cls: int) -> CostTable:
         """The start-up profile of a cost class (1: sampled steps, their own where measured)."""
@@ -332,7 +342,7 @@ class AdaptivePolicy:
         count = self._ratio_n.get(key, 0) + 1
         self._ratio_n[key] = count
         profiled = self._table(self._cost_cls).cost(n, batch)
-        self._ratio[key] = self._updated_ratio(self._ratio.get(key, 1.0), count, ms / profiled)
+        self._ratio[key] = self._updated_ratio(self._ratio_of(*key), count, ms / profiled)
 
     def catch_up_cost(self, rows: int) -> float:
         """Expected milliseconds of the draft's catch-up over `rows` rows (0 without a profile)."""
@@ -390,6 +400,7 @@ class AdaptivePolicy:
         bucket = self._bucket(b)
         everyone = b + rest  # the decodes a plain step runs
         plain_ms = cost(1, everyone) * ratio.get((1, self._bucket(everyone), cls), 1.0)
+        plain_ratio = ratio.get((1, bucket, cls), 1.0)  # an unmeasured tree's (_ratio_of)
         plain = everyone / plain_ms
         # a split step's plain part: charged to every tree (its tokens are in `everyone`)
         split_ms = self.step_cost(1, rest) if rest else 0.0
@@ -415,7 +426,8 @@ class AdaptivePolicy:
         for n in self.sizes:
             if budget is not None and b * n > budget:
                 continue
-            step_ms = cost(n, b) * ratio.get((n, bucket, cls), 1.0)
+            r = ratio.get((n, bucket, cls))  # (_ratio_of written out: a plain stretch's scans call it per size)
+            step_ms = cost(n, b) * (r if r is not None else plain_ratio)
             spec_ms = step_ms + extra
             if (everyone + b * max_accept.get(n, n - 1)) / spec_ms <= win:
                 continue  # slower than plain even if every draft token were accepted

@@ -528,6 +528,34 @@ def test_measured_step_costs_correct_the_profile():
     assert not any(key[0] == 7 for key in pol._ratio)
 
 
+def test_an_unmeasured_tree_takes_the_plain_steps_ratio():
+    """Serving adds its host time to every step alike: where plain steps at a batch bucket have been
+    measured slower than profiled and a tree size has not been measured there yet, that tree's cost
+    carries plain's ratio (at 1 it looked cheaper against plain than it was, and was explored or
+    chosen for it), and its first measurement blends with that ratio as the profile's would; a
+    measured tree keeps its own ratio; other buckets and the other cost class are unmoved."""
+    sizes = [3, 6, 11]
+    costs = gpu_like_costs(sizes)
+    pol = AdaptivePolicy(sizes, costs, prior={3: 1.0, 6: 1.6, 11: 2.0})
+    pol.explore_budget = 0.0  # (choices only, no exploration)
+    ids = list(range(8))
+    first = pol.choose(ids)
+    assert first > 1  # on the bare profile a tree wins at batch 8
+    for _ in range(40):
+        pol.observe_cost(1, 8, 1.6 * costs.cost(1, 8))  # plain steps at batch 8 run 1.6x their profile
+    r = pol._ratio[(1, 8, 0)]
+    assert r == pytest.approx(1.6, rel=0.02)
+    for n in sizes:
+        assert pol.step_cost(n, 8) == pytest.approx(r * costs.cost(n, 8))
+        assert pol.step_cost(n, 1) == pytest.approx(costs.cost(n, 1))  # another bucket: its profile
+    assert pol.choose(ids) == first  # every step 1.6x: the choice is the profile's again
+    pol.observe_cost(11, 8, 3.0 * costs.cost(11, 8))  # the tree's first measurement: 3x
+    assert pol.step_cost(11, 8) == pytest.approx((r + 3.0) / 2 * costs.cost(11, 8))
+    assert pol.step_cost(6, 8) == pytest.approx(r * costs.cost(6, 8))  # still plain's
+    pol.choose(ids, sampled=True)  # the sampled class: nothing measured, the profile
+    assert pol.step_cost(6, 8) == pytest.approx(costs.cost(6, 8))
+
+
 def test_sampled_steps_keep_their_own_step_costs():
     """A step where a row samples is timed apart from greedy ones (choose's sampled=True): sampled
     speculative steps measured at 1.5x their greedy profile stop a sampled batch's speculation but
