@@ -184,10 +184,11 @@ def write_results(out: str | Path | None, name: str, table: str, payload: dict) 
 
 
 def stub_graph_replays(llm) -> None:
-    """Every graph replay of llm's runner (decode, extend, speculative) does nothing from now on: the
-    host-time scripts' CPU engines, whose graphs are eager stand-ins, then time host code alone."""
+    """Every graph replay of llm's runner (decode and its feature store, extend, speculative) does
+    nothing from now on: the host-time scripts' CPU engines, whose graphs are eager stand-ins, then
+    time host code alone."""
     r = llm.engine.runner
-    groups = [r.graphs.graphs]
+    groups = [r.graphs.graphs, r.graphs.stores]
     if r.extend_graphs is not None:
         groups.append(r.extend_graphs.graphs)
     if r.spec is not None and r.spec.graphs is not None:

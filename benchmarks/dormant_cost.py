@@ -1,18 +1,21 @@
-"""What holding a draft costs a plain decode step on the GPU: the decode graph of an engine with an
+"""What holding a draft costs a plain decode step on the GPU: the decode step of an engine with an
 EAGLE-3 draft (which stores the draft's inputs, fc over the target's three auxiliary states, at
-every row it computes: one fused launch, kernels/fc_scatter.py; and, a third engine, fc + index_put
-as before it) against the same graph of an engine without one, replayed back to back.
+every row it computes: one fused launch, kernels/fc_scatter.py; and, a third engine, fc + index_put,
+the default) against the same step of an engine without one.
 
 The H100's temperature-1 waves had the draft engine's plain decode graphs at 0.968 ms a step against
-the plain engine's 0.958 at batch 8 (+1.0%), and the same after the graphs' extra kernels went from
-5 to 2: this times the two graphs alone (no host work, no scheduling) on a random model of SmolLM2's
-shapes (benchmarks/random_smol.py), every row a real sequence of CONTEXT keys, greedy and at
-temperature 1, rounds interleaved, the median of ROUNDS rounds of REPS replays each. Then, with
---profile, each graph's kernels at batch 8 under torch.profiler (name, count, GPU µs), so a
+the plain engine's 0.958 at batch 8 (+1.0%), with the store inside the decode graph, before the
+step's tokens. Since the thirty-seventh session the store is a graph of its own, replayed after the
+step's fence: each step here is the decode graph's replay, the fence, the store's replay, the host's
+wait for the tokens, and HOST_US of host work (a server's next step being scheduled, which the
+store's GPU time now overlaps), on a random model of SmolLM2's shapes (benchmarks/random_smol.py),
+every row a real sequence of CONTEXT keys, greedy and at temperature 1, rounds interleaved, the
+median of ROUNDS rounds of REPS steps each (µs a step, the host work taken out). Then, with
+--profile, each engine's kernels at batch 8 under torch.profiler (name, count, GPU µs), so a
 difference has a name.
 
     python benchmarks/dormant_cost.py [--root DIR] [--batches 1,8,32,64] [--context 256]
-        [--reps 200] [--rounds 7] [--profile] [--out DIR]
+        [--reps 200] [--rounds 7] [--host-us 60] [--profile] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 
@@ -47,6 +51,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--host-us", type=float, default=60.0, help="host work a step after its tokens (µs)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -74,15 +79,26 @@ def main() -> None:
     graphs = {name: llm.engine.runner.graphs for name, llm in engines.items()}
 
     def timed(g, b: int) -> float:
-        """µs a replay of bucket b's graph, REPS replays back to back."""
-        graph = g.graphs[g.bucket(b)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        """µs a step of bucket b as the runner runs it, REPS steps: the decode graph's replay, its fence,
+        the feature store's graph (a draft engine's, replayed after the fence), the host waiting on the
+        fence for the tokens, then HOST_US of host work (the next step's scheduling and inputs, which
+        the store's GPU time can overlap) -- wall time over the steps."""
+        size = g.bucket(b)
+        graph, store = g.graphs[size], g.stores.get(size)
+        fence = torch.cuda.Event()
+        gap = a.host_us * 1e-6
+        t0 = time.perf_counter()
         for _ in range(a.reps):
             graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / a.reps
+            fence.record()
+            if store is not None:
+                store.replay()
+            fence.synchronize()
+            t = time.perf_counter() + gap
+            while time.perf_counter() < t:
+                pass
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e6 / a.reps - a.host_us
 
     rows = []
     print("| batch | temp | plain µs | draft µs | draft / plain | draft, unfused store µs | unfused / plain |\n"
@@ -108,12 +124,14 @@ def main() -> None:
         b = 8 if 8 in batches else batches[0]
         for name, g in graphs.items():
             fill(g, b, a.context, 0.0)
-            graph = g.graphs[g.bucket(b)]
+            graph, store = g.graphs[g.bucket(b)], g.stores.get(g.bucket(b))
             graph.replay()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as pr:
                 for _ in range(20):
                     graph.replay()
+                    if store is not None:
+                        store.replay()
                 torch.cuda.synchronize()
             ev = [e for e in pr.key_averages() if e.self_device_time_total > 0]
             ev.sort(key=lambda e: -e.self_device_time_total)

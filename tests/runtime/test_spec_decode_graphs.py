@@ -10,6 +10,7 @@ Medusa, EAGLE and EAGLE-3 drafts."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import write_draft
 
 from optllm.runtime.llm import LLM
@@ -64,6 +65,39 @@ def test_plain_steps_replay_graphs_and_speculation_stays_exact(tiny_llama, tmp_p
     assert got == want
     assert len(replays) >= 5 and max(replays) == 5, replays  # both paths ran, several times
     assert llm.engine.stats().speculation["seq_steps"] > 0
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle3"])
+def test_plain_decode_steps_store_the_features_after_the_fence(tiny_llama, tmp_path, method):
+    """The decode graphs' store is a graph of its own, replayed after the step's fence: plain decode
+    steps through the graphs (stand-ins) leave the same draft inputs at every slot as the eager
+    engine's store, and each replay runs the decode graph, the fence, then the store."""
+    kw = dict(seed=2, noise=0.3, draft_vocab=150) if method == "eagle3" else {}
+    draft = write_draft(tmp_path / method, tiny_llama, method, **kw)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)  # (never speculates)
+    stores = []
+    for graphs in (False, True):
+        llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_policy="fixed", max_num_seqs=8)
+        order: list[str] = []
+        if graphs:
+            replays = _with_stand_in_graphs(llm, 8)
+            g = llm.engine.runner.graphs
+            assert set(g.stores) == set(g.buckets)
+            for key, tag in ((g.graphs, "decode"), (g.stores, "store")):
+                for b, graph in key.items():
+                    graph.replay = lambda f=graph.replay, tag=tag: order.append(tag) or f()
+            fenced = g.fence.replayed
+            g.fence.replayed = lambda: order.append("fence") or fenced()
+        outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        r = llm.engine.runner  # the scheduler's blocks (not the speculative graphs' pad block, nor the dump row)
+        stores.append((outs, r.spec.store.features[:r.num_blocks * r.block_size].clone()))
+        if graphs:
+            assert len(replays) >= 10 and order == ["decode", "fence", "store"] * len(replays)
+    (eager_out, eager), (graph_out, graphed) = stores
+    assert graph_out == eager_out
+    used = eager.abs().sum(1) > 0
+    assert used.sum() >= len(PROMPTS) * 12  # every prompt and decode row of the five sequences stored
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_cost_profile_times_the_graph_replay(tiny_llama, tmp_path, monkeypatch):

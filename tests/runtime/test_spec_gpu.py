@@ -121,3 +121,26 @@ def test_fused_steps_equal_plain_greedy_on_cuda(tiny_llama, drafts, method):
     if method != "eagle3":  # (write_draft's EAGLE-3 is random.) Not the exact histogram: on a GPU the
         # fused forward's larger GEMMs may round the draft's features differently (the CPU test is exact)
         assert sum(stats[True]["histogram"][1:]) > 0
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle3"])
+def test_decode_graphs_store_the_features_on_cuda(tiny_llama, drafts, method):
+    """The decode graphs' feature store (a graph of its own, replayed after the step's fence, while
+    the host reads the tokens back) leaves the same draft inputs at every slot as an eager engine's
+    store, the next steps reading them in stream order; plain steps only (a repetition penalty: no
+    sequence speculates)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2)
+    got = []
+    for eager in (True, False):
+        llm = LLM(str(tiny_llama), device="cuda", dtype="float32", draft=str(drafts[method]), spec_policy="fixed",
+                  enforce_eager=eager, **SMALL)
+        assert (llm.engine.runner.graphs is None) == eager and (eager or llm.engine.runner.graphs.stores)
+        outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        r = llm.engine.runner
+        got.append((outs, r.spec.store.features[:r.num_blocks * r.block_size].float().cpu()))
+        del llm, r
+        gc.collect()
+    (eager_out, eager_f), (graph_out, graph_f) = got
+    assert graph_out == eager_out
+    assert (eager_f.abs().sum(1) > 0).sum() >= len(PROMPTS) * 24
+    torch.testing.assert_close(graph_f, eager_f, rtol=1e-3, atol=1e-3)  # (float32; the same kernels, other splits)
