@@ -46,7 +46,8 @@ graph), which grows with the batch and differs between plain and speculative ste
 engine reports each pure step's measured wall time (``observe_cost``: every eligible decode
 plain, or every one speculating with the same tree), and cost(n, B) is the profile's time times
 a running ratio measured / profiled, per tree size and power-of-two batch bucket (the profile
-counts as one observation; each ratio is clamped to [1/4, 20] against a stray stall). A tree
+counts as one observation; each ratio is clamped to [1/4, 20] against a stray stall; a tree size
+not yet measured at a bucket takes the plain step's ratio there). A tree
 that looked cheap at start-up but is slow in service stops being chosen. The engine times the
 whole step (scheduling, the runner, the output bookkeeping), so the host's share, which grows
 with the batch and the tokens a step emits, is in the ratio too. Steps where a row samples keep
@@ -315,7 +316,8 @@ class AdaptivePolicy:
     def step_cost(self, n: int, batch: int) -> float:
         """Expected milliseconds of a step of `batch` decodes with trees of n nodes (1: plain), in
         the last choose()'s cost class: the profile's time times the measured ratio of its (n, batch
-        bucket, class), 1 until measured."""
+        bucket, class) (``_ratio_of``: until a tree size is measured there, the plain step's; 1 until
+        either is)."""
         return self._table(self._cost_cls).cost(n, batch) * self._ratio_of(n, self._bucket(batch), self._cost_cls)
 
     def _ratio_of(self, n: int, bucket: int, cls: int) -> float:
