@@ -782,7 +782,8 @@ class AdaptivePolicy:
         """What the policy has learnt so far, for a report: per class (greedy, sampled) the engine-wide
         expected accepted draft tokens per size, how many verifies taught them, their per-step
         variance and the spread between sequences; the measured / profiled step-cost ratios, keyed
-        "size/batch bucket/class" (those not yet measured are 1); the catch-up's ratio."""
+        "size/batch bucket/class" (a tree size not listed takes its bucket's plain ratio, ``_ratio_of``;
+        1 where that is not listed either); the catch-up's ratio."""
         classes = ("greedy", "sampled")
         return {"sizes": list(self.sizes),
                 "accepted": {c: self._G[i].tolist() for i, c in enumerate(classes)},
