@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="the requests' (1: sampled decode steps)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--trees", default="", help="tree sizes to pin, each profiled at every batch")
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -76,7 +77,7 @@ def main() -> None:
     if spec.policy is None:
         sys.exit("the draft engine has no adaptive policy")
     spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, left=None: 1  # every step plain
-    params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
     rows, lines = [], []
     for bs in batches:
         prompts = [[100 + (7 * i + j) % 20000 for j in range(32)] for i in range(bs)]
