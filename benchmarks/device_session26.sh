@@ -25,7 +25,8 @@
 #               decode graph with a draft against without (dormant_cost.py); FIRST=1 a GEMM's first call at a
 #               new row count (first_call_cost.py); TESTS=none no tests; NO_MMA=1 no GEMV sweep
 #   PART=host   no model, nothing carried (thirty-eighth session): host_profile_spec.py on a random SmolLM2 at
-#               temperature HOST_TEMP (1), batches HOST_BS (8,64): a dormant draft engine's host time, by function
+#               temperature HOST_TEMP (1), batches HOST_BS (8,64): a dormant draft engine's host time, by function;
+#               TESTS (GPU tests) and DORMANT=1 first, HOST_ARGS passed on (--ablate)
 #   PART=gen    carry .carry2 (twenty-eighth session): more self-distilled data, GEN_S seconds of chunks
 #               (benchmarks/gen_draft_data.py, seeds apart from the nineteenth session's), merged after
 #               the nineteenth session's 12288 into /root/d/data_all.jsonl (a later PART=train on the same
@@ -244,13 +245,17 @@ awqtrain)  # (thirty-fourth session) an EAGLE-3 draft for the AWQ target on /roo
   ;;
 host)  # (thirty-eighth session) a random SmolLM2-shaped target and EAGLE-3 draft (no staging): host_profile_spec.py,
   # plain engine against the draft engine with speculation pinned off, at HOST_TEMP (1) over HOST_BS (8,64): the
-  # whole generate's time a step, the runner's, cProfile's functions that differ most, host syncs
+  # whole generate's time a step, the runner's, cProfile's functions that differ most, host syncs; first the
+  # GPU tests (TESTS) and probes (DORMANT=1); HOST_ARGS: more of the script's arguments (--ablate)
+  [ -z "${TESTS:-}" ] || [ "${TESTS:-}" = none ] || gpu_tests
+  probes
   timeout 90 python3 benchmarks/random_smol.py /root/rs --method eagle3 > "$OUT/logs/random_smol.log" 2>&1 \
     || { echo "random_smol exited $?"; tail -3 "$OUT/logs/random_smol.log"; }
+  # shellcheck disable=SC2086
   timeout "$(( $(left) - 10 ))" python3 benchmarks/host_profile_spec.py --model /root/rs/target --draft /root/rs/eagle3 \
-    --batches "${HOST_BS:-8,64}" --temperature "${HOST_TEMP:-1}" --rounds 5 --out "$OUT" > "$OUT/logs/host.log" 2>&1 \
+    --batches "${HOST_BS:-8,64}" --temperature "${HOST_TEMP:-1}" --rounds 5 ${HOST_ARGS:-} --out "$OUT" > "$OUT/logs/host.log" 2>&1 \
     || echo "host_profile_spec exited $?"
-  grep -v "arn" "$OUT/host_profile_spec.md" 2>/dev/null | grep -A30 "^### batch" | head -70
+  grep -v "arn" "$OUT/host_profile_spec.md" 2>/dev/null | grep -A30 "^### batch" | head -80
   ;;
 *) echo "PART=${PART:-}: allowed stage, tests, gen, train, eval, kernels, host, awq, bs1, awqdata, awqtrain, medusa"; exit 2 ;;
 esac

@@ -1,18 +1,20 @@
 """What holding a draft costs a plain decode step on the GPU: the decode step of an engine with an
 EAGLE-3 draft (which stores the draft's inputs, fc over the target's three auxiliary states, at
-every row it computes: one fused launch, kernels/fc_scatter.py; and, a third engine, fc + index_put,
-the default) against the same step of an engine without one.
+every row it computes) against the same step of an engine without one.
 
 The H100's temperature-1 waves had the draft engine's plain decode graphs at 0.968 ms a step against
 the plain engine's 0.958 at batch 8 (+1.0%), with the store inside the decode graph, before the
-step's tokens. Since the thirty-seventh session the store is a graph of its own, replayed after the
-step's fence: each step here is the decode graph's replay, the fence, the store's replay, the host's
-wait for the tokens, and HOST_US of host work (a server's next step being scheduled, which the
-store's GPU time now overlaps), on a random model of SmolLM2's shapes (benchmarks/random_smol.py),
-every row a real sequence of CONTEXT keys, greedy and at temperature 1, rounds interleaved, the
-median of ROUNDS rounds of REPS steps each (µs a step, the host work taken out). Then, with
---profile, each engine's kernels at batch 8 under torch.profiler (name, count, GPU µs), so a
-difference has a name.
+step's tokens. Since the thirty-seventh session the store runs after the point the host waits for:
+"draft" is the runtime's default (inside the decode graph after its fence's mark, where
+``graph_fence_ok``: one replay a step), "draft, store apart" the thirty-seventh session's (a graph of
+its own, replayed after the host's fence), "draft, fused store" the default with the store as one
+launch (kernels/fc_scatter.py, opt-in). Each step here is as the runner runs it: the decode graph's
+replay, the fence, the store's replay where it is apart, the host's wait for the tokens, and HOST_US
+of host work (a server's next step being scheduled, which the store's GPU time overlaps), on a
+random model of SmolLM2's shapes (benchmarks/random_smol.py), every row a real sequence of CONTEXT
+keys, greedy and at temperature 1, rounds interleaved, the median of ROUNDS rounds of REPS steps
+each (µs a step, the host work taken out). Then, with --profile, each engine's kernels at batch 8
+under torch.profiler (name, count, GPU µs), so a difference has a name.
 
     python benchmarks/dormant_cost.py [--root DIR] [--batches 1,8,32,64] [--context 256]
         [--reps 200] [--rounds 7] [--host-us 60] [--profile] [--out DIR]
@@ -67,33 +69,43 @@ def main() -> None:
     kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=most, max_model_len=a.context + 64,
               num_kv_blocks=most * per + 8, enable_prefix_caching=False)
     from optllm.runtime import spec_runner
+    from optllm.runtime.cuda_graphs import DecodeGraphs
 
-    engines = {"plain": LLM(str(a.root / "target"), **kw)}
-    spec_runner.FUSED_STORE = True  # the store as one launch (kernels/fc_scatter.py; opt-in in the runtime)
-    engines["draft"] = LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive", **kw)
-    spec_runner.FUSED_STORE = False  # fc + index_put, the default
-    engines["draft, unfused store"] = LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive",
-                                          **kw)
-    fused = engines["draft"].engine.runner.spec.store.fc_weight is not None
-    print(f"the draft engine's store: {'one fused launch' if fused else 'fc + index_put (the fused kernel is off)'}")
+    def draft_engine(pin=None):
+        """A draft engine built with pin's (object, attribute, value) set, put back after."""
+        obj, attr, value = pin or (None, "", None)
+        saved = getattr(obj, attr, None)
+        if obj is not None:
+            setattr(obj, attr, value)
+        try:
+            return LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive", **kw)
+        finally:
+            if obj is not None:
+                setattr(obj, attr, saved)
+
+    engines = {"plain": LLM(str(a.root / "target"), **kw), "draft": draft_engine(),
+               "draft, store apart": draft_engine((DecodeGraphs, "store_in_graph", False)),
+               "draft, fused store": draft_engine((spec_runner, "FUSED_STORE", True))}
+    print("the draft engine's store: " + ("inside the decode graph, after its fence's mark"
+                                          if engines["draft"].engine.runner.graphs.in_graph else
+                                          "a graph of its own (graph_fence_ok is False here)"))
     graphs = {name: llm.engine.runner.graphs for name, llm in engines.items()}
 
     def timed(g, b: int) -> float:
         """µs a step of bucket b as the runner runs it, REPS steps: the decode graph's replay, its fence,
-        the feature store's graph (a draft engine's, replayed after the fence), the host waiting on the
-        fence for the tokens, then HOST_US of host work (the next step's scheduling and inputs, which
-        the store's GPU time can overlap) -- wall time over the steps."""
+        the feature store's graph where it is apart, the host waiting on the fence for the tokens,
+        then HOST_US of host work (the next step's scheduling and inputs, which the store's GPU time
+        can overlap) -- wall time over the steps."""
         size = g.bucket(b)
-        graph, store = g.graphs[size], g.stores.get(size)
-        fence = torch.cuda.Event()
+        graph, store, fence = g.graphs[size], g.stores.get(size), g.fence
         gap = a.host_us * 1e-6
         t0 = time.perf_counter()
         for _ in range(a.reps):
             graph.replay()
-            fence.record()
+            fence.replayed()
             if store is not None:
                 store.replay()
-            fence.synchronize()
+            fence.wait()
             t = time.perf_counter() + gap
             while time.perf_counter() < t:
                 pass
@@ -101,8 +113,9 @@ def main() -> None:
         return (time.perf_counter() - t0) * 1e6 / a.reps - a.host_us
 
     rows = []
-    print("| batch | temp | plain µs | draft µs | draft / plain | draft, unfused store µs | unfused / plain |\n"
-          "|---|---|---|---|---|---|---|")
+    others = [n for n in graphs if n != "plain"]
+    print("| batch | temp | plain µs | " + " | ".join(f"{n} µs | / plain" for n in others) + " |\n"
+          + "|---|---|---|" + "---|---|" * len(others))
     for b in batches:
         for temp in (0.0, 1.0):
             times: dict[str, list[float]] = {name: [] for name in graphs}
@@ -112,11 +125,12 @@ def main() -> None:
             for _ in range(a.rounds):
                 for name, g in graphs.items():
                     times[name].append(timed(g, b))
-            p, d = statistics.median(times["plain"]), statistics.median(times["draft"])
-            u = statistics.median(times["draft, unfused store"])
-            rows.append({"batch": b, "temperature": temp, "plain_us": p, "draft_us": d, "ratio": d / p,
-                         "unfused_us": u, "unfused_ratio": u / p, "rounds": times})
-            print(f"| {b} | {temp:g} | {p:.1f} | {d:.1f} | {d / p:.3f} | {u:.1f} | {u / p:.3f} |", flush=True)
+            med = {n: statistics.median(v) for n, v in times.items()}
+            p = med["plain"]
+            rows.append({"batch": b, "temperature": temp, "us": med, "ratio": {n: med[n] / p for n in others},
+                         "rounds": times})
+            print(f"| {b} | {temp:g} | {p:.1f} | " + " | ".join(f"{med[n]:.1f} | {med[n] / p:.3f}" for n in others)
+                  + " |", flush=True)
     prof = {}
     if a.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -11,6 +11,13 @@ cProfile and, where CUDA is there, one under torch's sync debug mode (every host
 makes beyond its one token read-back is printed with its stack). The table lists the functions
 whose own time differs most between the two engines, µs a step.
 
+--ablate: also two draft engines with a part of the dormant draft's work taken out, timed in the same
+rounds: "nostore" (the decode graphs' feature-store graph never replayed), "noplan" (plan() returns
+"no speculation" at once, without the policy); and "apart", the feature store as a graph of its own
+replayed after the host's fence (the thirty-seventh session's; "draft" stores inside the decode
+graph after its fence's mark where the device allows it). What is left of "draft" minus "plain" in each says how
+much of it that part was.
+
 --trees 2,5 (after the plain comparison): the draft engine's choice pinned to trees of n nodes
 instead, so that every decode step speculates; per n and batch: ms a step, tokens a step, and
 cProfile's functions of ours by cumulative time and all by own time, µs a step -- where a
@@ -61,6 +68,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="the requests' (1: sampled decode steps)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--trees", default="", help="tree sizes to pin, each profiled at every batch")
+    ap.add_argument("--ablate", action="store_true", help="also the nostore and noplan draft engines")
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args()
     from optllm import LLM, SamplingParams
@@ -77,6 +85,25 @@ def main() -> None:
     if spec.policy is None:
         sys.exit("the draft engine has no adaptive policy")
     spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, left=None: 1  # every step plain
+    if a.ablate:
+        engines["nostore"] = LLM(**kw, draft=a.draft, spec_policy="adaptive")
+        engines["nostore"].engine.runner.spec.policy.choose = spec.policy.choose
+        graphs = engines["nostore"].engine.runner.graphs
+        if graphs is not None:  # (no graphs: an eager engine, the CPU; its store runs inside the step)
+            graphs.stores.clear()
+        engines["noplan"] = LLM(**kw, draft=a.draft, spec_policy="adaptive")
+        sp = engines["noplan"].engine.runner.spec
+
+        def noplan(running, draining=False, sp=sp):
+            sp.pending_cost, sp.scanned, sp.n = None, False, 1
+            return 0
+        sp.plan = noplan
+        from optllm.runtime.cuda_graphs import DecodeGraphs
+
+        DecodeGraphs.store_in_graph = False  # the thirty-seventh session's store: a graph of its own
+        engines["apart"] = LLM(**kw, draft=a.draft, spec_policy="adaptive")
+        DecodeGraphs.store_in_graph = None
+        engines["apart"].engine.runner.spec.policy.choose = spec.policy.choose
     params = SamplingParams(temperature=a.temperature, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
     rows, lines = [], []
     for bs in batches:
@@ -88,7 +115,7 @@ def main() -> None:
             for name, llm in engines.items():
                 times[name].append(run(llm, prompts, params))
         prof = {}
-        for name, llm in engines.items():
+        for name, llm in [(k, engines[k]) for k in ("plain", "draft")]:
             p = cProfile.Profile()
             p.enable()
             _, _, steps = run(llm, prompts, params)
@@ -96,7 +123,7 @@ def main() -> None:
             prof[name] = own_times(p, steps)
         syncs = {}
         if a.device == "cuda":
-            for name, llm in engines.items():
+            for name, llm in [(k, engines[k]) for k in ("plain", "draft")]:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
@@ -115,13 +142,15 @@ def main() -> None:
         (p_ms, p_run), (d_ms, d_run) = med["plain"], med["draft"]
         lines.append(f"\n### batch {bs}: a step {p_ms:.3f} ms plain, {d_ms:.3f} ms with the draft "
                      f"({d_ms / p_ms:.3f}×); runner {p_run:.3f} / {d_run:.3f} ms")
+        for k in [k for k in engines if k not in ("plain", "draft")]:
+            lines.append(f"- {k}: a step {med[k][0]:.3f} ms ({med[k][0] / p_ms:.3f}× plain), runner {med[k][1]:.3f} ms")
         for k, (n, msgs) in syncs.items():
             lines.append(f"- host syncs a step, {k}: {n:.2f}" + "".join(f"\n  - `{m}`" for m in msgs))
         lines.append("\n| function (own time, cProfile) | plain µs a step | draft µs a step "
                      "| calls a step plain / draft |\n|---|---|---|---|")
         for k, p, d in top:
             lines.append(f"| `{k}` | {p[0]:.1f} | {d[0]:.1f} | {p[1]:.1f} / {d[1]:.1f} |")
-        print("\n".join(lines[-(len(top) + 4 + len(syncs)):]), flush=True)
+        print("\n".join(lines[-(len(top) + 4 + len(syncs) + len(engines) - 2):]), flush=True)
     spec_rows = []
     draft = engines["draft"]
     for n in [int(t) for t in a.trees.split(",") if t]:

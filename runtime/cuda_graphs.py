@@ -267,6 +267,71 @@ class ReplayFence:
             self.event.synchronize()
 
 
+class GraphFence(ReplayFence):
+    """A fence the graphs record themselves, at a point inside them: ``mark()``, called inside the
+    run being captured, records an external event (a record node of the graph). ``wait`` returns
+    once the last replay has passed that point, while the work captured after it may still run;
+    ``replayed`` does nothing. On the GPU only where ``graph_fence_ok``; a CPU's (the eager stand-ins)
+    does nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = torch.cuda.Event(external=True) if device.type == "cuda" else None
+
+    def mark(self) -> None:
+        if self.event is not None:
+            self.event.record()
+
+    def replayed(self) -> None:
+        pass
+
+
+_FENCE_OK: dict = {}  # device -> whether a graph's own event record ends the host's wait mid-graph
+
+
+def graph_fence_ok(device: torch.device) -> bool:
+    """Once per device: whether an external event recorded inside a captured graph (``GraphFence``)
+    works as the decode graphs need it: after its ``wait`` the host reads what the graph copied out
+    before the mark (slow work feeds the copy: a wait that returned early reads stale values), while
+    the work captured after the mark is still running (else the mark brings nothing). False (torch
+    without external events, a driver that records at the graph's end) keeps the feature store a graph
+    of its own, replayed after a fence recorded by the host."""
+    if device.type != "cuda":
+        return False
+    if device not in _FENCE_OK:
+        ok = False
+        try:
+            st, rb = HostStaging(8, torch.int64, device), HostReadback((8,), torch.int64, device)
+            fence, w = GraphFence(device), torch.randn(2048, 2048, device=device)
+
+            def run():
+                y = w
+                for _ in range(8):  # ~1 ms of work that the copy waits for
+                    y = torch.tanh(y @ w)
+                rb.download(st.upload(8) + 1 + (y[0, 0] * 0).long())
+                fence.mark()
+                for _ in range(16):  # and more after the mark
+                    y = torch.tanh(y @ w)
+
+            with torch.inference_mode():
+                run()
+                torch.cuda.synchronize(device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    run()
+                ok = True
+                for k in (3, 11):
+                    st.np[:] = np.arange(8) * k
+                    g.replay()
+                    fence.wait()
+                    ok = ok and rb.np.tolist() == [i * k + 1 for i in range(8)]
+                    ok = ok and not torch.cuda.current_stream(device).query()  # the tail still runs
+                    torch.cuda.synchronize(device)
+        except (TypeError, RuntimeError):  # (no ``external`` events in this torch; a capture that refuses it)
+            ok = False
+        _FENCE_OK[device] = ok
+    return _FENCE_OK[device]
+
+
 class DecodeGraphs:
     """Per bucket b the graph reads its inputs from two staging buffers laid out for b rows,
     int64 [ids b | positions b | slots b] and int32 [key counts b | temperatures b (float32 bits)
@@ -274,7 +339,14 @@ class DecodeGraphs:
     row's temperature is 0 (a greedy step's tokens: the sampler's all-greedy case), else drawn at
     that temperature (kernels/sample.py: a temperature-only sampled step needs no sampler call and
     no torch op on the host; ``GraphSampling``). seed: the noise's Philox key; backend: the
-    sampling kernels' ("triton" | "torch")."""
+    sampling kernels' ("triton" | "torch").
+    With a sink (a draft engine's feature store), the store runs after the tokens' read-back point:
+    inside each graph, after a ``GraphFence`` mark, where ``graph_fence_ok`` (one replay a step);
+    else as a graph of its own per bucket (``stores``), replayed after the host's fence. Either way
+    the host waits for the tokens only, and the store's GPU time overlaps its turnaround.
+    ``store_in_graph`` (None: as ``graph_fence_ok`` says) pins the choice (tests)."""
+
+    store_in_graph: bool | None = None
 
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
                  num_splits_for, eager_stand_in: bool = False, sink=None, seed: int = 0,
@@ -288,10 +360,12 @@ class DecodeGraphs:
         self.i32 = HostStaging(n * (2 + self.width), torch.int32, device)
         self.temps = self.i32.np.view(np.float32)  # the temperatures' float32 view of the int32 staging
         self.sampling = GraphSampling(n, seed, backend, device)
-        self.fence = ReplayFence(device)
+        pin = self.store_in_graph
+        self.in_graph = sink is not None and (graph_fence_ok(device) if pin is None else pin)
+        self.fence = GraphFence(device) if self.in_graph else ReplayFence(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple] = {}  # bucket -> (logits, tokens[, hidden, aux]), refilled by each replay
-        self.stores: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> the sink's graph (a draft loaded)
+        self.stores: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> the sink's graph (a draft, not in_graph)
         # the tokens also copied to the host by the graph (a buffer a bucket, made at its warm-up run)
         self.device = device
         self.readback: dict | None = {} if captured_download_ok(device) else None
@@ -300,9 +374,10 @@ class DecodeGraphs:
         self._capture(device)
 
     def _run(self, b: int) -> tuple:
-        """(logits, tokens) of bucket b; with a sink, also the hidden rows and aux states it stores
-        (outputs of the graph, so that no other graph of the pool reuses their memory before the
-        store's graph has read them)."""
+        """(logits, tokens) of bucket b; with a sink in the graph, the fence's mark, then the store;
+        with a sink in a graph of its own, also the hidden rows and aux states it stores (outputs of
+        the graph, so that no other graph of the pool reuses their memory before the store's graph
+        has read them)."""
         i64, i32 = self.i64.upload(3 * b), self.i32.upload(b * (2 + self.width))
         ids, positions, slots = i64[:b], i64[b:2 * b], i64[2 * b:]
         meta = AttentionMetadata(slot_mapping=slots, block_tables=i32[2 * b:].view(b, self.width), seq_lens=i32[:b],
@@ -315,7 +390,12 @@ class DecodeGraphs:
             download_into(self.readback, b, tokens, self.device)
         if self.sink is None:
             return logits, tokens
-        return logits, tokens, hidden, getattr(self.model.model, "aux_hidden", None)
+        aux = getattr(self.model.model, "aux_hidden", None)
+        if self.in_graph:  # the host's wait ends here; the store runs while it reads the tokens
+            self.fence.mark()
+            self.sink(hidden, aux, slots)
+            return logits, tokens
+        return logits, tokens, hidden, aux
 
     def _store(self, b: int) -> tuple:
         """The sink over bucket b's last replay: its hidden rows (and aux states) at its slots (the
@@ -328,7 +408,7 @@ class DecodeGraphs:
         # the warm-up runs' batch: all padding (slot -1: nothing stored; one key)
         self.outputs = capture_graphs(self.graphs, {b: functools.partial(self._run, b) for b in reversed(self.buckets)},
                                       device, self.eager_stand_in, prepare=lambda b: self._write_padding(b, 0))
-        if self.sink is not None:  # (its warm-up and capture store nothing: every slot the padding's -1)
+        if self.sink is not None and not self.in_graph:  # (its warm-up and capture store nothing: slots -1)
             capture_graphs(self.stores, {b: functools.partial(self._store, b) for b in reversed(self.buckets)},
                            device, self.eager_stand_in, prepare=lambda b: self.i64.dev[2 * b:3 * b].fill_(-1))
 

@@ -282,6 +282,38 @@ def test_a_captured_upload_reads_the_host_buffer_at_every_replay():
 
 
 @pytest.mark.gpu
+def test_a_graphs_own_fence_ends_the_wait_at_its_mark():
+    """GraphFence: the external event a graph records at its mark ends the host's wait there: the
+    copy before the mark (fed by ~1 ms of work) is in the host buffer, each replay's values, while
+    the work after the mark still runs. The runtime's start-up check passes (the decode graphs store
+    a draft's features after the mark)."""
+    from optllm.runtime.cuda_graphs import GraphFence, graph_fence_ok
+
+    dev = torch.device("cuda")
+    st, rb = HostStaging(64, torch.int64, dev), HostReadback((4, 4), torch.int64, dev)
+    fence, w = GraphFence(dev), torch.randn(2048, 2048, device=dev)
+    tail = []
+
+    def run():
+        y = w
+        for _ in range(8):
+            y = torch.tanh(y @ w)
+        rb.download((st.upload(16) * 3 + 1 + (y[0, 0] * 0).long()).view(4, 4))
+        fence.mark()
+        for _ in range(16):
+            y = torch.tanh(y @ w)
+
+    def read():
+        fence.wait()
+        tail.append(torch.cuda.current_stream().query())
+        return rb.np.reshape(-1).tolist()
+
+    _replays_see_each_new_input(st, fence, run, read)
+    assert tail == [False] * 5  # every wait ended before the graph did
+    assert graph_fence_ok(dev)
+
+
+@pytest.mark.gpu
 def test_a_captured_download_writes_the_host_buffer_at_every_replay():
     """The graphs' read-back: a captured copy into a pinned buffer lands each replay's values there
     once the fence has passed, read through the numpy view without a torch op."""

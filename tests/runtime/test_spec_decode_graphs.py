@@ -67,11 +67,17 @@ def test_plain_steps_replay_graphs_and_speculation_stays_exact(tiny_llama, tmp_p
     assert llm.engine.stats().speculation["seq_steps"] > 0
 
 
+@pytest.mark.parametrize("in_graph", [False, True])
 @pytest.mark.parametrize("method", ["medusa", "eagle3"])
-def test_plain_decode_steps_store_the_features_after_the_fence(tiny_llama, tmp_path, method):
-    """The decode graphs' store is a graph of its own, replayed after the step's fence: plain decode
-    steps through the graphs (stand-ins) leave the same draft inputs at every slot as the eager
-    engine's store, and each replay runs the decode graph, the fence, then the store."""
+def test_plain_decode_steps_store_the_features_after_the_fence(tiny_llama, tmp_path, method, in_graph, monkeypatch):
+    """The decode graphs' store runs after the step's fence: a graph of its own, replayed after the
+    host's fence, or (in_graph) inside the decode graph after its fence's mark. Plain decode steps
+    through the graphs (stand-ins) leave the same draft inputs at every slot as the eager engine's
+    store; each replay runs the decode graph, the fence, then the store's graph, or (in_graph) the
+    one graph, whose run marks the fence before the store."""
+    from optllm.runtime.cuda_graphs import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "store_in_graph", in_graph)
     kw = dict(seed=2, noise=0.3, draft_vocab=150) if method == "eagle3" else {}
     draft = write_draft(tmp_path / method, tiny_llama, method, **kw)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)  # (never speculates)
@@ -82,17 +88,21 @@ def test_plain_decode_steps_store_the_features_after_the_fence(tiny_llama, tmp_p
         if graphs:
             replays = _with_stand_in_graphs(llm, 8)
             g = llm.engine.runner.graphs
-            assert set(g.stores) == set(g.buckets)
+            assert g.in_graph == in_graph and set(g.stores) == (set() if in_graph else set(g.buckets))
             for key, tag in ((g.graphs, "decode"), (g.stores, "store")):
                 for b, graph in key.items():
                     graph.replay = lambda f=graph.replay, tag=tag: order.append(tag) or f()
-            fenced = g.fence.replayed
-            g.fence.replayed = lambda: order.append("fence") or fenced()
+            for name in ("replayed", "mark") if in_graph else ("replayed",):
+                was = getattr(g.fence, name)
+                setattr(g.fence, name, lambda was=was, name=name: order.append(name) or was())
+            sink = g.sink
+            g.sink = lambda *a: order.append("sink") or sink(*a)
         outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         r = llm.engine.runner  # the scheduler's blocks (not the speculative graphs' pad block, nor the dump row)
         stores.append((outs, r.spec.store.features[:r.num_blocks * r.block_size].clone()))
         if graphs:
-            assert len(replays) >= 10 and order == ["decode", "fence", "store"] * len(replays)
+            one = ["decode", "mark", "sink", "replayed"] if in_graph else ["decode", "replayed", "store", "sink"]
+            assert len(replays) >= 10 and order == one * len(replays)
     (eager_out, eager), (graph_out, graphed) = stores
     assert graph_out == eager_out
     used = eager.abs().sum(1) > 0

@@ -123,18 +123,28 @@ def test_fused_steps_equal_plain_greedy_on_cuda(tiny_llama, drafts, method):
         assert sum(stats[True]["histogram"][1:]) > 0
 
 
+@pytest.mark.parametrize("in_graph", [None, False])
 @pytest.mark.parametrize("method", ["medusa", "eagle3"])
-def test_decode_graphs_store_the_features_on_cuda(tiny_llama, drafts, method):
-    """The decode graphs' feature store (a graph of its own, replayed after the step's fence, while
-    the host reads the tokens back) leaves the same draft inputs at every slot as an eager engine's
-    store, the next steps reading them in stream order; plain steps only (a repetition penalty: no
-    sequence speculates)."""
+def test_decode_graphs_store_the_features_on_cuda(tiny_llama, drafts, method, in_graph, monkeypatch):
+    """The decode graphs' feature store (inside the decode graph after its fence's mark, the default
+    where the device passes ``graph_fence_ok``; in_graph False: a graph of its own, replayed after the
+    step's fence), while the host reads the tokens back, leaves the same draft inputs at every slot
+    as an eager engine's store, the next steps reading them in stream order; plain steps only (a
+    repetition penalty: no sequence speculates)."""
+    from optllm.runtime.cuda_graphs import DecodeGraphs, graph_fence_ok
+
+    monkeypatch.setattr(DecodeGraphs, "store_in_graph", in_graph)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2)
     got = []
     for eager in (True, False):
         llm = LLM(str(tiny_llama), device="cuda", dtype="float32", draft=str(drafts[method]), spec_policy="fixed",
                   enforce_eager=eager, **SMALL)
-        assert (llm.engine.runner.graphs is None) == eager and (eager or llm.engine.runner.graphs.stores)
+        g = llm.engine.runner.graphs
+        assert (g is None) == eager
+        if not eager:
+            want = graph_fence_ok(torch.device("cuda")) if in_graph is None else in_graph
+            assert g.in_graph == want and bool(g.stores) != want
+        del g
         outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         r = llm.engine.runner
         got.append((outs, r.spec.store.features[:r.num_blocks * r.block_size].float().cpu()))
