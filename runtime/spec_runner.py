@@ -504,9 +504,10 @@ class SpecDecoder:
     @torch.inference_mode()
     def measure(self, batches: list[int] | None = None, repeats: int = 2, sampled: bool = False):
         """The policy's CostTable: milliseconds of a plain decode step (n = 1: the decode graph's
-        replay to its tokens' read-back; the feature store's graph, replayed after the fence, runs
-        in the host's turnaround in service, so it is waited for before each timed call, not inside
-        it) and of a greedy speculative step of each menu size (the
+        replay to its tokens' read-back; the feature store, which runs after the fence -- inside
+        the graph after its mark, or as a graph of its own -- falls in the host's turnaround in
+        service, so it is waited for before each timed call, not inside it) and of a greedy
+        speculative step of each menu size (the
         draft's catch-up over two rows a sequence, proposal, verify, acceptance, KV move: the
         speculative step's graph where one exists), for batch sizes up to max_num_seqs whose B * n
         fits the step budget, on the engine's own caches before any request (blocks from 0,
