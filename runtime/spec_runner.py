@@ -60,6 +60,7 @@ from ..kernels.topk import topk_logprobs
 from ..kernels.tree_grow import MAX_NODES as TREE_MAX_NODES
 from ..kernels.tree_grow import grow, new_pool, pool_size, select
 from .cuda_graphs import (
+    GraphFence,
     GraphSampling,
     HostStaging,
     ReplayFence,
@@ -67,6 +68,7 @@ from .cuda_graphs import (
     captured_download_ok,
     download_into,
     graph_buckets,
+    graph_fence_ok,
 )
 from .inference import inference
 from .kv_cache import KVCache, KVCacheSpec
@@ -959,7 +961,8 @@ class SpecDecoder:
         if self.policy is not None:
             self.policy.observe_catch_up(rows, ms)
 
-    def _draft_and_verify(self, roots, states, ctx, tables, params, n, inner: bool = False, temps=None):
+    def _draft_and_verify(self, roots, states, ctx, tables, params, n, inner: bool = False, temps=None,
+                          later: list | None = None):
         """Propose trees of n nodes, verify them in one target forward, accept, move the accepted
         KV into place and store the accepted rows' features. Returns (tree, hidden [B * N, H],
         logits [B, N, V], the AcceptResult, each node's rank int64 [B, N]: the trees of the first m
@@ -967,7 +970,7 @@ class SpecDecoder:
         verify forward runs in it, not in VerifyGraphs); temps float32 [B] (inner only): the rows
         sample at these temperatures (< GREEDY_EPS: greedy), by rejection sampling over the tree
         with counter-based noise (kernels/sample.py; the counters advance inside the graph),
-        params unused."""
+        params unused. later: the features' store appended there, not run (``_accept``)."""
         dev = self.device
         bsz = roots.shape[0]
         tree, ranks = self._propose(roots, states, ctx, tables, n)
@@ -985,7 +988,7 @@ class SpecDecoder:
             hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
         aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
-        res = self._accept(tree, hidden, aux, logits, ctx, tables, slots, params, temps)
+        res = self._accept(tree, hidden, aux, logits, ctx, tables, slots, params, temps, later)
         return tree, hidden, logits, res, ranks
 
     def _propose(self, roots, states, ctx, tables, n):
@@ -1006,10 +1009,12 @@ class SpecDecoder:
         (accepted [B, N], -1 past the path: the sequence's root row)."""
         return const_arange(accepted.shape[0], self.device, step=n)[:, None] + accepted.clamp_min(0)
 
-    def _accept(self, tree, hidden, aux, logits, ctx, tables, slots, params, temps=None) -> AcceptResult:
+    def _accept(self, tree, hidden, aux, logits, ctx, tables, slots, params, temps=None,
+                later: list | None = None) -> AcceptResult:
         """Acceptance over the verified trees (hidden [B * N, H] and EAGLE-3's aux: the target's
         rows of the nodes; logits [B, N, V]), the accepted path's KV moved to c .. c + k and its
-        features stored at those slots. temps: as _draft_and_verify's."""
+        features stored at those slots. temps: as _draft_and_verify's. later: the store is not run
+        but appended there as a call (a step graph runs it after its fence's mark)."""
         bsz, n = tree.tokens.shape
         kv = self.runner.kv_cache
         greedy = temps is None and all(p.temperature < GREEDY_EPS for p in params)
@@ -1029,8 +1034,7 @@ class SpecDecoder:
             acc, num, tokens, rows, stored = greedy_accept_move(
                 tree.tokens, tree.parents, tree.depths, tree.mask, tree.paths, tree.sizes, target, tables, ctx,
                 kv.k, kv.v, kv.k_scale, kv.v_scale, backend=be, first_match=temps is not None)
-            rows = rows.reshape(-1)
-            self.store.store(hidden[rows], None if aux is None else aux[rows], stored.reshape(-1))
+            self._store_rows(hidden, aux, rows.reshape(-1), stored.reshape(-1), later)
             return AcceptResult(acc, num, tokens)
         if greedy:
             res = greedy_accept(tree, logits.argmax(dim=-1))
@@ -1040,9 +1044,18 @@ class SpecDecoder:
         move_kv_slots([kv.k, kv.v, kv.k_scale, kv.v_scale], src, dst)
         # the accepted rows' features at positions c .. c + k (the rest: the dump row)
         rows = self._path_rows(res.accepted, n).reshape(-1)
-        self.store.store(hidden[rows], None if aux is None else aux[rows],
-                         torch.where(res.accepted.reshape(-1) >= 0, slots, -1))
+        self._store_rows(hidden, aux, rows, torch.where(res.accepted.reshape(-1) >= 0, slots, -1), later)
         return res
+
+    def _store_rows(self, hidden, aux, rows: torch.Tensor, slots: torch.Tensor, later: list | None) -> None:
+        """The features of the verify's rows `rows` (of hidden and aux) stored at slots (-1: none),
+        now, or appended to later as a call."""
+        def store() -> None:
+            self.store.store(hidden[rows], None if aux is None else aux[rows], slots)
+        if later is None:
+            store()
+        else:
+            later.append(store)
 
     def _observe_sizes(self, seqs, per_size, n) -> None:
         """The policy's per-size acceptance: under each menu size m <= n, the accepted path cut at
@@ -1135,7 +1148,15 @@ class SpecStepGraphs:
     accepted, ``accepted_per_size``) for one read-back. The propose graphs read the same staging. Padding rows (past B)
     run in ``pad_block``, a block of the caches no sequence is given: their tables point only at
     it, so whatever they write lands there. ``eager_stand_in``: as DecodeGraphs' (the plumbing on a
-    CPU)."""
+    CPU).
+
+    The accepted rows' features are stored after the results' copy to the host, behind a
+    ``GraphFence`` mark, where ``graph_fence_ok`` (the decode graphs' rule): the host's wait ends at
+    the mark and the store (fc and the scatter) runs while it reads the results. Else, or pinned off
+    (``store_after_mark`` False: tests), the store comes before the results and the host's fence is
+    recorded after the replay."""
+
+    store_after_mark: bool | None = None
 
     def __init__(self, spec: SpecDecoder, max_batch: int, sizes, max_tokens: int, width: int, pad_block: int,
                  eager_stand_in: bool = False) -> None:
@@ -1154,7 +1175,11 @@ class SpecStepGraphs:
         self.i64 = HostStaging(big * (self.g + 1), torch.int64, dev)
         self.i32 = HostStaging(big * width, torch.int32, dev)
         self.f32 = HostStaging(big, torch.float32, dev)
-        self.fence = ReplayFence(dev)
+        # the store of the accepted rows' features after the results' read-back point: inside each
+        # step graph after its fence's mark where the device allows it (as the decode graphs' store)
+        pin = SpecStepGraphs.store_after_mark
+        self.after_mark = graph_fence_ok(dev) if pin is None else pin
+        self.fence = GraphFence(dev) if self.after_mark else ReplayFence(dev)
         # each step graph's packed results also copied to the host inside the graph (a buffer a key,
         # made at its warm-up run): the step reads them with no torch op
         self.readback: dict | None = {} if captured_download_ok(dev) else None
@@ -1177,19 +1202,26 @@ class SpecStepGraphs:
         ids, ctx, tables = self._inputs(b)
         temps = self.f32.upload(b) if sampled else None
         states = spec._states_fixed(ids, ctx, tables)
+        later: list | None = [] if self.after_mark else None
         _, _, _, res, ranks = spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n, inner=True,
-                                                     temps=temps)
+                                                     temps=temps, later=later)
         # what the host reads, one tensor: [num_accepted | tokens | accepted | accepted per menu size]
         per_size = None if self.sizes_t is None else accepted_per_size(res.accepted, ranks, self.sizes_t)
         packed = spec._pack(res, per_size)
         if self.readback is not None:
             download_into(self.readback, (b, n, sampled), packed, self.spec.device)
+        if later is not None:  # the host's wait ends here; the features' store runs while it reads
+            self.fence.mark()
+            for store in later:
+                store()
         return (packed,)
 
     def _run_propose(self, b: int, n: int):
         spec = self.spec
         ids, ctx, tables = self._inputs(b)
         tree, ranks = spec._propose(ids[:, -1], spec._states_fixed(ids, ctx, tables), ctx, tables, n)
+        if self.after_mark:  # (the fence the next staging write waits on: this graph's end)
+            self.fence.mark()
         return tree.tokens, tree.parents, tree.sizes, tree.depths, tree.mask, tree.paths, ranks
 
     def bucket(self, bsz: int, n: int, sampled: bool = False) -> int | None:

@@ -187,13 +187,20 @@ def test_verify_forward_replays_graphs_and_speculation_stays_exact(tiny_llama, t
     assert any(b == 5 for b, _ in runs)  # a batch that pads to its bucket
 
 
+@pytest.mark.parametrize("after_mark", [False, True])
 @pytest.mark.parametrize(("method", "noise"), [("eagle", 0.1), ("medusa", 0.02)])
-def test_step_graphs_accept_what_the_eager_step_accepts(tiny_llama, tmp_path, method, noise):
+def test_step_graphs_accept_what_the_eager_step_accepts(tiny_llama, tmp_path, method, noise, after_mark,
+                                                        monkeypatch):
     """Greedy tokens would match even with a broken draft (the target decides them); the accepted
     drafts would not: the graphed step (its fixed catch-up window recomputing rows the draft has
     seen, its own proposal and acceptance) must accept exactly what the eager step accepts, at a
     batch that fills its bucket (no padding: the same shapes, float32, so the same values). The
-    EAGLE draft's attention and MLP carry noise, so its own KV cache shapes its proposals."""
+    EAGLE draft's attention and MLP carry noise, so its own KV cache shapes its proposals.
+    after_mark: the step graphs store the accepted rows' features after their fence's mark (the
+    results' copy first): each step graph's run marks, then stores; else it stores and never marks."""
+    from optllm.runtime.spec_runner import SpecStepGraphs
+
+    monkeypatch.setattr(SpecStepGraphs, "store_after_mark", after_mark)
     draft = write_draft(tmp_path / method, tiny_llama, method, seed=3, noise=noise)
     prompts, params = PROMPTS[:4], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs = []
@@ -202,13 +209,28 @@ def test_step_graphs_accept_what_the_eager_step_accepts(tiny_llama, tmp_path, me
     for graphs in (False, True, "device read-back"):
         llm = LLM(str(tiny_llama), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=4,
                   spec_num_draft=10, spec_policy="fixed", max_num_seqs=4)
+        events: list[str] = []
         if graphs:
             _with_stand_in_graphs(llm, 4)
             sg = llm.engine.runner.spec.graphs
             assert sg.readback and set(sg.readback) == set(sg.keys)
+            assert sg.after_mark == after_mark
             if graphs == "device read-back":
                 sg.readback = None
+            for k in sg.keys:
+                sg.graphs[k].replay = lambda f=sg.graphs[k].replay: events.append("step") or f()
+            if after_mark:
+                mark = sg.fence.mark
+                sg.fence.mark = lambda: events.append("mark") or mark()
+            store = llm.engine.runner.spec.store
+            stored = store.store
+            store.store = lambda *a: events.append("store") or stored(*a)
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        steps = [i for i, e in enumerate(events) if e == "step"]
+        assert len(steps) >= 5 or not graphs
+        want = ["mark", "store"] if after_mark else ["store"]
+        for i in steps:  # each step graph's run: (its mark, then) its store, nothing else before them
+            assert events[i + 1:i + 1 + len(want)] == want, events[i:i + 4]
         if graphs is True:  # each key's host copy holds what its last replay output
             assert all((rb.np == sg.outputs[k][0].numpy()).all() for k, rb in sg.readback.items())
         runs.append((out, llm.engine.stats().speculation))
