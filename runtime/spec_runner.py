@@ -1177,7 +1177,7 @@ class SpecStepGraphs:
         self.f32 = HostStaging(big, torch.float32, dev)
         # the store of the accepted rows' features after the results' read-back point: inside each
         # step graph after its fence's mark where the device allows it (as the decode graphs' store)
-        pin = SpecStepGraphs.store_after_mark
+        pin = self.store_after_mark
         self.after_mark = graph_fence_ok(dev) if pin is None else pin
         self.fence = GraphFence(dev) if self.after_mark else ReplayFence(dev)
         # each step graph's packed results also copied to the host inside the graph (a buffer a key,
