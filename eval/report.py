@@ -101,9 +101,9 @@ def _batch_cell(s: dict) -> str:
 
 def speculation_table(rows: list) -> str:
     """Speculation: a row per model, temperature and batch size (plain and speculative output
-    tok/s, speedup, tau, the share of speculative sequence-steps accepting at least d draft
-    tokens for d = 1..4, speculative steps per tree size (n: steps), greedy outputs identical); ""
-    when no row has speculation."""
+    tok/s, speedup with ± the standard error of its per-batch pairs, tau, the share of
+    speculative sequence-steps accepting at least d draft tokens for d = 1..4, speculative steps
+    per tree size (n: steps), greedy outputs identical); "" when no row has speculation."""
     if not any(getattr(r, "speculation", None) for r in rows):
         return ""
     head = ["model", "scheme", "temp", "batch", "plain tok/s", "spec tok/s", "speedup", "τ", "≥1", "≥2", "≥3", "≥4",
@@ -116,10 +116,18 @@ def speculation_table(rows: list) -> str:
             same = _same_tokens(s)
             lines.append("| " + " | ".join([
                 r.model, r.kind, f"{s['temperature']:g}", _batch_cell(s), f(s.get("plain_tok_s"), "{:.1f}"),
-                f(s.get("spec_tok_s"), "{:.1f}"), f(s.get("speedup"), "{:.2f}×"), f(s.get("tau"), "{:.2f}"),
+                f(s.get("spec_tok_s"), "{:.1f}"), _speedup_cell(s), f(s.get("tau"), "{:.2f}"),
                 *[f(None if d is None else 100 * d, "{:.0f}%") for d in depth],
                 _steps_cell(s), same]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _speedup_cell(s: dict) -> str:
+    """The speedup, and ± the standard error of its per-batch pairs where there are two or more."""
+    if s.get("speedup") is None:
+        return "–"
+    se = s.get("speedup_se")
+    return f"{s['speedup']:.2f}×" + ("" if se is None else f" ±{se:.2f}")
 
 
 def _steps_cell(s: dict) -> str:

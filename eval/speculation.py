@@ -21,6 +21,11 @@ hundred milliseconds. The plain and the speculative engine (the draft's tree und
 side by side with the same shape, their KV caches sized to the workload, and their batches
 alternate (plain, speculative, plain, ...), so that a drift in time hits both alike.
 
+Each timed batch's pair of runs also gives a speedup of its own (``speedup_pairs``, over every
+batch of every order); their standard error of the mean (``speedup_se``) says how far the case's
+speedup would move between runs. On the H100 the same cell read 0.95x and 0.99x in two runs of one
+machine (thirty-eighth session).
+
 ``load="continuous"`` measures a busy server instead of waves: the ``reps`` batches' requests
 all arrive at once and at most ``batch size`` run together, so a finished sequence's place goes
 to a waiting request. Their output lengths are spread evenly over half to one and a half times
@@ -227,6 +232,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             output_lens=spread_lengths(bs * reps, output_len) if load == "continuous" else None,
             plain_tok_s=r["plain_tok_s"], spec_tok_s=r["spec_tok_s"],
             speedup=r["spec_tok_s"] / r["plain_tok_s"] if r["plain_tok_s"] and r["spec_tok_s"] else None,
+            speedup_pairs=r.get("pairs", []), speedup_se=pair_se(r.get("pairs", [])),
             tau=(c["accepted"] + steps) / steps if steps else None, spec_seq_steps=steps, drafted=c["drafted"],
             accepted=c["accepted"], histogram=hist, accept_at_depth=at_depth, steps_by_size=c["steps_by_size"],
             explored=c["explored"],
@@ -236,6 +242,17 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
             **(_identity(r["margins"]) if t == 0 else {}),
         ))
     return rows
+
+
+def pair_se(ratios: Sequence[float]) -> float | None:
+    """The standard error of the mean of a case's per-batch speedups (each timed batch's spec tok/s
+    over the plain engine's for the same requests, alternating): the run's own noise, against
+    which a speedup of 0.97x or 0.99x is read. None below two batches."""
+    n = len(ratios)
+    if n < 2:
+        return None
+    mean = sum(ratios) / n
+    return (sum((x - mean) ** 2 for x in ratios) / (n - 1) / n) ** 0.5
 
 
 def _time_split(r: dict, c: dict) -> dict:
@@ -283,6 +300,7 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
         ids: dict[str, list] = {"plain": [], "spec": []}
         with _running_at_most(engines, bs) if load == "continuous" else contextlib.nullcontext():
             for b in timed:  # alternating, so that a drift hits both alike
+                rate = {}
                 for label, llm in engines.items():
                     steps0, ms0 = _exec(llm)
                     sec, n, out = _batch(llm, b, timed_params)
@@ -292,6 +310,9 @@ def _measure_pass(engines: dict, cases, prompts, reps: int, output_len: int, res
                     r[f"{label}_steps"] = r.get(f"{label}_steps", 0) + steps1 - steps0
                     r[f"{label}_exec_ms"] = r.get(f"{label}_exec_ms", 0.0) + ms1 - ms0
                     ids[label] += out
+                    rate[label] = n / sec if sec > 0 else None
+                if rate["plain"] and rate["spec"]:  # this batch's pair (its spread: speedup_se)
+                    r.setdefault("pairs", []).append(rate["spec"] / rate["plain"])
         delta = _delta(_spec_counts(engines["spec"]), before)
         if first:
             for label in ids:

@@ -42,6 +42,8 @@ def test_rows_count_every_step_and_greedy_is_identical(measured):
         assert all(a >= b for a, b in zip(r["accept_at_depth"], r["accept_at_depth"][1:]))
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
         assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
+        # one timed batch (reps 1, one order on a CPU): one pair, the speedup itself; no spread yet
+        assert r["speedup_pairs"] == [pytest.approx(r["speedup"])] and r["speedup_se"] is None
         assert r["draft_method"] == "medusa" and r["draft"] == str(draft)
         assert r["identical"] is (True if r["temperature"] == 0 else None)
         assert r["catch_up_model"] is None  # a fixed policy (and Medusa: no catch-up)
@@ -121,6 +123,18 @@ def test_report_has_the_speculation_section_and_plot(measured, tmp_path):
     s = dict(res[0]["speculation"][0], steps_by_size={20: 7, 41: 3}, explored=3)
     assert "| 20: 7, 41: 3 (3 explored) |" in speculation_table([EvalRow("tiny", "float", nan, nan, 0, 0, 0.0,
                                                                          speculation=[s])])
+    # the speedup's cell: ± the standard error of the per-batch pairs, where there are two or more
+    s = dict(res[0]["speculation"][0], speedup=0.9749, speedup_se=0.0123)
+    assert "| 0.97× ±0.01 |" in speculation_table([EvalRow("tiny", "float", nan, nan, 0, 0, 0.0, speculation=[s])])
+
+
+def test_the_speedups_standard_error():
+    """pair_se: the sample standard deviation of the per-batch speedups over sqrt(n); none below two."""
+    from optllm.eval.speculation import pair_se
+
+    assert pair_se([]) is None and pair_se([0.97]) is None
+    assert pair_se([1.0, 1.1, 0.9]) == pytest.approx((0.01 / 3) ** 0.5)
+    assert pair_se([0.98, 0.98, 0.98, 0.98]) == 0.0
 
 
 def test_eval_draft_bad_input_is_one_line(tiny_llama, tmp_path, measured):
