@@ -23,6 +23,7 @@ under torch.profiler (name, count, GPU µs), so a difference has a name.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     import torch
-    from common import ensure_random_smol
+    from common import ensure_random_smol, pinned
 
     from optllm import LLM
 
@@ -72,16 +73,9 @@ def main() -> None:
     from optllm.runtime.cuda_graphs import DecodeGraphs
 
     def draft_engine(pin=None):
-        """A draft engine built with pin's (object, attribute, value) set, put back after."""
-        obj, attr, value = pin or (None, "", None)
-        saved = getattr(obj, attr, None)
-        if obj is not None:
-            setattr(obj, attr, value)
-        try:
+        """A draft engine, built with pin's (object, attribute, value) set (``common.pinned``)."""
+        with pinned(*pin) if pin else contextlib.nullcontext():
             return LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive", **kw)
-        finally:
-            if obj is not None:
-                setattr(obj, attr, saved)
 
     engines = {"plain": LLM(str(a.root / "target"), **kw), "draft": draft_engine(),
                "draft, store apart": draft_engine((DecodeGraphs, "store_in_graph", False)),

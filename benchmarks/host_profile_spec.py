@@ -11,12 +11,12 @@ cProfile and, where CUDA is there, one under torch's sync debug mode (every host
 makes beyond its one token read-back is printed with its stack). The table lists the functions
 whose own time differs most between the two engines, µs a step.
 
---ablate: also two draft engines with a part of the dormant draft's work taken out, timed in the same
-rounds: "nostore" (the decode graphs' feature-store graph never replayed), "noplan" (plan() returns
-"no speculation" at once, without the policy); and "apart", the feature store as a graph of its own
-replayed after the host's fence (the thirty-seventh session's; "draft" stores inside the decode
-graph after its fence's mark where the device allows it). What is left of "draft" minus "plain" in each says how
-much of it that part was.
+--ablate: also draft engines with a part of the dormant draft's work taken out or moved, timed in
+the same rounds: "nostore" (the feature store built as a graph of its own, then never replayed: no
+store at all), "noplan" (plan() returns "no speculation" at once, without the policy), and "apart"
+(the feature store as a graph of its own replayed after the host's fence, the thirty-seventh
+session's; "draft" stores inside the decode graph after its fence's mark where the device allows
+it). What is left of "draft" minus "plain" in each says how much of it that part was.
 
 --trees 2,5 (after the plain comparison): the draft engine's choice pinned to trees of n nodes
 instead, so that every decode step speculates; per n and batch: ms a step, tokens a step, and
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="the requests' (1: sampled decode steps)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--trees", default="", help="tree sizes to pin, each profiled at every batch")
-    ap.add_argument("--ablate", action="store_true", help="also the nostore and noplan draft engines")
+    ap.add_argument("--ablate", action="store_true", help="also the nostore, apart and noplan draft engines")
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args()
     from optllm import LLM, SamplingParams
@@ -86,24 +86,28 @@ def main() -> None:
         sys.exit("the draft engine has no adaptive policy")
     spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, left=None: 1  # every step plain
     if a.ablate:
-        engines["nostore"] = LLM(**kw, draft=a.draft, spec_policy="adaptive")
-        engines["nostore"].engine.runner.spec.policy.choose = spec.policy.choose
+        from optllm.benchmarks.common import pinned
+        from optllm.runtime.cuda_graphs import DecodeGraphs
+
+        def dormant():
+            """A draft engine whose policy never speculates (its choice pinned as the draft engine's)."""
+            llm = LLM(**kw, draft=a.draft, spec_policy="adaptive")
+            llm.engine.runner.spec.policy.choose = spec.policy.choose
+            return llm
+
+        with pinned(DecodeGraphs, "store_in_graph", False):  # the store a graph of its own: droppable
+            engines["nostore"] = dormant()
+            engines["apart"] = dormant()  # the thirty-seventh session's store, kept
         graphs = engines["nostore"].engine.runner.graphs
         if graphs is not None:  # (no graphs: an eager engine, the CPU; its store runs inside the step)
             graphs.stores.clear()
-        engines["noplan"] = LLM(**kw, draft=a.draft, spec_policy="adaptive")
+        engines["noplan"] = dormant()
         sp = engines["noplan"].engine.runner.spec
 
         def noplan(running, draining=False, sp=sp):
             sp.pending_cost, sp.scanned, sp.n = None, False, 1
             return 0
         sp.plan = noplan
-        from optllm.runtime.cuda_graphs import DecodeGraphs
-
-        DecodeGraphs.store_in_graph = False  # the thirty-seventh session's store: a graph of its own
-        engines["apart"] = LLM(**kw, draft=a.draft, spec_policy="adaptive")
-        DecodeGraphs.store_in_graph = None
-        engines["apart"].engine.runner.spec.policy.choose = spec.policy.choose
     params = SamplingParams(temperature=a.temperature, max_tokens=a.tokens, ignore_eos=True, detokenize=False)
     rows, lines = [], []
     for bs in batches:

@@ -8,10 +8,12 @@ graph. Every graph shares one memory pool (captured largest first).
 
 With a draft loaded (speculative decoding), the ordinary decode steps still run here, and each
 bucket's hidden rows (and an EAGLE-3 target's auxiliary hidden states) go to ``sink`` -- the
-draft's feature cache (runtime/spec_runner.py FeatureStore) -- in a second, small graph replayed
-after the step's fence: the host reads the tokens back while the store runs, and its GPU time
-(EAGLE-3's fc and scatter, 7-13 µs at batch 8-64 on the H100, ~1% of a plain step) falls in the
-host's turnaround between steps instead of before the step's tokens.
+draft's feature cache (runtime/spec_runner.py FeatureStore) -- after the point where the host's
+wait for the tokens ends: inside the decode graph behind a ``GraphFence`` mark where
+``graph_fence_ok`` (one replay a step), else in a second, small graph replayed after the step's
+fence. The host reads the tokens back while the store runs, and its GPU time (EAGLE-3's fc and
+scatter, 7-13 µs at batch 8-64 on the H100, ~1% of a plain step) falls in the host's turnaround
+between steps instead of before the step's tokens.
 
 ``DecodeGraphs(..., eager_stand_in=True)`` records the same static buffers and outputs but
 "replays" by running the model again and copying into them: the plumbing on a CPU (tests).
