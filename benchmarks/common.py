@@ -16,6 +16,19 @@ import triton
 
 BW = 4.27e12  # measured device copy bandwidth of the H200, bytes/s
 
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """This GPU's copy rate, bytes/s: a device-to-device copy of nbytes (read and written, so 2 nbytes
+    moved), median of a CUDA-graph replay; measured as BW was, so that "% of the floor" on another card
+    (an H100: ~3.0e12 against the H200's 4.27e12) is against what that card streams."""
+    import torch
+
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    us = graph_us(lambda: bufs[1].copy_(bufs[0]), rep=40)
+    bufs.clear()
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e-6)
+
 # name -> (K, N) of y = x W^T, W [N, K]: Llama-3-8B's projections, then SmolLM2-135M's (q, k, v fused:
 # 9 + 2 x 3 heads of 64; gate and up fused; the tied LM head)
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),

@@ -24,6 +24,8 @@
 #               prompt and mid-stream; CU_ARGS replaces its cases, CU_PROFILE the profiled one); DORMANT=1 the
 #               decode graph with a draft against without (dormant_cost.py); FIRST=1 a GEMM's first call at a
 #               new row count (first_call_cost.py); TESTS=none no tests; NO_MMA=1 no GEMV sweep
+#               STREAM=1 first the streaming ceiling (benchmarks/stream_ceiling.py: a pure read of each 8B shape's
+#               int4 words, and torch's copy of them)
 #   PART=host   no model, nothing carried (thirty-eighth session): host_profile_spec.py on a random SmolLM2 at
 #               temperature HOST_TEMP (1), batches HOST_BS (8,64): a dormant draft engine's host time, by function;
 #               TESTS (GPU tests) and DORMANT=1 first, HOST_ARGS passed on (--ablate)
@@ -139,6 +141,10 @@ case "${PART:-}" in
 tests) probes; [ "${TESTS:-}" = none ] || gpu_tests ;;
 kernels) probes
   [ "${TESTS:-}" = none ] || gpu_tests
+  if [ -n "${STREAM:-}" ]; then  # STREAM=1 (thirty-ninth session): what a pure read of the 8B shapes' words takes
+    timeout 150 python3 benchmarks/stream_ceiling.py --out "$OUT" > "$OUT/logs/stream.log" 2>&1 || echo "stream exited $?"
+    grep "^|" "$OUT/logs/stream.log"
+  fi
   [ -n "${NO_MMA:-}" ] || { mma_sweep; [ -n "${NO_NCU:-}" ] || mma_ncu; } ;;
 gen)
   gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl

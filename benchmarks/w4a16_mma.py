@@ -7,7 +7,8 @@ tinygemm at decode sizes, on the H200.
 Per shape and M: the relative error of each kernel against the float32 reference on the same
 inputs, then µs per call of a CUDA-graph replay with weight copies rotated past 200 MB (read from
 HBM, benchmarks/common.flush_copies), for every tensor-core config (WARPS x UNROLL) and the best of
-them; % of the int4 floor (int4 words + bf16 scales + x + y at 4.27 TB/s). Symmetric int4, group
+them; % of the int4 floor (int4 words + bf16 scales + x + y at this card's copy rate, measured first:
+common.copy_bandwidth; the H200's is BW, 4.27 TB/s). Symmetric int4, group
 128 on the 8B shapes, 64 on SmolLM2's. M = 1 also eager (host cost included): the runtime's call
 (w4a16_mma_linear, its tuned config) eager -- one call timed alone after an L2 flush (do_bench), and
 calls issued back to back over the rotated copies (common.eager_stream_us) -- and as a graph replay,
@@ -25,6 +26,7 @@ import triton
 
 from optllm.benchmarks.common import (
     BW,
+    copy_bandwidth,
     eager_stream_us,
     flush_copies,
     graph_us,
@@ -41,18 +43,23 @@ from optllm.kernels import w4a16_mma as mk
 def parse_config(text: str) -> mk.MmaConfig:
     import re
 
-    hit = re.fullmatch(r"(\d+)x(\d+)([spa]*)(?:c(\d))?(?:k(\d+))?(?:r(\d+))?", text)
+    hit = re.fullmatch(r"(\d+)x(\d+)([spa]*)(?:c(\d))?(?:k(\d+))?(?:r(\d+))?(?:t(\d+))?", text)
     if hit is None:
-        raise SystemExit(f"--configs: {text!r} is not WARPSxUNROLL[s][p][a][cN][kS][rR]")
-    warps, unroll, flags, persist, split, ring = hit.groups()
-    return mk.MmaConfig(int(warps), int(unroll), offset_mma="s" not in flags, xpre="p" in flags, ablate="a" in flags,
-                        persist=int(persist or 0), split_k=int(split or 1), ring=int(ring or 0))
+        raise SystemExit(f"--configs: {text!r} is not WARPSxUNROLL[s][p][a][cN][kS][rR][tT]")
+    warps, unroll, flags, persist, split, ring, tiles = hit.groups()
+    try:
+        return mk.MmaConfig(int(warps), int(unroll), offset_mma="s" not in flags, xpre="p" in flags,
+                            ablate="a" in flags, persist=int(persist or 0), split_k=int(split or 1),
+                            ring=int(ring or 0), tiles=int(tiles or 1))
+    except ValueError as e:
+        raise SystemExit(f"--configs: {text!r}: {e}") from None
 
 
 def cname(c: mk.MmaConfig) -> str:
     return (f"{c.warps}x{c.unroll}" + ("" if c.offset_mma else "s") + ("p" if c.xpre else "")
             + ("a" if c.ablate else "") + (f"c{c.persist}" if c.persist else "")
-            + (f"k{c.split_k}" if c.split_k > 1 else "") + (f"r{c.ring}" if c.ring else ""))
+            + (f"k{c.split_k}" if c.split_k > 1 else "") + (f"r{c.ring}" if c.ring else "")
+            + (f"t{c.tiles}" if c.tiles > 1 else ""))
 
 
 def main():
@@ -63,7 +70,9 @@ def main():
                     help="WARPSxUNROLL[s][p][a][cN][kS][rR]: s the offset by a bf16x2 fma before each mma (no "
                          "all-ones mma), p x prefetched with the weights, a no dequantization (timing only), cN the "
                          "persistent form with N CTAs a SM, kS S CTAs a row tile (split-K), rR the weights through "
-                         "a shared-memory ring of R chunks a warp (cp.async)")
+                         "a shared-memory ring of R chunks a warp (cp.async, a group's scales and zeros with its "
+                         "first chunk), "
+                         "tT T row tiles a CTA (warps / T warps a tile)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
     if not mk.available():
@@ -71,6 +80,8 @@ def main():
     configs = [parse_config(c) for c in a.configs.split(",")]
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    bw = copy_bandwidth()  # this card's: the floor below is against it, not the H200's BW
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (BW, the H200's, {BW / 1e12:.2f})", flush=True)
     rows = []
     for sname, k, n, G in shape_plan(a.shapes):
         rot = flush_copies(n * k // 2)
@@ -94,7 +105,7 @@ def main():
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ w4k.dequantize_w4a16(tri[0]).t()
             r = {"shape": sname, "K": k, "N": n, "M": m, "group": G, "copies": rot,
-                 "floor_int4": (n * k / 2 + n * k / G * 2 + m * k * 2 + m * n * 2) / BW * 1e6,
+                 "copy_bw": bw, "floor_int4": (n * k / 2 + n * k / G * 2 + m * k * 2 + m * n * 2) / bw * 1e6,
                  "err_triton": rel(w4k.w4a16_linear(x, tri[0]), ref)}
             ops = {"cublas_bf16": lambda i: x @ wf[i].t(), "triton_w4a16": lambda i: w4k.w4a16_linear(x, tri[i])}
             if len(tg) == rot:
@@ -112,7 +123,8 @@ def main():
                 except Exception as e:
                     r[name] = None
                     r[name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-            best = min((c for c in ops if c.startswith("mma_") and not c.endswith("a") and r[c] is not None),
+            ablated = {"mma_" + cname(c) for c in configs if c.ablate}  # wrong numbers: never the best
+            best = min((c for c in ops if c.startswith("mma_") and c not in ablated and r[c] is not None),
                        key=lambda c: r[c])
             r["mma_best"], r["mma_best_config"] = r[best], best
             if m == 1:
@@ -142,7 +154,8 @@ def render(rows, configs):
         return "–" if v is None else f"{v:.1f}"
 
     head = ("| shape | M | cuBLAS bf16 | tinygemm | Triton W4A16 | tensor-core GEMV (best config) | ×bf16 | ×Triton "
-            "| % int4 floor | err (tensor core) | " + " | ".join(cname(c) for c in configs) + " |")
+            f"| % int4 floor ({rows[0]['copy_bw'] / 1e12:.2f} TB/s) | err (tensor core) | "
+            + " | ".join(cname(c) for c in configs) + " |")
     lines = [head, "|" + "---|" * (10 + len(configs))]
     for r in rows:
         b = r["mma_best"]

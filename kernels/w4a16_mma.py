@@ -75,6 +75,8 @@ class MmaConfig:
     # the per-tile form's weights through a ring of `ring` chunk slots per warp in shared memory, filled
     # by cp.async ring - 1 chunks ahead (0: registers, unroll chunks ahead); x then loads at compute time
     ring: int = 0
+    # row tiles per CTA of the per-tile form, warps / tiles warps each (longer runs for fewer warps a tile)
+    tiles: int = 1
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8, 16):
@@ -85,11 +87,16 @@ class MmaConfig:
             raise ValueError(f"persist={self.persist}: allowed 0 (one CTA per row tile) to 8 CTAs per SM")
         if self.split_k not in range(1, 17) or (self.split_k > 1 and self.persist):
             raise ValueError(f"split_k={self.split_k}: allowed 1..16, and 1 with the persistent form")
-        # static shared memory at M = 32: the ring (512 bytes a slot a warp) and the partials (2 KiB a warp)
+        # static shared memory: the ring's slots (512 bytes of words and 48 of scales and zeros, a warp), at
+        # least four of words (the NT <= 4 partial goes there after the run)
         if self.ring and (self.ring not in range(2, 17) or self.persist or self.xpre
-                          or self.warps * (self.ring * 512 + 2048) > 49152):
-            raise ValueError(f"ring={self.ring}: allowed 0, or 2..16 slots with warps * (ring + 4) <= 96 "
-                             "(48 KiB of shared memory), without the persistent form or xpre")
+                          or self.warps * (max(self.ring, 4) * 512 + self.ring * 48) > 49152):
+            raise ValueError(f"ring={self.ring}: allowed 0, or 2..16 slots with warps * (512 max(ring, 4) + 48 ring) "
+                             "<= 49152 (48 KiB of shared memory), without the persistent form or xpre")
+        if self.tiles not in (1, 2, 4, 8, 16) or self.warps % self.tiles or (self.tiles > 1 and (
+                self.persist or self.split_k > 1)):
+            raise ValueError(f"tiles={self.tiles}: allowed 1, 2, 4, 8, 16 dividing warps={self.warps}, and 1 with the "
+                             "persistent or split-K forms")
 
 
 @dataclass(frozen=True)
@@ -299,21 +306,38 @@ __device__ __forceinline__ void state_init(State& st) {
   st.o0 = st.o1 = 136.f;
   st.nz0 = st.nz1 = neg_pair(136.f);
 }
-// Chunk c (0 .. K / 64 - 1) of the tile whose rows g, g + 8 are n0, n1: group start, four words, group end.
-__device__ __forceinline__ void chunk_step(State& st, const Chunk& ch, const W4* const* xp, int c, int n0, int n1,
-                                           int N, const u16* __restrict__ scales,
-                                           const signed char* __restrict__ zeros) {
-  if (c % CPG == 0) {  // a group starts: its scales (and zeros) load while its chunks compute
-    const size_t gi = (size_t)(c / CPG) * N;
-    st.s0 = bf16f(scales[gi + n0]);
-    st.s1 = bf16f(scales[gi + n1]);
+// A group starts at chunk c (c % CPG == 0): its scales (and zeros) of rows n0, n1, loaded while its chunks
+// compute (group_global), or read from the 48 bytes the ring form copied with the chunk (group_shared: the
+// tile's 16 scales, then its 16 zeros; g the lane's row in the tile).
+__device__ __forceinline__ void group_zeros(State& st, float z0, float z1) {
 #if HAS_ZEROS
-    st.o0 = 136.f + (float)zeros[gi + n0];
-    st.o1 = 136.f + (float)zeros[gi + n1];
-    st.nz0 = neg_pair(st.o0);
-    st.nz1 = neg_pair(st.o1);
+  st.o0 = 136.f + z0;
+  st.o1 = 136.f + z1;
+  st.nz0 = neg_pair(st.o0);
+  st.nz1 = neg_pair(st.o1);
 #endif
-  }
+}
+__device__ __forceinline__ void group_global(State& st, int c, int n0, int n1, int N, const u16* __restrict__ scales,
+                                             const signed char* __restrict__ zeros) {
+  const size_t gi = (size_t)(c / CPG) * N;
+  st.s0 = bf16f(scales[gi + n0]);
+  st.s1 = bf16f(scales[gi + n1]);
+#if HAS_ZEROS
+  group_zeros(st, (float)zeros[gi + n0], (float)zeros[gi + n1]);
+#endif
+}
+__device__ __forceinline__ void group_shared(State& st, const W4* slot, int g) {
+  const u16* sp = (const u16*)slot;
+  st.s0 = bf16f(sp[g]);
+  st.s1 = bf16f(sp[g + 8]);
+#if HAS_ZEROS
+  const signed char* zp = (const signed char*)(slot + 2);
+  group_zeros(st, (float)zp[g], (float)zp[g + 8]);
+#endif
+}
+// Chunk c (0 .. K / 64 - 1) of the tile whose rows g, g + 8 are n0, n1 (its group's scales already in st when
+// c starts one): four words, then the group's end.
+__device__ __forceinline__ void chunk_step(State& st, const Chunk& ch, const W4* const* xp, int c) {
   u32 a[4][4];
   fragment(a[0], ch.w.a, st.nz0, st.nz1);
   fragment(a[1], ch.w.b, st.nz0, st.nz1);
@@ -402,11 +426,32 @@ __device__ __forceinline__ void x_rows(const W4** xp, const u16* x, int g, int t
 }
 
 #if !PERSIST
-// One CTA per 16-row tile (SPLITK > 1: SPLITK CTAs, blockIdx.y taking groups [y G / S, (y + 1) G / S));
-// its warps take contiguous runs of those groups, prefetch UNROLL chunks ahead, and sum their partials
-// in warp order through shared memory. Split: warp 0 of each CTA writes its partial tile to the
-// workspace ws [S][tiles][32][4 NT]; the last of the tile's S CTAs to arrive (the counter, which it
-// resets) sums the S partials in split order and stores y.
+// TPC row tiles per CTA, WPT = WARPS / TPC warps per tile (SPLITK > 1: TPC 1 and SPLITK CTAs per tile,
+// blockIdx.y taking groups [y G / S, (y + 1) G / S)); a tile's warps take contiguous runs of those groups,
+// prefetch UNROLL chunks ahead (or RING - 1 through shared memory), and sum their partials in warp order
+// through shared memory. Split: warp 0 of each CTA writes its partial tile to the workspace
+// ws [S][tiles][32][4 NT]; the last of the tile's S CTAs to arrive (the counter, which it resets) sums the
+// S partials in split order and stores y.
+#define WPT (WARPS / TPC)
+#if RING
+// each lane copies its 16 bytes of chunk c into slot (c - c0) % RING of its warp's ring, and lanes 0-2 the
+// tile's 32 bytes of scales and 16 of zeros beside it when c starts a group; a lane reads back its own 16
+// bytes (its cp.async.wait_group orders those) and every lane the group's scales (after __syncwarp, which
+// orders lanes 0-2's completed copies before the other lanes' reads). After the run a warp's partial goes
+// into its own ring (RING_SLOTS >= 4 slots: 2 KiB, the NT <= 4 partial), read by the tile's first warp.
+#define RING_SLOTS (RING < 4 ? 4 : RING)
+#define RED(w, l, i) (((float*)&ring[w][0][0])[(l) * (4 * NT) + (i)])
+__device__ __forceinline__ void copy_chunk(u32 wslot, u32 sslot, const W4* wsrc, int c, int lane, int tile, int N,
+                                           const u16* __restrict__ scales, const signed char* __restrict__ zeros) {
+  cp_async16(wslot, wsrc);
+  if (c % CPG == 0 && lane < 2 + HAS_ZEROS) {
+    const size_t gi = (size_t)(c / CPG) * N + (size_t)tile * 16;
+    cp_async16(sslot + 16 * lane, lane < 2 ? (const void*)(scales + gi + 8 * lane) : (const void*)(zeros + gi));
+  }
+}
+#else
+#define RED(w, l, i) (red[w][l][i])
+#endif
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
                const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
@@ -414,30 +459,41 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
                float* __restrict__ ws, int* __restrict__ cnt,
 #endif
                int M, int N, int K, int ldx, int ldy) {
+#if RING
+  __shared__ W4 ring[WARPS][RING_SLOTS][32];
+  __shared__ W4 sring[WARPS][RING][3];
+#else
   __shared__ float red[WARPS][32][NT * 4];
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = K >> 6;
+#if TPC == 1
+  const int wit = warp, tile = blockIdx.x;
+  const bool live = true;
+#else
+  const int wit = warp % WPT, tile = blockIdx.x * TPC + warp / WPT;
+  const bool live = tile < (N >> 4);  // the grid's last CTA may hold fewer than TPC tiles
+#endif
 #if SPLITK > 1
   const int all = chunks / CPG, g0 = (blockIdx.y * all) / SPLITK, groups = ((blockIdx.y + 1) * all) / SPLITK - g0;
 #else
   const int g0 = 0, groups = chunks / CPG;
 #endif
-  const int c0 = (g0 + (warp * groups) / WARPS) * CPG, c1 = (g0 + ((warp + 1) * groups) / WARPS) * CPG;
-  const W4* wp = wq + (size_t)blockIdx.x * chunks * 32 + lane;
+  const int c0 = (g0 + (wit * groups) / WPT) * CPG, c1 = live ? (g0 + ((wit + 1) * groups) / WPT) * CPG : c0;
+  const W4* wp = wq + (size_t)tile * chunks * 32 + lane;
   const W4* xp[NT];
   x_rows(xp, x, g, t, M, ldx);
-  const int n0 = blockIdx.x * 16 + g, n1 = n0 + 8;
+  const int n0 = tile * 16 + g, n1 = n0 + 8;
   State st;
   state_init(st);
 #if RING
-  // each lane copies its 16 bytes of chunk c into slot (c - c0) % RING of its warp's ring and reads back
-  // only those: its own cp.async.wait_group is all the ordering it needs (no barrier)
-  __shared__ W4 ring[WARPS][RING][32];
   const u32 my = smem_addr(&ring[warp][0][lane]);  // slot s at my + 512 s
+  const u32 ms = smem_addr(&sring[warp][0][0]);  // slot s's scales at ms + 48 s
 #pragma unroll
   for (int u = 0; u < RING - 1; ++u) {
-    if (c0 + u < c1) cp_async16(my + 512 * u, wp + (size_t)(c0 + u) * 32);
+    if (c0 + u < c1) copy_chunk(my + 512 * u, ms + 48 * u, wp + (size_t)(c0 + u) * 32, c0 + u, lane, tile, N, scales,
+                                zeros);
     cp_commit();
   }
   // unrolled by RING: chunk cb + u is in slot u, chunk cb + u + RING - 1 goes to slot (u + RING - 1) % RING
@@ -447,14 +503,20 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
       const int c = cb + u;
       if (c < c1) {
         cp_wait<RING - 2>();  // chunk c's group is done (one group committed per chunk, empty ones too)
+        __syncwarp();  // lanes 0-2's scales of chunk c landed; every lane is done with chunk c - 1's slot
         Chunk ch;
         ch.w = ld_shared(my + 512 * u);
-        if (c + RING - 1 < c1) cp_async16(my + 512 * ((u + RING - 1) % RING), wp + (size_t)(c + RING - 1) * 32);
+        if (c % CPG == 0) group_shared(st, &sring[warp][u][0], g);
+        if (c + RING - 1 < c1)
+          copy_chunk(my + 512 * ((u + RING - 1) % RING), ms + 48 * ((u + RING - 1) % RING),
+                     wp + (size_t)(c + RING - 1) * 32, c + RING - 1, lane, tile, N, scales, zeros);
         cp_commit();
-        chunk_step(st, ch, xp, c, n0, n1, N, scales, zeros);
+        chunk_step(st, ch, xp, c);
       }
     }
   }
+  cp_wait<0>();  // (empty groups only by now) the ring is free for the partials
+  __syncwarp();
 #else
   Chunk buf[UNROLL];
 #pragma unroll
@@ -469,36 +531,39 @@ w4a16_mma_gemv(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
       if (cb + UNROLL + u < c1) load_chunk(buf[u], wp + (size_t)(cb + UNROLL + u) * 32, xp[0], cb + UNROLL + u);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-      if (cb + u < c1) chunk_step(st, cur[u], xp, cb + u, n0, n1, N, scales, zeros);
+      if (cb + u < c1) {
+        if ((cb + u) % CPG == 0) group_global(st, cb + u, n0, n1, N, scales, zeros);
+        chunk_step(st, cur[u], xp, cb + u);
+      }
   }
 #endif
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) red[warp][lane][4 * j + q] = st.yv[j][q];
+    for (int q = 0; q < 4; ++q) RED(warp, lane, 4 * j + q) = st.yv[j][q];
   __syncthreads();
-  if (warp == 0) {
+  if (wit == 0 && live) {  // the tile's first warp sums its WPT warps' partials in order
     float v[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) v[j][q] = 0.f;
-    for (int w = 0; w < WARPS; ++w)
+    for (int w = warp; w < warp + WPT; ++w)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) v[j][q] += red[w][lane][4 * j + q];
+        for (int q = 0; q < 4; ++q) v[j][q] += RED(w, lane, 4 * j + q);
 #if SPLITK > 1
     const size_t tiles = gridDim.x;
-    float* mine = ws + (((size_t)blockIdx.y * tiles + blockIdx.x) * 32 + lane) * (4 * NT);
-    if (publish(mine, v, cnt + blockIdx.x, lane) != SPLITK - 1) return;  // not the last of the tile's CTAs
+    float* mine = ws + (((size_t)blockIdx.y * tiles + tile) * 32 + lane) * (4 * NT);
+    if (publish(mine, v, cnt + tile, lane) != SPLITK - 1) return;  // not the last of the tile's CTAs
     __threadfence();
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) v[j][q] = 0.f;
-    for (int s = 0; s < SPLITK; ++s) add_partial(v, ws + (((size_t)s * tiles + blockIdx.x) * 32 + lane) * (4 * NT));
-    if (lane == 0) cnt[blockIdx.x] = 0;
+    for (int s = 0; s < SPLITK; ++s) add_partial(v, ws + (((size_t)s * tiles + tile) * 32 + lane) * (4 * NT));
+    if (lane == 0) cnt[tile] = 0;
 #endif
     store_y(y, bias, v, n0, n1, t, M, ldy);
   }
@@ -550,7 +615,8 @@ w4a16_mma_gemv_persist(const W4* __restrict__ wq, const u16* __restrict__ x, con
     for (int u = 0; u < UNROLL; ++u) {
       if (fb + u < f1) {
         const int n0 = tile * 16 + g, n1 = n0 + 8;
-        chunk_step(st, cur[u], xp, c, n0, n1, N, scales, zeros);
+        if (c % CPG == 0) group_global(st, c, n0, n1, N, scales, zeros);
+        chunk_step(st, cur[u], xp, c);
         if (c + 1 == C || fb + u + 1 == f1) {  // the tile, or my range, ends: flush this tile
           const long long a = (long long)tile * GPT, b = a + GPT;
           const int lo = (int)(((a + 1) * W + TG - 1) / TG) - 1, hi = (int)((b * W + TG - 1) / TG) - 1;
@@ -646,7 +712,7 @@ def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: i
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n"
             f"#define OFFSET_MMA {int(cfg.offset_mma)}\n#define XPRE {int(cfg.xpre and nt == 1)}\n"
             f"#define ABLATE {int(cfg.ablate)}\n#define PERSIST {int(cfg.persist > 0)}\n"
-            f"#define SPLITK {cfg.split_k}\n#define RING {cfg.ring}\n") + _SOURCE
+            f"#define SPLITK {cfg.split_k}\n#define RING {cfg.ring}\n#define TPC {cfg.tiles}\n") + _SOURCE
 
 
 def nvrtc_ptx(lib, source: str, arch: str) -> str:
@@ -811,6 +877,8 @@ def _variant(w: W4A16MmaWeight, cfg: MmaConfig, nt: int, has_bias: bool, device:
     grid = persistent_grid(w, cfg, device)
     if cfg.persist and not grid:
         cfg = dataclasses.replace(cfg, persist=0)
+    if cfg.ring and any(t is not None and t.data_ptr() % 16 for t in (w.scales, w.zeros)):
+        cfg = dataclasses.replace(cfg, ring=0)  # the ring copies scales and zeros 16 bytes at a time
     kern = _kernel(cfg, w.group_size // CHUNK, w.zeros is not None, has_bias, nt)
     zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
     fixed = {0: w.words.data_ptr(), 2: w.scales.data_ptr(), 3: zeros.data_ptr()}
@@ -819,7 +887,7 @@ def _variant(w: W4A16MmaWeight, cfg: MmaConfig, nt: int, has_bias: bool, device:
         fixed.update({6: _workspace(device, floats).data_ptr(), 7: w.counters.data_ptr()})
     p = kern.pointers
     fixed.update({p + 1: w.N, p + 2: w.K, p + 4: w.N})
-    return kern, grid or w.N // 16, 1 if grid else cfg.split_k, fixed
+    return kern, grid or -(-(w.N // 16) // cfg.tiles), 1 if grid else cfg.split_k, fixed
 
 
 def w4a16_mma_linear(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None,

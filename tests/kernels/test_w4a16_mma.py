@@ -120,7 +120,10 @@ def test_from_w4a16_n_major_blocks_and_bad_shapes(monkeypatch):
                                  mk.MmaConfig(4, 2, offset_mma=False, xpre=True, split_k=3),
                                  mk.MmaConfig(8, 4, split_k=8), mk.MmaConfig(8, 2, offset_mma=False, ring=4),
                                  mk.MmaConfig(4, 1, ring=2), mk.MmaConfig(8, 2, offset_mma=False, split_k=2, ring=6),
-                                 mk.MmaConfig(16, 2, offset_mma=False, ring=2)])
+                                 mk.MmaConfig(16, 2, offset_mma=False, ring=2),
+                                 mk.MmaConfig(4, 2, offset_mma=False, ring=16, tiles=4),
+                                 mk.MmaConfig(8, 2, ring=3, tiles=8), mk.MmaConfig(8, 2, offset_mma=False, tiles=2),
+                                 mk.MmaConfig(8, 4, offset_mma=False, xpre=True, tiles=4)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
@@ -147,7 +150,8 @@ def test_kernel_gpu(cfg, asym):
 @needs_cuda
 @pytest.mark.parametrize("cfg", [None, mk.MmaConfig(8, 2, offset_mma=False, persist=3),
                                  mk.MmaConfig(8, 2, offset_mma=False, split_k=4),
-                                 mk.MmaConfig(8, 2, offset_mma=False, ring=4)])
+                                 mk.MmaConfig(8, 2, offset_mma=False, ring=4),
+                                 mk.MmaConfig(4, 2, offset_mma=False, ring=8, tiles=2)])
 def test_kernel_gpu_graph_and_errors(cfg):
     """Replays of a captured call follow x (the persistent form's counters are back at zero after
     every call, or a replay would wait on arrivals that never come)."""
@@ -191,7 +195,9 @@ def _nvrtc():
                                         mk.MmaConfig(8, 2, offset_mma=False, split_k=4),
                                         mk.MmaConfig(8, 2, offset_mma=False, xpre=True, split_k=2),
                                         mk.MmaConfig(8, 2, offset_mma=False, ring=4), mk.MmaConfig(8, 2, ring=8),
-                                        mk.MmaConfig(8, 2, offset_mma=False, split_k=2, ring=6)}, key=repr))
+                                        mk.MmaConfig(8, 2, offset_mma=False, split_k=2, ring=6),
+                                        mk.MmaConfig(4, 2, offset_mma=False, ring=16, tiles=4),
+                                        mk.MmaConfig(8, 2, offset_mma=False, tiles=2)}, key=repr))
 def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
     """Every variant the runtime uses, compiled on the CPU as the GPU would (NVRTC to PTX, then
     Triton's sm_90 ptxas): it builds, spills nothing, and at M <= 8 fits 3+ CTAs of its warps per SM
@@ -266,7 +272,8 @@ def test_what_the_runtime_sends_and_bad_configs():
     assert not mk.fits(x[:4].t().contiguous().t())  # K not the unit-stride dimension
     for bad in (dict(warps=3), dict(unroll=3), dict(persist=9), dict(split_k=0), dict(split_k=17),
                 dict(split_k=2, persist=1), dict(ring=1), dict(ring=17), dict(ring=4, xpre=True),
-                dict(ring=4, persist=2), dict(warps=16, ring=3), dict(ring=9)):
+                dict(ring=4, persist=2), dict(warps=16, ring=6), dict(ring=11), dict(tiles=3), dict(tiles=16),
+                dict(tiles=2, split_k=2), dict(tiles=2, persist=1)):
         with pytest.raises(ValueError, match="allowed"):
             mk.MmaConfig(**bad)
 
