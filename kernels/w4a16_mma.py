@@ -787,12 +787,12 @@ def available() -> bool:
 
 
 # (N, K) -> config, from benchmarks/w4a16_mma.py on the H200 (twentieth session, weights from HBM):
-# the fastest variant per shape at M = 1 and 8; gate_up's two row tiles a CTA from the H100 (thirty-ninth
-# session: 24.3 / 25.0 µs at M = 1 / 8 against 25.6 / 26.5 for one, 31.7 against 31.3 at M = 16)
+# the fastest variant per shape at M = 1 and 8; gate_up's 4 warps a row tile from the H100 (thirty-ninth
+# session: 23.8 / 24.7 / 28.2 µs at M = 1 / 8 / 16 against 25.3 / 26.2 / 31.2 for 8 warps)
 MMA_CONFIGS: dict = {
     (6144, 4096): MmaConfig(8, 2, offset_mma=False, xpre=True),
     (4096, 4096): MmaConfig(8, 2, offset_mma=False, xpre=True),
-    (28672, 4096): MmaConfig(8, 2, offset_mma=False, tiles=2),
+    (28672, 4096): MmaConfig(4, 2, offset_mma=False),
     (4096, 14336): MmaConfig(8, 2, offset_mma=False, xpre=True),
 }
 DEFAULT_CONFIG = MmaConfig(8, 2, offset_mma=False)
