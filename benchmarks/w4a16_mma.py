@@ -67,12 +67,11 @@ def main():
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,smol_qkv,smol_o,smol_gate_up,smol_down,smol_lm_head")
     ap.add_argument("--ms", default="1,2,4,8")
     ap.add_argument("--configs", default="4x2,4x4,8x2,8x4,8x8,16x4",
-                    help="WARPSxUNROLL[s][p][a][cN][kS][rR]: s the offset by a bf16x2 fma before each mma (no "
+                    help="WARPSxUNROLL[s][p][a][cN][kS][rR][tT]: s the offset by a bf16x2 fma before each mma (no "
                          "all-ones mma), p x prefetched with the weights, a no dequantization (timing only), cN the "
                          "persistent form with N CTAs a SM, kS S CTAs a row tile (split-K), rR the weights through "
                          "a shared-memory ring of R chunks a warp (cp.async, a group's scales and zeros with its "
-                         "first chunk), "
-                         "tT T row tiles a CTA (warps / T warps a tile)")
+                         "first chunk), tT T row tiles a CTA (warps / T warps a tile)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
     if not mk.available():

@@ -44,7 +44,11 @@ gate_up, which Nsight Compute found latency-bound (52% of stalls on L1TEX scoreb
 flight a warp in registers at 56 registers and 50% occupancy): more bytes in flight, 40 registers, 66%
 occupancy. Under Nsight Compute's locked clocks it moved gate_up from 59% to 63% of DRAM throughput at
 the same instruction count, but in CUDA-graph replays it only tied the register form on gate_up (R = 3)
-and lost elsewhere (H100, twenty-seventh session): neither is in MMA_CONFIGS.
+and lost elsewhere (H100, twenty-seventh session): neither is in MMA_CONFIGS. Since the thirty-ninth
+session the ring also carries each group's scales and zeros (no dependent global load a group); it still
+lost in replays. MmaConfig.tiles = T puts T row tiles in a CTA, warps / T warps each: what decides is the
+warps a tile, and gate_up (1792 row tiles) runs fastest with 4 (-6% at M = 1 and 8, -10% at M = 16 against
+8, H100), the shapes of 256-384 row tiles with 8.
 """
 
 from __future__ import annotations
