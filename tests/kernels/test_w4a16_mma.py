@@ -123,7 +123,7 @@ def test_from_w4a16_n_major_blocks_and_bad_shapes(monkeypatch):
                                  mk.MmaConfig(16, 2, offset_mma=False, ring=2),
                                  mk.MmaConfig(4, 2, offset_mma=False, ring=16, tiles=4),
                                  mk.MmaConfig(8, 2, ring=3, tiles=8), mk.MmaConfig(8, 2, offset_mma=False, tiles=2),
-                                 mk.MmaConfig(8, 4, offset_mma=False, xpre=True, tiles=4)])
+                                 mk.MmaConfig(8, 4, offset_mma=False, xpre=True, tiles=4), mk.MANY_TILES_CONFIG])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
@@ -188,8 +188,8 @@ def _nvrtc():
     return ctypes.CDLL(str(libs[0]))
 
 
-@pytest.mark.parametrize("cfg", sorted({*mk.MMA_CONFIGS.values(), mk.DEFAULT_CONFIG, mk.MmaConfig(),
-                                        mk.MmaConfig(4, 4, offset_mma=False),
+@pytest.mark.parametrize("cfg", sorted({*mk.MMA_CONFIGS.values(), mk.DEFAULT_CONFIG, mk.MANY_TILES_CONFIG,
+                                        mk.MmaConfig(), mk.MmaConfig(4, 4, offset_mma=False),
                                         mk.MmaConfig(8, 2, offset_mma=False, persist=3),
                                         mk.MmaConfig(8, 2, offset_mma=False, xpre=True, persist=2),
                                         mk.MmaConfig(8, 2, offset_mma=False, split_k=4),
@@ -258,6 +258,17 @@ def test_persistent_split_covers_every_group_once(tiles, gpt, warps):
             for gw in meet:
                 first, last = ranges[gw][0] // gpt, (ranges[gw][1] - 1) // gpt
                 assert tile in (first, last)
+
+
+def test_config_for_measured_shapes_then_the_row_tiles():
+    """The measured table first; an unmeasured shape gets 4 warps a row tile from MANY_TILES row tiles up
+    (gate_up's 1792 and SmolLM2's LM head's 3072 ran fastest so on the H100), 8 below."""
+    assert mk.config_for(28672, 4096).warps == 4  # gate_up, measured
+    assert mk.config_for(6144, 4096) == mk.MmaConfig(8, 2, offset_mma=False, xpre=True)  # qkv, measured
+    assert mk.config_for(49152, 576) == mk.MANY_TILES_CONFIG  # SmolLM2's LM head: 3072 row tiles
+    assert mk.config_for(16 * mk.MANY_TILES, 4096) == mk.MANY_TILES_CONFIG
+    assert mk.config_for(16 * mk.MANY_TILES - 16, 4096) == mk.DEFAULT_CONFIG
+    assert mk.config_for(960, 576) == mk.DEFAULT_CONFIG  # SmolLM2's qkv: 60 row tiles
 
 
 def test_what_the_runtime_sends_and_bad_configs():
