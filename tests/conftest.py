@@ -21,9 +21,10 @@ if not torch.cuda.is_available():
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
-# An engine whose runner holds CUDA-graph objects (each keeps partials of its own bound methods: a reference
-# cycle through the runner, its model and its KV cache) is freed by the cyclic collector, not when the test
-# drops it; and the collector runs by object counts, blind to a 1 GiB CPU KV cache. Left alone, a clean run
+# The CPU tests' eager stand-ins of the CUDA graphs (runtime/cuda_graphs._EagerStandIn) keep partials of
+# their graph object's own bound methods: a reference cycle that holds the runner, its model and its KV cache
+# (on CUDA the partials are not kept). Such an engine is freed by the cyclic collector, not when the test
+# drops it, and the collector runs by object counts, blind to a 1 GiB CPU KV cache. Left alone, a clean run
 # grew to 24 GiB by test_spec_engine.py and was killed (thirty-ninth session). So after a test, collect when
 # this process holds more than MEMORY_GUARD_GIB: reading the RSS costs microseconds, a collection ~0.1 s.
 MEMORY_GUARD_GIB = 3.0
