@@ -5,7 +5,6 @@ shapes (configs of random-weight folders) and the provenance every result record
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -199,18 +198,6 @@ def write_results(out: str | Path | None, name: str, table: str, payload: dict) 
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(table + "\n")
     (out / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
-
-
-@contextlib.contextmanager
-def pinned(obj, attr: str, value):
-    """obj.attr set to value inside the block, put back after (an engine built inside takes a
-    class-level choice: ``DecodeGraphs.store_in_graph``, ``spec_runner.FUSED_STORE``)."""
-    saved = getattr(obj, attr)
-    setattr(obj, attr, value)
-    try:
-        yield
-    finally:
-        setattr(obj, attr, saved)
 
 
 def stub_graph_replays(llm) -> None:

@@ -28,6 +28,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 
 def fill(graphs, b: int, context: int, temp: float) -> None:
@@ -59,7 +60,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     import torch
-    from common import ensure_random_smol, pinned
+    from common import ensure_random_smol
 
     from optllm import LLM
 
@@ -73,8 +74,8 @@ def main() -> None:
     from optllm.runtime.cuda_graphs import DecodeGraphs
 
     def draft_engine(pin=None):
-        """A draft engine, built with pin's (object, attribute, value) set (``common.pinned``)."""
-        with pinned(*pin) if pin else contextlib.nullcontext():
+        """A draft engine, built with pin's (object, attribute, value) set."""
+        with mock.patch.object(*pin) if pin else contextlib.nullcontext():
             return LLM(str(a.root / "target"), draft=str(a.root / "eagle3"), spec_policy="adaptive", **kw)
 
     engines = {"plain": LLM(str(a.root / "target"), **kw), "draft": draft_engine(),

@@ -86,7 +86,8 @@ def main() -> None:
         sys.exit("the draft engine has no adaptive policy")
     spec.policy.choose = lambda ids, budget=None, behind=0, sampled=False, rest=0, left=None: 1  # every step plain
     if a.ablate:
-        from optllm.benchmarks.common import pinned
+        from unittest import mock
+
         from optllm.runtime.cuda_graphs import DecodeGraphs
 
         def dormant():
@@ -95,7 +96,7 @@ def main() -> None:
             llm.engine.runner.spec.policy.choose = spec.policy.choose
             return llm
 
-        with pinned(DecodeGraphs, "store_in_graph", False):  # the store a graph of its own: droppable
+        with mock.patch.object(DecodeGraphs, "store_in_graph", False):  # the store a graph of its own: droppable
             engines["nostore"] = dormant()
             engines["apart"] = dormant()  # the thirty-seventh session's store, kept
         graphs = engines["nostore"].engine.runner.graphs
