@@ -457,6 +457,75 @@ def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_p
     torch.testing.assert_close(selected[0].scores, want.scores, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("kernels", "draft_vocab"), [("torch", None), ("triton", 150)])
+def test_every_eagle3_tree_node_scores_what_the_training_time_test_computes(tiny_llama, tmp_path, kernels, draft_vocab):
+    """Serving drafts what training trained, at every depth: each node of an EAGLE-2 tree the engine
+    grows (depth 3, 20 nodes, batch 4, mid-generation) scores its parent's score plus the log-prob
+    that the training module's training-time test (Eagle3Draft.ttt) gives its token at the parent's
+    depth, over the target's features of the sequence and the path's tokens. The state test above
+    covers depth 1 only; a level that attended the wrong rows or took the wrong position (which
+    would make the deep levels accept less than the held-out accuracy says) fails here."""
+    from safetensors.torch import load_file
+
+    import optllm.runtime.spec_runner as spec_runner
+    from optllm.speculative.eagle3 import Eagle3Draft, eagle3_features
+
+    folder = write_draft(tmp_path / "e3", tiny_llama, "eagle3", seed=2, noise=0.3, draft_vocab=draft_vocab)
+    eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels)
+    spec = eng.runner.spec
+    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
+    assert len(seqs) >= 2 and spec.tree_depth(spec.n) == 3
+    for s in seqs:  # blocks for the draft's scratch rows, as the scheduler gives a speculative decode
+        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
+    ctx, tables = spec._context(seqs)
+    roots = spec._roots(seqs)
+    selected, select = [], spec_runner.select
+
+    def keep(*a, **kw):
+        selected.append(select(*a, **kw))
+        return selected[-1]
+
+    hf = _hf(tiny_llama)
+    ref = Eagle3Draft.from_target(hf)
+    if draft_vocab:
+        ref.set_vocab(torch.tensor([i for i in range(hf.config.vocab_size) if i % 3][:draft_vocab]))
+    ref.load_state_dict(load_file(folder / "model.safetensors"))
+    kept = ref.d2t + torch.arange(ref.draft_vocab_size)  # draft index -> target id
+    with torch.inference_mode():
+        states = spec.states(seqs)
+        spec_runner.select = keep
+        try:
+            spec._propose(roots, states, ctx, tables, spec.n)
+        finally:
+            spec_runner.select = select
+    t = selected[0]
+    depths = []
+    for b, s in enumerate(seqs):
+        c = s.num_computed_tokens
+        ids = torch.tensor([s.token_ids[: c + 1]])
+        assert int(roots[b]) == s.token_ids[c]
+        with torch.no_grad():
+            aux = eagle3_features(hf, ids[:, :c], None, ref.aux_layers)
+        for i in range(1, t.tokens.shape[1]):
+            p, path = int(t.parents[b, i]), []
+            while p > 0:  # the parent's path below the root, root side first
+                path.insert(0, int(t.tokens[b, p]))
+                p = int(t.parents[b, p])
+            p, d = int(t.parents[b, i]), len(path)
+            assert d == int(t.depths[b, p]) == int(t.depths[b, i]) - 1
+            # the context's rows 0 .. c - 1 (tokens 1 .. c: the root last), then the path; the
+            # training-time test's step d drafts from the draft's own outputs past row c - 1 (the
+            # zero features there are never read)
+            chain = torch.cat([ids[:, 1:], torch.tensor([path], dtype=torch.long).view(1, d)], dim=1)
+            feats = torch.cat([aux, torch.zeros(1, d, aux.shape[-1])], dim=1)
+            with torch.no_grad():
+                lg = ref.ttt(feats, chain, d + 1)[d][0, c - 1 + d]
+            want = torch.log_softmax(lg.float(), -1)[int((kept == t.tokens[b, i]).nonzero())]
+            torch.testing.assert_close(t.scores[b, i] - t.scores[b, p], want, rtol=0, atol=1e-4)
+            depths.append(d)
+    assert max(depths) == 2 and depths.count(2) >= len(seqs)  # the deepest nodes' parents are two levels down
+
+
 def test_no_runtime_code_reads_an_instance_dict():
     """Reading an object's __dict__ (or vars()) makes CPython 3.11+ keep that object's attributes in a
     real dict from then on, and every attribute read of it 2-3x slower: one such read of each
