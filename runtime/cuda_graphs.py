@@ -22,7 +22,9 @@ between steps instead of before the step's tokens.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import weakref
 
 import numpy as np
 import torch
@@ -49,12 +51,24 @@ class _EagerStandIn:
     into the outputs the 'capture' returned, as a graph replay refills its static outputs."""
 
     def __init__(self, run, outputs) -> None:
-        self.run, self.outputs = run, outputs
+        self.run, self.outputs = _weakly(run), outputs
 
     def replay(self) -> None:
         for dst, src in zip(self.outputs, self.run()):
             if dst is not None:
                 dst.copy_(src)
+
+
+def _weakly(run):
+    """run, or where it is a partial of a bound method (each graph object's runs are: partial(self._run,
+    key)), the same call through a weak reference to the method's object. The stand-ins live in that
+    object's own dict of graphs, so a strong one would be a cycle: an engine dropped on a CPU would keep
+    its model and KV cache until the cyclic collector ran, which counts objects, not the gigabytes they
+    hold. (A captured CUDA graph keeps no Python reference to its run.)"""
+    if isinstance(run, functools.partial) and inspect.ismethod(run.func):
+        method, args, kwargs = weakref.WeakMethod(run.func), run.args, run.keywords
+        return lambda: method()(*args, **kwargs)
+    return run
 
 
 _UPLOAD_CHECKED: set = set()  # devices whose captured uploads were seen to re-read the host buffer

@@ -47,6 +47,7 @@ import functools
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -301,7 +302,11 @@ class SpecDecoder:
     sized) allocates the feature cache."""
 
     def __init__(self, runner, draft, options: SpecOptions, seed: int = 0) -> None:
-        self.runner, self.draft, self.options = runner, draft, options
+        # the runner owns this decoder (runner.spec): a proxy, not a reference back, so that an engine
+        # is freed by reference counting when its last user lets go, with its KV caches, instead of
+        # waiting for the cyclic collector, which counts objects, not the gigabytes they hold
+        self.runner = weakref.proxy(runner)
+        self.draft, self.options = draft, options
         self.model = runner.model
         self.device = runner.device
         self.block_size = runner.block_size
@@ -1161,7 +1166,9 @@ class SpecStepGraphs:
     def __init__(self, spec: SpecDecoder, max_batch: int, sizes, max_tokens: int, width: int, pad_block: int,
                  eager_stand_in: bool = False) -> None:
         dev = spec.device
-        self.spec, self.pad_block, self.width, self.g = spec, pad_block, width, spec.catch_rows
+        # spec owns these graphs (spec.graphs): a proxy back, not a reference (SpecDecoder.runner's reason)
+        self.spec = weakref.proxy(spec)
+        self.pad_block, self.width, self.g = pad_block, width, spec.catch_rows
         # the adaptive policy's per-size acceptance, computed in the graph (its read-back: S numbers a row)
         self.sizes_t = spec._sizes_on() if spec.adaptive else None
         self.num_sizes = 0 if self.sizes_t is None else self.sizes_t.shape[0]

@@ -21,12 +21,13 @@ if not torch.cuda.is_available():
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
-# The CPU tests' eager stand-ins of the CUDA graphs (runtime/cuda_graphs._EagerStandIn) keep partials of
-# their graph object's own bound methods: a reference cycle that holds the runner, its model and its KV cache
-# (on CUDA the partials are not kept). Such an engine is freed by the cyclic collector, not when the test
-# drops it, and the collector runs by object counts, blind to a 1 GiB CPU KV cache. Left alone, a clean run
-# grew to 24 GiB by test_spec_engine.py and was killed (thirty-ninth session). So after a test, collect when
-# this process holds more than MEMORY_GUARD_GIB: reading the RSS costs microseconds, a collection ~0.1 s.
+# An engine left in a reference cycle is freed by the cyclic collector, not when the test drops it, and the
+# collector runs by object counts, blind to a 1 GiB CPU KV cache: a clean run grew to 24 GiB by
+# test_spec_engine.py and was killed (thirty-ninth session). The runtime's own cycles (runner <-> speculative
+# decoder <-> step graphs, the CPU stand-ins' runs) are weak references since the fortieth session
+# (test_a_dropped_draft_engine_frees_its_kv_cache_without_the_cyclic_collector), but a test may still make one
+# (a patched bound method stored on its own object). So after a test, collect when this process holds more
+# than MEMORY_GUARD_GIB: reading the RSS costs microseconds, a collection ~0.1 s.
 MEMORY_GUARD_GIB = 3.0
 
 
