@@ -416,21 +416,12 @@ def _propose_recomputing_every_level(spec, roots, states, ctx, tables, n):
     return select(pool, n, depth, backend="torch")
 
 
-@pytest.mark.parametrize(("kernels", "method"), [("torch", "eagle"), ("triton", "eagle"), ("torch", "eagle3"),
-                                                 ("triton", "eagle3")])
-def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_proposed(tiny_llama, tmp_path, kernels,
-                                                                                        method):
-    """Each EAGLE-2 level runs the draft over its k frontier rows only, their keys the context and
-    the scratch rows of earlier levels under the ancestor mask (the extend kernel's mask_cols):
-    the trees, their scores and every level's ranked log-probs equal the old growth's, which
-    reran all d * k rows each level. A random EAGLE layer (its attention matters), batch 4; on the
-    torch references and on the Triton kernels (kernels/tree_grow.py builds the masks and features).
-    EAGLE-3's levels run forward_ranked (the rotary and KV store in one kernel, the last residual add
-    in the final norm's launch); the reference, forward then ranked."""
+def _grow_one_tree(eng, kernels: str):
+    """A stepped engine's running decodes (past their first output token) and one EAGLE-2 proposal for
+    them, as a speculative step makes it: (spec, seqs, roots, states, ctx, tables, the proposed
+    TreeBatch, the selection kernels/tree_grow.select returned: its scores)."""
     import optllm.runtime.spec_runner as spec_runner
 
-    folder = write_draft(tmp_path / method, tiny_llama, method, seed=5, noise=0.5)
-    eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels)
     spec = eng.runner.spec
     seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
     assert len(seqs) >= 2 and spec.tree_depth(spec.n) == 3 and spec.runner.backend == kernels
@@ -451,10 +442,28 @@ def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_p
             got, _ = spec._propose(roots, states, ctx, tables, spec.n)
         finally:
             spec_runner.select = select
+    return spec, seqs, roots, states, ctx, tables, got, selected[0]
+
+
+@pytest.mark.parametrize(("kernels", "method"), [("torch", "eagle"), ("triton", "eagle"), ("torch", "eagle3"),
+                                                 ("triton", "eagle3")])
+def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_proposed(tiny_llama, tmp_path, kernels,
+                                                                                        method):
+    """Each EAGLE-2 level runs the draft over its k frontier rows only, their keys the context and
+    the scratch rows of earlier levels under the ancestor mask (the extend kernel's mask_cols):
+    the trees, their scores and every level's ranked log-probs equal the old growth's, which
+    reran all d * k rows each level. A random EAGLE layer (its attention matters), batch 4; on the
+    torch references and on the Triton kernels (kernels/tree_grow.py builds the masks and features).
+    EAGLE-3's levels run forward_ranked (the rotary and KV store in one kernel, the last residual add
+    in the final norm's launch); the reference, forward then ranked."""
+    folder = write_draft(tmp_path / method, tiny_llama, method, seed=5, noise=0.5)
+    eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels)
+    spec, _, roots, states, ctx, tables, got, selected = _grow_one_tree(eng, kernels)
+    with torch.inference_mode():
         want = _propose_recomputing_every_level(spec, roots, states, ctx, tables, spec.n)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
     assert int(got.depths.max()) == 3  # the deepest level's rows attended two levels above
-    torch.testing.assert_close(selected[0].scores, want.scores, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(selected.scores, want.scores, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("kernels", "draft_vocab"), [("torch", None), ("triton", 150)])
@@ -467,38 +476,17 @@ def test_every_eagle3_tree_node_scores_what_the_training_time_test_computes(tiny
     would make the deep levels accept less than the held-out accuracy says) fails here."""
     from safetensors.torch import load_file
 
-    import optllm.runtime.spec_runner as spec_runner
     from optllm.speculative.eagle3 import Eagle3Draft, eagle3_features
 
     folder = write_draft(tmp_path / "e3", tiny_llama, "eagle3", seed=2, noise=0.3, draft_vocab=draft_vocab)
     eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels)
-    spec = eng.runner.spec
-    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
-    assert len(seqs) >= 2 and spec.tree_depth(spec.n) == 3
-    for s in seqs:  # blocks for the draft's scratch rows, as the scheduler gives a speculative decode
-        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
-    ctx, tables = spec._context(seqs)
-    roots = spec._roots(seqs)
-    selected, select = [], spec_runner.select
-
-    def keep(*a, **kw):
-        selected.append(select(*a, **kw))
-        return selected[-1]
-
+    _, seqs, roots, _, _, _, _, t = _grow_one_tree(eng, kernels)
     hf = _hf(tiny_llama)
     ref = Eagle3Draft.from_target(hf)
     if draft_vocab:
         ref.set_vocab(torch.tensor([i for i in range(hf.config.vocab_size) if i % 3][:draft_vocab]))
     ref.load_state_dict(load_file(folder / "model.safetensors"))
     kept = ref.d2t + torch.arange(ref.draft_vocab_size)  # draft index -> target id
-    with torch.inference_mode():
-        states = spec.states(seqs)
-        spec_runner.select = keep
-        try:
-            spec._propose(roots, states, ctx, tables, spec.n)
-        finally:
-            spec_runner.select = select
-    t = selected[0]
     depths = []
     for b, s in enumerate(seqs):
         c = s.num_computed_tokens
