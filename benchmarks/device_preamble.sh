@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 T0=$(date +%s)
 left() { echo $(( ${LIMIT:-570} - ($(date +%s) - T0) )); }
 if [ "${PART:-}" = stage ]; then  # each carried .carry1* folder's parts (the fortieth session splits the GGUF
-  # in three: .carry1a and .carry1b in two stage calls, the last part in .carry2, as the tree grew past 14 MiB)
+  # in three: .carry1a and .carry1b in two stage calls, the last part in .carry2: the tree, 16.8 MB, and a 50 MB part were refused)
   mkdir -p /root/m && cp .carry1*/*.part* /root/m/ && ls -la /root/m && nvidia-smi -L
   exit 0
 fi
