@@ -150,6 +150,27 @@ def write_drafts(root: Path, target: Path) -> dict:
     return out
 
 
+def draft_vocab_ids(vocab_size: int, n: int):
+    """write_draft's reduced EAGLE-3 vocabulary: the n lowest token ids, every third one skipped."""
+    import torch
+
+    return torch.tensor([i for i in range(vocab_size) if i % 3][:n])
+
+
+def read_eagle3(folder: Path, hf, draft_vocab: int | None = None, aux_layers: tuple[int, ...] | None = None):
+    """The training module's Eagle3Draft (speculative/eagle3.py) over hf with the weights write_draft
+    (or an export of them) saved in folder: its reduced vocabulary set first where it had one."""
+    from safetensors.torch import load_file
+
+    from optllm.speculative.eagle3 import Eagle3Draft
+
+    ref = Eagle3Draft.from_target(hf, aux_layers)
+    if draft_vocab:
+        ref.set_vocab(draft_vocab_ids(hf.config.vocab_size, draft_vocab))
+    ref.load_state_dict(load_file(folder / "model.safetensors"))
+    return ref
+
+
 def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: float = 0.02,
                 draft_vocab: int | None = None) -> Path:
     """A draft as `optllm train-draft` writes it (config.json + model.safetensors) that proposes,
@@ -169,8 +190,8 @@ def write_draft(folder: Path, target: Path, method: str, seed: int = 0, noise: f
     torch.manual_seed(seed)
     m = DRAFT_METHODS[method]
     draft = m.build(hf, 3)
-    if draft_vocab is not None:  # EAGLE-3: the draft_vocab lowest ids, every third one skipped
-        draft.set_vocab(torch.tensor([i for i in range(hf.config.vocab_size) if i % 3][:draft_vocab]))
+    if draft_vocab is not None:
+        draft.set_vocab(draft_vocab_ids(hf.config.vocab_size, draft_vocab))
     with torch.no_grad():
         if method == "eagle":
             h = draft.hidden_size

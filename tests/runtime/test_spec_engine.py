@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import hf_float32 as _hf
-from conftest import write_draft
+from conftest import read_eagle3, write_draft
 
 from optllm.errors import UserError
 from optllm.runtime.llm import LLM
@@ -290,9 +290,7 @@ def test_eagle3_greedy_equals_plain_and_its_state_follows_the_sequence(tiny_llam
     """An EAGLE-3 draft (fused features of the target's layer inputs, its own LM head, here also
     over a reduced vocabulary mapped into the target's): greedy output unchanged, and after many
     steps the logits the engine drafts from equal the training module's over the whole sequence."""
-    from safetensors.torch import load_file
-
-    from optllm.speculative.eagle3 import Eagle3Draft, eagle3_features
+    from optllm.speculative.eagle3 import eagle3_features
 
     folder = write_draft(tmp_path / "e3", tiny_llama, "eagle3", seed=2, noise=0.3, draft_vocab=draft_vocab)
     want, _ = _run(tiny_llama, PROMPTS, GREEDY)
@@ -301,10 +299,7 @@ def test_eagle3_greedy_equals_plain_and_its_state_follows_the_sequence(tiny_llam
 
     eng = _stepped_engine(tiny_llama, folder, num_draft=8, max_tokens=40, steps=10)
     hf = _hf(tiny_llama)
-    ref = Eagle3Draft.from_target(hf)
-    if draft_vocab:
-        ref.set_vocab(torch.tensor([i for i in range(hf.config.vocab_size) if i % 3][:draft_vocab]))
-    ref.load_state_dict(load_file(folder / "model.safetensors"))
+    ref = read_eagle3(folder, hf, draft_vocab)
     draft = eng.runner.spec.draft
     seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 2]
     assert seqs and eng.stats().speculation["steps"] > 0
@@ -474,18 +469,13 @@ def test_every_eagle3_tree_node_scores_what_the_training_time_test_computes(tiny
     depth, over the target's features of the sequence and the path's tokens. The state test above
     covers depth 1 only; a level that attended the wrong rows or took the wrong position (which
     would make the deep levels accept less than the held-out accuracy says) fails here."""
-    from safetensors.torch import load_file
-
-    from optllm.speculative.eagle3 import Eagle3Draft, eagle3_features
+    from optllm.speculative.eagle3 import eagle3_features
 
     folder = write_draft(tmp_path / "e3", tiny_llama, "eagle3", seed=2, noise=0.3, draft_vocab=draft_vocab)
     eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels)
     _, seqs, roots, _, _, _, _, t = _grow_one_tree(eng, kernels)
     hf = _hf(tiny_llama)
-    ref = Eagle3Draft.from_target(hf)
-    if draft_vocab:
-        ref.set_vocab(torch.tensor([i for i in range(hf.config.vocab_size) if i % 3][:draft_vocab]))
-    ref.load_state_dict(load_file(folder / "model.safetensors"))
+    ref = read_eagle3(folder, hf, draft_vocab)
     kept = ref.d2t + torch.arange(ref.draft_vocab_size)  # draft index -> target id
     depths = []
     for b, s in enumerate(seqs):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import hf_float32, write_draft
+from conftest import hf_float32, read_eagle3, write_draft
 from safetensors.torch import load_file
 
 from optllm.errors import UserError
@@ -92,7 +92,6 @@ def test_exported_eagle3_draft_reads_back(tiny_llama, tmp_path):
     and the hidden input, q/k/v over their 2H concatenation, residual from the hidden input, MLP,
     final norm, LM head over the draft vocabulary placed at target ids d2t + i) computes what our
     training module computes at step 0."""
-    from optllm.speculative.eagle3 import Eagle3Draft
 
     draft_dir = write_draft(tmp_path / "e3", tiny_llama, "eagle3", seed=4, noise=0.3, draft_vocab=100)
     out = export_vllm(draft_dir, tiny_llama, tmp_path / "vllm")
@@ -135,9 +134,7 @@ def test_exported_eagle3_draft_reads_back(tiny_llama, tmp_path):
         full[:, w["d2t"] + torch.arange(small.shape[1])] = small
         return full
 
-    ref = Eagle3Draft.from_target(target, tuple(aux_ids))
-    ref.set_vocab(torch.tensor([i for i in range(c.vocab_size) if i % 3][:100]))
-    ref.load_state_dict(load_file(draft_dir / "model.safetensors"))
+    ref = read_eagle3(draft_dir, target, 100, tuple(aux_ids))
     g = torch.Generator().manual_seed(1)
     aux = torch.randn(1, 9, 3 * h, generator=g)
     ids = torch.randint(0, c.vocab_size, (1, 9), generator=g)
