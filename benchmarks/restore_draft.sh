@@ -12,8 +12,11 @@ dest=${2:-.carry-$name}
 commit=$(git log --diff-filter=A --format=%H -1 -- "drafts/$name")
 [ -n "$commit" ] || { echo "no commit added drafts/$name; allowed: $(git log --diff-filter=A --name-only --format= -- drafts \
   | cut -d/ -f2 | sort -u | tr '\n' ' ')" >&2; exit 2; }
-mkdir -p "$dest"
+[ ! -e "$dest" ] || { echo "$dest exists; allowed: a DEST that does not (remove it first)" >&2; exit 2; }
 grep -qxF "/$dest/" .git/info/exclude 2>/dev/null || echo "/$dest/" >> .git/info/exclude
-git archive "$commit" "drafts/$name" | tar x --strip-components=2 -C "$dest"
+tmp=$(mktemp -d "$dest.tmp.XXXXXX")  # written whole, then renamed: no half-restored DEST
+trap 'rm -rf "$tmp"' EXIT
+git archive "$commit" "drafts/$name" | tar x --strip-components=2 -C "$tmp"
+mv "$tmp" "$dest"
 echo "drafts/$name of $(git log -1 --format='%h %s' "$commit" | cut -c1-80) -> $dest"
 ls -la "$dest"
