@@ -19,6 +19,8 @@
 #               ran at d8c07ca and was removed after it lost, so `f` configs need that commit), then Nsight
 #               Compute on the GEMV at gate_up and down, M = 1, in the runtime's config or each of NCU_CFGS
 #               (SOL, memory, warp stalls, instruction statistics)
+#   TILE=1 (tests, kernels; forty-first session): after the GPU tests, benchmarks/w4a16_tile.py (the M = 16..256
+#               tensor-core tiles against cuBLAS bf16 and the Triton path) at TILE_MS over TILE_CONFIGS
 #   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval;
 #               CATCHUP=1 first times the EAGLE draft's eager catch-up (benchmarks/catch_up_cost.py, after the
 #               prompt and mid-stream; CU_ARGS replaces its cases, CU_PROFILE the profiled one); DORMANT=1 the
@@ -61,7 +63,7 @@ else
 fi
 ALL_TESTS="tests/runtime/test_spec_gpu.py tests/runtime/test_cuda_graphs.py
   tests/runtime/test_llm_gpu.py::test_cuda_graphs_equal_eager tests/runtime/test_llm_gpu.py::test_prefill_graphs_equal_eager
-  tests/kernels/test_tree_grow.py tests/kernels/test_w4a16_mma.py"
+  tests/kernels/test_tree_grow.py tests/kernels/test_w4a16_mma.py tests/kernels/test_w4a16_mma_tile.py"
 # files whose tests run on CUDA whenever it is there, unmarked (-m gpu would skip them all)
 DEV_TESTS="tests/kernels/test_rmsnorm.py tests/runtime/test_spec_features.py tests/kernels/test_sample.py
   tests/kernels/test_fc_scatter.py"
@@ -80,6 +82,12 @@ mma_sweep() {
     --configs "${CONFIGS:-8x2s,8x2sp,8x2spk2,8x2spk4,16x2sp}" --out "$OUT" > "$OUT/logs/mma.log" 2>&1 \
     || echo "w4a16_mma exited $?"
   grep "^|" "$OUT/logs/mma.log" | head -60
+}
+tile_bench() {  # TILE=1 (forty-first session): the small-batch tensor-core tiles at TILE_MS over TILE_CONFIGS
+  [ -n "${TILE:-}" ] || return 0
+  timeout "$(( $(left) - 15 ))" python3 benchmarks/w4a16_tile.py --ms "${TILE_MS:-16,32,64,128,256}" \
+    ${TILE_CONFIGS:+--configs "$TILE_CONFIGS"} --out "$OUT" > "$OUT/logs/tile.log" 2>&1 || echo "w4a16_tile exited $?"
+  grep "^|" "$OUT/logs/tile.log" | head -30
 }
 probes() {  # CATCHUP=1: the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
   if [ -n "${CATCHUP:-}" ]; then  # after the prompt and mid-stream (min_tokens 48), greedy and sampled
@@ -138,9 +146,10 @@ quantize_awq() {  # the AWQ target (W4 g64, 128 x 512 calibration) in /root/awq,
     || { echo "quantize exited $?"; tail -5 "$OUT/logs/quantize.log"; }
 }
 case "${PART:-}" in
-tests) probes; [ "${TESTS:-}" = none ] || gpu_tests ;;
+tests) probes; [ "${TESTS:-}" = none ] || gpu_tests; tile_bench ;;
 kernels) probes
   [ "${TESTS:-}" = none ] || gpu_tests
+  tile_bench
   if [ -n "${STREAM:-}" ]; then  # STREAM=1 (thirty-ninth session): what a pure read of the 8B shapes' words takes
     timeout 150 python3 benchmarks/stream_ceiling.py --out "$OUT" > "$OUT/logs/stream.log" 2>&1 || echo "stream exited $?"
     grep "^|" "$OUT/logs/stream.log"

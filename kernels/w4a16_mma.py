@@ -191,20 +191,12 @@ def w4a16_mma_ref(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tenso
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-_SOURCE = r"""
-// OFFSET_MMA 1: the weights enter the mma as 128 + u and sum(x) comes from a second mma with an
-// all-ones A; 0: each nibble pair is brought to u - 8 - zero (one exact bf16x2 fma) before its mma.
-// XPRE 1 (NT == 1 only): the x pairs of a chunk are loaded with its weights, UNROLL chunks ahead.
-// ABLATE 1 (timing only, wrong numbers): the raw words are the A operand, no dequantization.
-// NT: x column tiles of 8 rows (M <= 8 NT); each dequantized fragment feeds NT mmas.
+# what both kernels of this file and kernels/w4a16_mma_tile.py build on: the 16-byte word W4, global,
+# shared and cp.async loads, the nibble pairs (ABLATE: the raw words), the mma, bf16 conversions
+COMMON_SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) W4 { u32 a, b, c, d; };
-struct Chunk { W4 w;
-#if XPRE
-  W4 xa, xb;
-#endif
-};
 
 __device__ __forceinline__ W4 ld_stream(const W4* p) {
   W4 v;
@@ -275,6 +267,19 @@ __device__ __forceinline__ u32 neg_pair(float o) {  // -o as bf16x2 (o = 136 + z
   const u32 h = f2bf(-o);
   return h | (h << 16);
 }
+"""
+
+_SOURCE = COMMON_SOURCE + r"""
+// OFFSET_MMA 1: the weights enter the mma as 128 + u and sum(x) comes from a second mma with an
+// all-ones A; 0: each nibble pair is brought to u - 8 - zero (one exact bf16x2 fma) before its mma.
+// XPRE 1 (NT == 1 only): the x pairs of a chunk are loaded with its weights, UNROLL chunks ahead.
+// ABLATE 1 (timing only, wrong numbers): the raw words are the A operand, no dequantization.
+// NT: x column tiles of 8 rows (M <= 8 NT); each dequantized fragment feeds NT mmas.
+struct Chunk { W4 w;
+#if XPRE
+  W4 xa, xb;
+#endif
+};
 // A chunk's weight words (w: this lane's 16 bytes of it) and, with XPRE, its x pairs (chunk-in-tile
 // c of the first column tile's rows).
 __device__ __forceinline__ void load_chunk(Chunk& ch, const W4* w, const W4* x0, int c) {

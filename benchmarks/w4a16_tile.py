@@ -1,0 +1,141 @@
+"""The small-batch tensor-core W4A16 tiles (kernels/w4a16_mma_tile.py) against cuBLAS bf16 and the
+runtime's Triton W4A16 path at M = 16..256 (issue 13: M = 64 >= 2.5x cuBLAS bf16, M >= 256 >= 0.9x).
+
+    python benchmarks/w4a16_tile.py [--shapes qkv,o,gate_up,down] [--ms 16,32,64,128,256]
+                                    [--configs 4x2x8,4x2x8k4,...] [--out DIR]
+
+Configs are WARPSxRTxNT[sS][uU][kK][a]: warps a CTA, row tiles a warp, column tiles (8 rows) a CTA, S x-ring
+stages, U weight chunks loaded ahead, K CTAs along K (split-K), a no dequantization (timing only); "auto" is
+config_for's choice. Per shape and M: each kernel's relative error against the float32 reference, then
+µs of a CUDA-graph replay with weight copies rotated past 200 MB (weights from HBM), the tensor-core GEMV
+too where M <= 32 (its runtime config), the best tile's ×cuBLAS and % of the int4 floor (int4 words +
+bf16 scales + x + y at this card's copy rate, measured first), and its TFLOPS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import torch
+
+from optllm.benchmarks.common import (
+    copy_bandwidth,
+    flush_copies,
+    graph_us,
+    provenance,
+    rel,
+    shape_plan,
+    sym_int4,
+    write_results,
+)
+from optllm.kernels import w4a16 as w4k
+from optllm.kernels import w4a16_mma as mk
+from optllm.kernels import w4a16_mma_tile as tk
+
+
+def parse_config(text: str) -> tk.TileConfig | None:
+    if text == "auto":
+        return None
+    hit = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:s(\d))?(?:u(\d))?(?:k(\d+))?(a?)", text)
+    if hit is None:
+        raise SystemExit(f"--configs: {text!r} is not WARPSxRTxNT[sS][uU][kK][a] or auto")
+    warps, rt, nt, stages, unroll, split, ablate = hit.groups()
+    try:
+        return tk.TileConfig(int(warps), int(rt), int(nt), stages=int(stages or 4), unroll=int(unroll or 2),
+                             split_k=int(split or 1), ablate=bool(ablate))
+    except ValueError as e:
+        raise SystemExit(f"--configs: {text!r}: {e}") from None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
+    ap.add_argument("--ms", default="16,32,64,128,256")
+    ap.add_argument("--configs", default="auto,4x2x8,4x2x8k2,4x2x8k4,4x2x8k8,8x2x8,4x1x16,4x2x4")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    a = ap.parse_args()
+    if not mk.available():
+        raise SystemExit(f"the tensor-core kernels do not build here: {mk._UNAVAILABLE}")
+    names = a.configs.split(",")
+    configs = {n: parse_config(n) for n in names}
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for sname, k, n, G in shape_plan(a.shapes):
+        rot = flush_copies(n * k // 2)
+        wf, tri, mma = [], [], []
+        for _ in range(rot):
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+            q, s = sym_int4(w, G)
+            p = w4k.prepack_w4a16(q, s.to(torch.bfloat16), None, G, dtype=torch.bfloat16)
+            wf.append(w)
+            tri.append(p)
+            mma.append(mk.from_w4a16(p))
+        for m in [int(v) for v in a.ms.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ w4k.dequantize_w4a16(tri[0]).t()
+            r = {"shape": sname, "K": k, "N": n, "M": m, "group": G, "copies": rot, "copy_bw": bw,
+                 "floor_int4": (n * k / 2 + n * k / G * 2 + m * k * 2 + m * n * 2) / bw * 1e6,
+                 "flop": 2 * m * n * k, "err_triton": rel(w4k.w4a16_linear(x, tri[0]), ref)}
+            ops = {"cublas_bf16": lambda i: x @ wf[i].t(), "triton_w4a16": lambda i: w4k.w4a16_linear(x, tri[i])}
+            if m <= mk.MAX_M:
+                ops["gemv"] = lambda i: mk.w4a16_mma_linear(x, mma[i])
+            for name, cfg in configs.items():
+                try:
+                    r["err_tile_" + name] = rel(tk.w4a16_mma_tile(x, mma[0], None, cfg), ref)
+                except Exception as e:
+                    r["tile_" + name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    continue
+                ops["tile_" + name] = lambda i, cfg=cfg: tk.w4a16_mma_tile(x, mma[i], None, cfg)
+            r["auto_config"] = repr(tk.config_for(n, k, m))
+            for name, op in ops.items():
+                def fn(op=op):
+                    return [op(i) for i in range(rot)]
+                try:
+                    fn()
+                    r[name] = graph_us(fn, rep=40) / rot
+                except Exception as e:
+                    r[name] = None
+                    r[name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            tiles = [c for c in ops if c.startswith("tile_") and not c.endswith("a") and r.get(c) is not None]
+            if tiles:
+                best = min(tiles, key=lambda c: r[c])
+                r["tile_best"], r["tile_best_config"] = r[best], best[5:]
+            rows.append(r)
+            print(json.dumps({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
+        for held in (wf, tri, mma):
+            held.clear()
+        torch.cuda.empty_cache()
+    table = render(rows, names)
+    print(table)
+    write_results(a.out, "w4a16_tile", table, {"provenance": provenance(), "rows": rows})
+
+
+def render(rows, names):
+    def f(v):
+        return "–" if v is None else f"{v:.1f}"
+
+    head = ("| shape | M | cuBLAS bf16 | Triton W4A16 | GEMV | best tile (config) | ×bf16 | ×Triton | TFLOPS "
+            f"| % int4 floor ({rows[0]['copy_bw'] / 1e12:.2f} TB/s) | err | " + " | ".join(names) + " |")
+    lines = [head, "|" + "---|" * (11 + len(names))]
+    for r in rows:
+        b = r.get("tile_best")
+        if b is None:
+            lines.append(f"| {r['shape']} | {r['M']} | {f(r['cublas_bf16'])} | {f(r['triton_w4a16'])} | – | – |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['M']} | {f(r['cublas_bf16'])} | {f(r['triton_w4a16'])} | {f(r.get('gemv'))} "
+            f"| {f(b)} ({r['tile_best_config']}) | {r['cublas_bf16'] / b:.2f} | {r['triton_w4a16'] / b:.2f} "
+            f"| {r['flop'] / b / 1e6:.0f} | {100 * r['floor_int4'] / b:.0f}% "
+            f"| {r['err_tile_' + r['tile_best_config']]:.1e} | "
+            + " | ".join(f(r.get("tile_" + nm)) for nm in names) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

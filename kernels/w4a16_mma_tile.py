@@ -1,0 +1,403 @@
+"""W4A16 GEMM tiles on the tensor cores for small batches (M = 17..256): hand-written CUDA through NVRTC.
+
+    y [M, N] = x [M, K] @ W^T,   W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]
+
+Why: past M = 16 the tensor-core GEMV (kernels/w4a16_mma.py) runs out of column tiles (its x reads come
+from L1 per mma), and the Triton path's swap-AB tiles were bound by the shared-memory round trip of each
+dequantized bf16 tile that Triton builds for its wgmma operand (docs/BENCHMARKS.md: 0.76-1.07x cuBLAS
+bf16 at M = 64, 0.58-0.69x at M = 256 on the H200). Here the dequantized weights never leave the
+registers: they are the mma.sync A operand (swap-AB: 16 output features a fragment), as Marlin does,
+and only x goes through shared memory, where every warp of the CTA reads it.
+
+Weights: the GEMV's fragment words (``w4a16_mma.mma_words``, made once at load): a lane's 16 bytes of a
+row tile's 64-k chunk hold its A fragments for the chunk's four m16n8k16 mmas, and the B fragments they
+pair with are x[m, 64 c + 16 t .. 64 c + 16 t + 15] of lane t: 32 contiguous bytes of one x row.
+Arithmetic: each nibble pair becomes (u - 8 - zero) exactly in bf16 (lop3 into the mantissa of 128 + u,
+then one bf16x2 fma), times the group's scale: one rounding to bf16, as dequantize-then-GEMM and every
+tensor-core W4A16 kernel round (the GEMV keeps the weight unrounded; its group sums need twice the
+accumulators, which M = 64 columns do not leave room for); fp32 accumulation, one bf16 rounding of y.
+
+Work split (``TileConfig``)
+    A CTA of ``warps`` warps covers BN = 16 * rt * warps output features and BM = 8 * nt rows of x:
+    warp w owns row tiles (16 features each) w * rt .. w * rt + rt - 1 of the CTA's, and all nt column
+    tiles, so each B fragment read from shared memory feeds rt mmas and each dequantized A fragment nt.
+    The grid is (ceil(M / BM), ceil(N / BN), split_k), the column blocks fastest, so the CTAs sharing a
+    weight tile run together and all but the first read it from L2.
+    x goes through a ring of ``stages`` chunk slots (BM rows x 64 k, rows padded to 144 bytes: the
+    eight rows a quarter-warp reads fall on distinct banks), filled by cp.async stages - 1 chunks ahead
+    by every thread of the CTA; the weights go to registers ``unroll`` chunks ahead (ld.global.nc,
+    no L1 allocation), with their groups' scales and zeros.
+    split_k > 1: the CTAs of blockIdx.z take contiguous 1 / split_k of the quantization groups, write
+    their fp32 partial tiles to a workspace, and the last to arrive at the tile's counter (which it
+    resets) sums them in split order: deterministic, no atomics on y, no host sync, CUDA-graph safe.
+Limits: bf16, N % 16 == 0, K % 64 == 0, G % 64 == 0, 1 <= M <= MAX_M, x rows 16-byte aligned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import w4a16_mma as mk
+
+MAX_M = 4096  # any M works (the grid's column blocks); the runtime sends what the tuned table says
+XROW = 144  # bytes a row of an x slot: 64 bf16 and 16 of padding
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    warps: int = 4  # warps a CTA, each over rt row tiles
+    rt: int = 2  # row tiles (16 output features each) a warp
+    nt: int = 8  # column tiles (8 x rows each) a CTA: BM = 8 nt
+    stages: int = 4  # x ring slots (cp.async stages - 1 chunks ahead)
+    unroll: int = 2  # weight chunks a warp loads ahead into registers
+    split_k: int = 1  # CTAs along K, each over 1 / split_k of the groups
+    ablate: bool = False  # timing only: no dequantization (wrong numbers)
+
+    def __post_init__(self) -> None:
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"warps={self.warps}: allowed 1, 2, 4, 8")
+        if self.rt not in (1, 2, 4):
+            raise ValueError(f"rt={self.rt}: allowed 1, 2, 4 row tiles a warp")
+        if self.nt not in range(1, 17) or self.rt * self.nt > 16:
+            raise ValueError(f"nt={self.nt}: allowed 1..16 column tiles with rt * nt <= 16 (accumulators a lane: "
+                             f"4 rt nt), got rt={self.rt}")
+        if self.stages not in range(2, 9) or self.stages * 8 * self.nt * XROW > 98304:
+            raise ValueError(f"stages={self.stages}: allowed 2..8 with stages * BM * {XROW} bytes <= 96 KiB")
+        if self.unroll not in (1, 2, 4):
+            raise ValueError(f"unroll={self.unroll}: allowed 1, 2, 4")
+        if self.split_k not in range(1, 17):
+            raise ValueError(f"split_k={self.split_k}: allowed 1..16")
+
+    @property
+    def bn(self) -> int:
+        return 16 * self.rt * self.warps
+
+    @property
+    def bm(self) -> int:
+        return 8 * self.nt
+
+    def smem(self) -> int:
+        """Dynamic shared memory a CTA: the x ring."""
+        return self.stages * self.bm * XROW
+
+
+_TILE_SOURCE = r"""
+// (u - 8 - zero) * scale for the nibble pair j, j + 4 of w: one bf16x2 fma brings 128 + u to u - 8 - zero
+// (exact: small integers), one more multiplies by the row's scale (one rounding)
+__device__ __forceinline__ u32 dq(u32 w, u32 nz, u32 s2) {
+#if ABLATE
+  return w;
+#else
+  u32 r, d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(pair(w)), "r"(0x3F803F80u), "r"(nz));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(r), "r"(s2), "r"(0x80008000u));
+  return d;
+#endif
+}
+// A chunk's weights for one row tile: the lane's 16 bytes, its rows' scales (bf16, row g low, g + 8 high)
+// and zeros (int8 pair)
+struct WChunk { W4 w; u32 s; u32 z; };
+__device__ __forceinline__ void load_w(WChunk& wc, const W4* wp, int c, int n0, int N,
+                                       const u16* __restrict__ scales, const signed char* __restrict__ zeros) {
+  wc.w = ld_stream(wp + (size_t)c * 32);
+  const size_t gi = (size_t)(c / CPG) * N + n0;
+  wc.s = (u32)scales[gi] | ((u32)scales[gi + 8] << 16);
+#if HAS_ZEROS
+  wc.z = (u32)(unsigned char)zeros[gi] | ((u32)(unsigned char)zeros[gi + 8] << 8);
+#else
+  wc.z = 0;
+#endif
+}
+// the four A fragments (k16 steps i) of a chunk: register j of fragment i is nibble pair j of word i >> 4j;
+// rows g (j even) and g + 8 (j odd)
+__device__ __forceinline__ void fragments(u32 (*a)[4], const WChunk& wc) {
+  const u32 sg = (wc.s & 0xFFFFu) * 0x10001u, sh = (wc.s >> 16) * 0x10001u;
+#if HAS_ZEROS
+  const u32 nz0 = neg_pair(136.f + (float)(signed char)(wc.z & 0xFF)),
+            nz1 = neg_pair(136.f + (float)(signed char)((wc.z >> 8) & 0xFF));
+#else
+  const u32 nz0 = 0xC308C308u, nz1 = 0xC308C308u;  // -136 in both halves
+#endif
+  const u32 words[4] = {wc.w.a, wc.w.b, wc.w.c, wc.w.d};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    a[i][0] = dq(words[i], nz0, sg);
+    a[i][1] = dq(words[i] >> 4, nz1, sh);
+    a[i][2] = dq(words[i] >> 8, nz0, sg);
+    a[i][3] = dq(words[i] >> 12, nz1, sh);
+  }
+}
+#define BN (16 * RT * WARPS)
+#define BM (8 * NT)
+#define XROW 144
+#define XSLOT (BM * XROW)
+#define THREADS (WARPS * 32)
+// chunk c of x rows m0 .. m0 + BM - 1 (rows past M: a copy of row M - 1, never stored) into the slot at s
+__device__ __forceinline__ void load_x(u32 s, const u16* __restrict__ x, int c, int m0, int M, int ldx) {
+  for (int q = threadIdx.x; q < BM * 8; q += THREADS) {
+    const int row = q >> 3, part = q & 7;
+    const int m = m0 + row < M ? m0 + row : M - 1;
+    cp_async16(s + row * XROW + part * 16, x + (size_t)m * ldx + (size_t)c * 64 + part * 8);
+  }
+}
+extern "C" __global__ void __launch_bounds__(THREADS)
+w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
+               const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
+               float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int ldy) {
+  extern __shared__ __align__(16) unsigned char xs[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6, tiles = N >> 4;
+  const int m0 = blockIdx.x * BM;
+  const int all = chunks / CPG;
+  const int c0 = (int)(((long long)blockIdx.z * all) / SPLITK) * CPG;
+  const int c1 = (int)(((long long)(blockIdx.z + 1) * all) / SPLITK) * CPG;
+  // my row tiles: those past N compute a copy of the last one and store nothing
+  const W4* wp[RT];
+  int n0[RT];
+  bool live[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const int tl = (blockIdx.y * WARPS + warp) * RT + r;
+    live[r] = tl < tiles;
+    const int tc = live[r] ? tl : tiles - 1;
+    wp[r] = wq + (size_t)tc * chunks * 32 + lane;
+    n0[r] = tc * 16 + g;
+  }
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[r][j][q] = 0.f;
+  const u32 xs0 = smem_addr(xs);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (c0 + s < c1) load_x(xs0 + s * XSLOT, x, c0 + s, m0, M, ldx);
+    cp_commit();
+  }
+  WChunk buf[UNROLL][RT];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+    if (c0 + u < c1)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) load_w(buf[u][r], wp[r], c0 + u, n0[r], N, scales, zeros);
+  int slot = 0;  // (c - c0) % STAGES
+  for (int cb = c0; cb < c1; cb += UNROLL) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int c = cb + u;
+      if (c < c1) {  // the same for every thread of the CTA: the barrier below is reached by all
+        WChunk cur[RT];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          cur[r] = buf[u][r];
+          if (c + UNROLL < c1) load_w(buf[u][r], wp[r], c + UNROLL, n0[r], N, scales, zeros);
+        }
+        cp_wait<STAGES - 2>();  // chunk c's x landed (this thread's copies) ...
+        __syncthreads();  // ... and everyone's; every warp is done with chunk c - 1's slot, refilled now
+        const int fill = slot == 0 ? STAGES - 1 : slot - 1;
+        if (c + STAGES - 1 < c1) load_x(xs0 + fill * XSLOT, x, c + STAGES - 1, m0, M, ldx);
+        cp_commit();
+        u32 a[RT][4][4];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) fragments(a[r], cur[r]);
+        const u32 xrow = xs0 + slot * XSLOT + g * XROW + 32 * t;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const W4 xa = ld_shared(xrow + j * 8 * XROW), xb = ld_shared(xrow + j * 8 * XROW + 16);
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            mma(acc[r][j], a[r][0], xa.a, xa.b);
+            mma(acc[r][j], a[r][1], xa.c, xa.d);
+            mma(acc[r][j], a[r][2], xb.a, xb.b);
+            mma(acc[r][j], a[r][3], xb.c, xb.d);
+          }
+        }
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+      }
+    }
+  }
+  cp_wait<0>();
+#if SPLITK > 1
+  // partial tiles: ws [SPLITK][tiles of the grid][RT NT][THREADS] float4, coalesced along the threads
+  const int id = blockIdx.y * gridDim.x + blockIdx.x, T = gridDim.x * gridDim.y;
+  float4* ws4 = (float4*)ws;
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      ws4[(((size_t)blockIdx.z * T + id) * (RT * NT) + r * NT + j) * THREADS + threadIdx.x] =
+          make_float4(acc[r][j][0], acc[r][j][1], acc[r][j][2], acc[r][j][3]);
+  __threadfence();
+  __syncthreads();
+  __shared__ int last;
+  if (threadIdx.x == 0) last = atomicAdd(cnt + id, 1) == SPLITK - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[r][j][q] = 0.f;
+  for (int s = 0; s < SPLITK; ++s)
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float* p = (const float*)(ws4 + (((size_t)s * T + id) * (RT * NT) + r * NT + j) * THREADS + threadIdx.x);
+        acc[r][j][0] += ld_cg(p);
+        acc[r][j][1] += ld_cg(p + 1);
+        acc[r][j][2] += ld_cg(p + 2);
+        acc[r][j][3] += ld_cg(p + 3);
+      }
+  if (threadIdx.x == 0) cnt[id] = 0;
+#endif
+  // lane (g, t) holds, for row tile r and column tile j: (row n0, m 2t), (n0, 2t + 1), (n0 + 8, 2t), (n0 + 8, 2t + 1)
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    if (!live[r]) continue;
+    const int na = n0[r], nb = na + 8;
+    float b0 = 0.f, b1 = 0.f;
+#if HAS_BIAS
+    b0 = bf16f(bias[na]);
+    b1 = bf16f(bias[nb]);
+#endif
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int ma = m0 + 8 * j + 2 * t, mb = ma + 1;
+      if (ma < M) {
+        y[(size_t)ma * ldy + na] = f2bf(acc[r][j][0] + b0);
+        y[(size_t)ma * ldy + nb] = f2bf(acc[r][j][2] + b1);
+      }
+      if (mb < M) {
+        y[(size_t)mb * ldy + na] = f2bf(acc[r][j][1] + b0);
+        y[(size_t)mb * ldy + nb] = f2bf(acc[r][j][3] + b1);
+      }
+    }
+  }
+}
+"""
+
+
+def cuda_source(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> str:
+    """The CUDA source of one variant (cpg: 64-k chunks per quantization group)."""
+    return (f"#define WARPS {cfg.warps}\n#define RT {cfg.rt}\n#define NT {cfg.nt}\n#define STAGES {cfg.stages}\n"
+            f"#define UNROLL {cfg.unroll}\n#define SPLITK {cfg.split_k}\n#define CPG {cpg}\n"
+            f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n#define ABLATE {int(cfg.ablate)}\n"
+            ) + mk.COMMON_SOURCE + _TILE_SOURCE
+
+
+_KERNELS: dict = {}
+_COUNTERS: dict = {}  # device -> int32 counters, zero between calls (each call's last CTAs reset theirs)
+COUNTERS = 1 << 16
+
+
+class _TileLaunch:
+    def __init__(self, kernel, cfg: TileConfig) -> None:
+        import ctypes
+
+        from torch.cuda._utils import _get_gpu_runtime_library
+
+        self.lib = _get_gpu_runtime_library()
+        self.ctypes = ctypes
+        self.kernel = kernel
+        self.func = kernel.func
+        self.block = 32 * cfg.warps
+        self.smem = cfg.smem()
+        if self.smem > 48 * 1024:  # past the default limit: opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+            err = self.lib.cuFuncSetAttribute(self.func, 8, self.smem)
+            if err != 0:
+                raise RuntimeError(f"w4a16_mma_tile: cuFuncSetAttribute({self.smem} bytes) failed: CUDA error {err}")
+
+    def __call__(self, grid: tuple[int, int, int], stream: int, ptrs: list[int], ints: list[int]) -> None:
+        c = self.ctypes
+        vals = [c.c_void_p(p) for p in ptrs] + [c.c_int(i) for i in ints]
+        argv = (c.c_void_p * len(vals))(*[c.cast(c.byref(v), c.c_void_p) for v in vals])
+        err = self.lib.cuLaunchKernel(self.func, grid[0], grid[1], grid[2], self.block, 1, 1, self.smem,
+                                      c.c_void_p(stream), argv, None)
+        if err != 0:
+            raise RuntimeError(f"w4a16_mma_tile: cuLaunchKernel failed with CUDA error {err}")
+
+
+def _kernel(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> _TileLaunch:
+    key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
+    kern = _KERNELS.get(key)
+    if kern is None:
+        compiled = mk._compile(cuda_source(cfg, cpg, has_zeros, has_bias), "w4a16_mma_tile")
+        kern = _KERNELS[key] = _TileLaunch(compiled, cfg)
+    return kern
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    cnt = _COUNTERS.get(device.index)
+    if cnt is None:
+        cnt = _COUNTERS[device.index] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return cnt
+
+
+def grid(cfg: TileConfig, m: int, n: int) -> tuple[int, int, int]:
+    return -(-m // cfg.bm), -(-n // cfg.bn), cfg.split_k
+
+
+def workspace_floats(cfg: TileConfig, m: int, n: int) -> int:
+    """fp32 partials of a split-K call (0: none): split_k partial tiles of BN x BM per CTA tile."""
+    gx, gy, _ = grid(cfg, m, n)
+    return cfg.split_k * gx * gy * cfg.bn * cfg.bm if cfg.split_k > 1 else 0
+
+
+# (N, K) -> config at M = 17..256 where one was measured (none yet: DEFAULT_CONFIG, with split_k chosen so that
+# the grid fills the SMs)
+TILE_CONFIGS: dict = {}
+DEFAULT_CONFIG = TileConfig()
+
+
+def config_for(n: int, k: int, m: int, sms: int = 132) -> TileConfig:
+    """The measured config of (N, K), else DEFAULT_CONFIG with the smallest power-of-two split_k (up to 8, one
+    quantization group a split at least is the caller's concern: fewer groups than splits leave splits empty,
+    which is correct) whose grid has 2 CTAs an SM."""
+    hit = TILE_CONFIGS.get((n, k))
+    if hit is not None:
+        return hit
+    gx, gy, _ = grid(DEFAULT_CONFIG, m, n)
+    split = 1
+    while gx * gy * split < 2 * sms and split < 8 and (k // 64) // (2 * split) >= 4:
+        split *= 2
+    return dataclasses.replace(DEFAULT_CONFIG, split_k=split)
+
+
+def w4a16_mma_tile(x: torch.Tensor, w: mk.W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
+                   config: Optional[TileConfig] = None) -> torch.Tensor:
+    """y = x @ W^T + bias: x bf16 [M, K] (unit stride along K, rows 16-byte aligned), bias bf16 [N] or None
+    -> y bf16 [M, N]. config None: config_for's."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cuda or x.stride(1) != 1:
+        raise ValueError(f"x: must be a CUDA bf16 [M, K] tensor with unit stride, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_M or k != w.K:
+        raise ValueError(f"x: must be [M, {w.K}] with 1 <= M <= {MAX_M}, got {tuple(x.shape)}")
+    if x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("x: rows must start on 16-byte boundaries (row stride a multiple of 8)")
+    if bias is not None and (bias.shape != (w.N,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        raise ValueError(f"bias: must be a contiguous bf16 tensor of shape ({w.N},), got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    cfg = config or config_for(w.N, w.K, m)
+    gr = grid(cfg, m, w.N)
+    if cfg.split_k > 1 and gr[0] * gr[1] > COUNTERS:
+        raise ValueError(f"split_k={cfg.split_k}: the grid's {gr[0] * gr[1]} tiles pass the {COUNTERS} counters")
+    kern = _kernel(cfg, w.group_size // mk.CHUNK, w.zeros is not None, bias is not None)
+    y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
+    floats = workspace_floats(cfg, m, w.N)
+    ws = mk._workspace(x.device, floats).data_ptr() if floats else 0
+    cnt = _counters(x.device).data_ptr() if floats else 0
+    zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
+    ptrs = [w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(), zeros.data_ptr(),
+            (y if bias is None else bias).data_ptr(), y.data_ptr(), ws, cnt]
+    kern(gr, torch._C._cuda_getCurrentRawStream(x.device.index), ptrs, [m, w.N, w.K, x.stride(0), w.N])
+    return y
