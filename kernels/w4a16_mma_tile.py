@@ -317,12 +317,28 @@ class _TileLaunch:
             if err != 0:
                 raise RuntimeError(f"w4a16_mma_tile: cuFuncSetAttribute({self.smem} bytes) failed: CUDA error {err}")
 
-    def __call__(self, grid: tuple[int, int, int], stream: int, ptrs: list[int], ints: list[int]) -> None:
-        c = self.ctypes
-        vals = [c.c_void_p(p) for p in ptrs] + [c.c_int(i) for i in ints]
-        argv = (c.c_void_p * len(vals))(*[c.cast(c.byref(v), c.c_void_p) for v in vals])
-        err = self.lib.cuLaunchKernel(self.func, grid[0], grid[1], grid[2], self.block, 1, 1, self.smem,
-                                      c.c_void_p(stream), argv, None)
+    def bound(self, grid: tuple[int, int, int], fixed: dict[int, int]) -> _TileBound:
+        return _TileBound(self, grid, fixed)
+
+
+class _TileBound:
+    """One weight's launch of a variant at one M: the pointers and sizes that do not change between calls set
+    once (as the GEMV's ``_Bound``); a call sets x, bias or y, y and x's row stride, and launches."""
+
+    def __init__(self, launch: _TileLaunch, grid: tuple[int, int, int], fixed: dict[int, int]) -> None:
+        c = launch.ctypes
+        self.launch, self.grid = launch, grid
+        self.slots = [c.c_void_p() for _ in range(8)] + [c.c_int() for _ in range(5)]
+        self.argv = (c.c_void_p * 13)(*[c.cast(c.byref(v), c.c_void_p) for v in self.slots])
+        for i, v in fixed.items():
+            self.slots[i].value = v
+        self._x, self._b, self._y, self._sx = (self.slots[i] for i in (1, 4, 5, 11))
+
+    def run(self, stream: int, x_ptr: int, bias_ptr: int, y_ptr: int, sx: int) -> None:
+        self._x.value, self._b.value, self._y.value, self._sx.value = x_ptr, bias_ptr, y_ptr, sx
+        la, g = self.launch, self.grid
+        err = la.lib.cuLaunchKernel(la.func, g[0], g[1], g[2], la.block, 1, 1, la.smem, la.ctypes.c_void_p(stream),
+                                    self.argv, None)
         if err != 0:
             raise RuntimeError(f"w4a16_mma_tile: cuLaunchKernel failed with CUDA error {err}")
 
@@ -387,17 +403,33 @@ def w4a16_mma_tile(x: torch.Tensor, w: mk.W4A16MmaWeight, bias: Optional[torch.T
     if bias is not None and (bias.shape != (w.N,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         raise ValueError(f"bias: must be a contiguous bf16 tensor of shape ({w.N},), got {bias.dtype} "
                          f"{tuple(bias.shape)}")
-    cfg = config or config_for(w.N, w.K, m)
+    return w4a16_mma_tile_linear(x, w, bias, config)
+
+
+def _bind(w: mk.W4A16MmaWeight, m: int, has_bias: bool, cfg: TileConfig, device: torch.device) -> _TileBound:
     gr = grid(cfg, m, w.N)
     if cfg.split_k > 1 and gr[0] * gr[1] > COUNTERS:
         raise ValueError(f"split_k={cfg.split_k}: the grid's {gr[0] * gr[1]} tiles pass the {COUNTERS} counters")
-    kern = _kernel(cfg, w.group_size // mk.CHUNK, w.zeros is not None, bias is not None)
-    y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
+    kern = _kernel(cfg, w.group_size // mk.CHUNK, w.zeros is not None, has_bias)
     floats = workspace_floats(cfg, m, w.N)
-    ws = mk._workspace(x.device, floats).data_ptr() if floats else 0
-    cnt = _counters(x.device).data_ptr() if floats else 0
     zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
-    ptrs = [w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(), zeros.data_ptr(),
-            (y if bias is None else bias).data_ptr(), y.data_ptr(), ws, cnt]
-    kern(gr, torch._C._cuda_getCurrentRawStream(x.device.index), ptrs, [m, w.N, w.K, x.stride(0), w.N])
+    fixed = {0: w.words.data_ptr(), 2: w.scales.data_ptr(), 3: zeros.data_ptr(), 8: m, 9: w.N, 10: w.K, 12: w.N}
+    if floats:
+        fixed.update({6: mk._workspace(device, floats).data_ptr(), 7: _counters(device).data_ptr()})
+    return kern.bound(gr, fixed)
+
+
+def w4a16_mma_tile_linear(x: torch.Tensor, w: mk.W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
+                          config: Optional[TileConfig] = None) -> torch.Tensor:
+    """The runtime's call (x known to fit, no checks): the weight's launch at x's M, made once (its grid,
+    workspace and sizes) and kept in ``w.calls``; a call allocates y, sets four arguments and launches."""
+    m = x.shape[0]
+    key = ("tile", m, bias is not None, config)
+    call = w.calls.get(key)
+    if call is None:
+        call = w.calls[key] = _bind(w, m, bias is not None, config or config_for(w.N, w.K, m), x.device)
+    y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
+    yp = y.data_ptr()
+    call.run(torch._C._cuda_getCurrentRawStream(x.device.index), x.data_ptr(), yp if bias is None else bias.data_ptr(),
+             yp, x.stride(0))
     return y

@@ -136,3 +136,68 @@ def test_kernel_gpu_graph_and_errors(cfg):
         tk.w4a16_mma_tile(torch.zeros(20, 1024, device="cuda"), w)
     with pytest.raises(ValueError, match="1024"):
         tk.w4a16_mma_tile(torch.zeros(20, 512, device="cuda", dtype=torch.bfloat16), w)
+
+
+class _FakeDriver:
+    """cuLaunchKernel / cuFuncSetAttribute as the tiles call them through ctypes: each launch's grid, block,
+    dynamic shared memory, stream and argument values (8 pointers, then five ints)."""
+
+    def __init__(self):
+        self.launches, self.attributes = [], []
+
+    def cuFuncSetAttribute(self, func, attribute, value):
+        self.attributes.append((attribute, value))
+        return 0
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shm, stream, argv, extra):
+        import ctypes
+
+        vals = [ctypes.cast(argv[i], ctypes.POINTER(ctypes.c_void_p)).contents.value or 0 for i in range(8)]
+        vals += [ctypes.cast(argv[i], ctypes.POINTER(ctypes.c_int)).contents.value for i in range(8, 13)]
+        self.launches.append(((gx, gy, gz), bx, shm, stream.value or 0, tuple(vals)))
+        return 0
+
+
+@pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(8, 1, 16, stages=5, split_k=3)])
+@pytest.mark.parametrize("asym,with_bias", [(False, False), (True, True)])
+def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
+    """The grid (column blocks, row blocks, splits), block, the x ring's dynamic shared memory (opted in past
+    48 KiB), the current stream and every pointer and size the kernel reads; the split-K form's workspace
+    and counters, none without it. On the CPU through a stand-in driver."""
+    import ctypes
+
+    n, k, group = 272, 512, 128
+    q, s, z = _quantized(n, k, group, asym, seed=7)
+    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    driver = _FakeDriver()
+
+    class Kernel:
+        func = None
+
+    monkeypatch.setattr(tk.mk, "_compile", lambda source, name: Kernel())
+    monkeypatch.setattr("torch.cuda._utils._get_gpu_runtime_library", lambda: driver)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 55, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(tk, "_KERNELS", {})
+    monkeypatch.setattr(tk, "_COUNTERS", {})
+    monkeypatch.setattr(tk.mk, "_WORKSPACES", {})
+    xb = torch.randn(100, k + 64).to(torch.bfloat16)
+    for m in (1, 17, 100):
+        x = xb[:m, :k]
+        y = tk.w4a16_mma_tile(x, w, bias, cfg)
+        grid, block, shm, stream, vals = driver.launches[-1]
+        assert y.shape == (m, n) and stream == 55 and block == 32 * cfg.warps and shm == cfg.smem()
+        assert grid == (-(-m // cfg.bm), -(-n // cfg.bn), cfg.split_k)
+        assert vals[:6] == (w.words.data_ptr(), x.data_ptr(), w.scales.data_ptr(),
+                            (w.zeros if asym else w.scales).data_ptr(), (bias if with_bias else y).data_ptr(),
+                            y.data_ptr())
+        assert vals[8:] == (m, n, k, k + 64, n)
+        if cfg.split_k > 1:
+            ws = tk.mk._WORKSPACES[(None, tk.workspace_floats(cfg, m, n))]
+            assert vals[6] == ws.data_ptr() and vals[7] == tk._COUNTERS[None].data_ptr()
+            assert ws.numel() == cfg.split_k * grid[0] * grid[1] * cfg.bn * cfg.bm
+        else:
+            assert vals[6:8] == (0, 0)
+    assert driver.attributes == ([(8, cfg.smem())] if cfg.smem() > 48 * 1024 else [])
