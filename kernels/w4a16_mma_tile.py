@@ -298,6 +298,9 @@ def cuda_source(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> s
 _KERNELS: dict = {}
 _COUNTERS: dict = {}  # device -> int32 counters, zero between calls (each call's last CTAs reset theirs)
 COUNTERS = 1 << 16
+# device -> the split-K partials' buffers, the newest (largest) last; grown by prepare() at load (a call that
+# needs more than prepare sized, outside the runtime, grows it too); never freed: captured graphs keep addresses
+_WORKSPACES: dict = {}
 
 
 class _TileLaunch:
@@ -359,6 +362,13 @@ def _counters(device: torch.device) -> torch.Tensor:
     return cnt
 
 
+def _workspace(device: torch.device, floats: int) -> torch.Tensor:
+    held = _WORKSPACES.setdefault(device.index, [])
+    if not held or held[-1].numel() < floats:
+        held.append(torch.empty(max(floats, 1), dtype=torch.float32, device=device))
+    return held[-1]
+
+
 def grid(cfg: TileConfig, m: int, n: int) -> tuple[int, int, int]:
     return -(-m // cfg.bm), -(-n // cfg.bn), cfg.split_k
 
@@ -373,6 +383,37 @@ def workspace_floats(cfg: TileConfig, m: int, n: int) -> int:
 # the grid fills the SMs)
 TILE_CONFIGS: dict = {}
 DEFAULT_CONFIG = TileConfig()
+RUNTIME_MIN_M = 17  # below, the GEMV (kernels/w4a16_mma.py)
+TILE_MAX_M = 256  # the most rows the runtime may send (OPTLLM_W4A16_TILE=1: every M of RUNTIME_MIN_M..TILE_MAX_M)
+# (N, K) -> the largest M the runtime sends the tiles (from RUNTIME_MIN_M), where benchmarks/w4a16_tile.py found
+# them ahead of the Triton path (kernels/w4a16.py) at every measured M up to it; none measured yet
+TILE_ROUTES: dict = {}
+
+
+def route_max_m(n: int, k: int) -> int:
+    """The largest M the runtime sends the tiles for an (N, K) weight (0: none)."""
+    return TILE_ROUTES.get((n, k), 0)
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether x can go to the tiles: bf16 [M, K], unit stride along K, rows on 16-byte boundaries."""
+    return x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.stride(0) % 8 == 0 \
+        and x.data_ptr() % 16 == 0
+
+
+def prepare(w: mk.W4A16MmaWeight, max_m: int) -> None:
+    """At load, for the M = RUNTIME_MIN_M..max_m the runtime will send: compile each config those M take and
+    size the split-K workspace and counters for the largest, so no call (inside a graph capture, mid-serving)
+    compiles or allocates; the launches themselves are bound at a call's first M (host work only)."""
+    device = w.words.device
+    configs = {config_for(w.N, w.K, m) for m in range(RUNTIME_MIN_M, max_m + 1)}
+    for cfg in configs:
+        for has_bias in (False, True):
+            _kernel(cfg, w.group_size // mk.CHUNK, w.zeros is not None, has_bias)
+    floats = max(workspace_floats(config_for(w.N, w.K, m), m, w.N) for m in range(RUNTIME_MIN_M, max_m + 1))
+    if floats:
+        _workspace(device, floats)
+        _counters(device)
 
 
 def config_for(n: int, k: int, m: int, sms: int = 132) -> TileConfig:
@@ -415,7 +456,7 @@ def _bind(w: mk.W4A16MmaWeight, m: int, has_bias: bool, cfg: TileConfig, device:
     zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
     fixed = {0: w.words.data_ptr(), 2: w.scales.data_ptr(), 3: zeros.data_ptr(), 8: m, 9: w.N, 10: w.K, 12: w.N}
     if floats:
-        fixed.update({6: mk._workspace(device, floats).data_ptr(), 7: _counters(device).data_ptr()})
+        fixed.update({6: _workspace(device, floats).data_ptr(), 7: _counters(device).data_ptr()})
     return kern.bound(gr, fixed)
 
 

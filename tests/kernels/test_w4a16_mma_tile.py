@@ -164,7 +164,6 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
     """The grid (column blocks, row blocks, splits), block, the x ring's dynamic shared memory (opted in past
     48 KiB), the current stream and every pointer and size the kernel reads; the split-K form's workspace
     and counters, none without it. On the CPU through a stand-in driver."""
-    import ctypes
 
     n, k, group = 272, 512, 128
     q, s, z = _quantized(n, k, group, asym, seed=7)
@@ -182,7 +181,7 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(tk, "_KERNELS", {})
     monkeypatch.setattr(tk, "_COUNTERS", {})
-    monkeypatch.setattr(tk.mk, "_WORKSPACES", {})
+    monkeypatch.setattr(tk, "_WORKSPACES", {})
     xb = torch.randn(100, k + 64).to(torch.bfloat16)
     for m in (1, 17, 100):
         x = xb[:m, :k]
@@ -195,9 +194,9 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
                             y.data_ptr())
         assert vals[8:] == (m, n, k, k + 64, n)
         if cfg.split_k > 1:
-            ws = tk.mk._WORKSPACES[(None, tk.workspace_floats(cfg, m, n))]
+            ws = tk._WORKSPACES[None][-1]
             assert vals[6] == ws.data_ptr() and vals[7] == tk._COUNTERS[None].data_ptr()
-            assert ws.numel() == cfg.split_k * grid[0] * grid[1] * cfg.bn * cfg.bm
+            assert ws.numel() >= cfg.split_k * grid[0] * grid[1] * cfg.bn * cfg.bm
         else:
             assert vals[6:8] == (0, 0)
     assert driver.attributes == ([(8, cfg.smem())] if cfg.smem() > 48 * 1024 else [])

@@ -120,9 +120,10 @@ def test_kernel_takes_only_what_the_w4a16_kernels_run():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sym", (True, False))
 def test_w4a16_method_decode_rows_on_the_tensor_core_gemv(sym, monkeypatch):
-    """bf16, group 64: rows M <= 8 go to kernels/w4a16_mma.py, more rows to the Triton kernels; both
-    within bf16 rounding of the float64 reference. OPTLLM_W4A16_MMA=0 leaves the second copy out."""
-    from optllm.kernels import w4a16_mma
+    """bf16, group 64: rows M <= 16 go to kernels/w4a16_mma.py, more rows to the Triton kernels (or with
+    OPTLLM_W4A16_TILE=1, M = 17..256 to kernels/w4a16_mma_tile.py); all within bf16 rounding of the float64
+    reference. OPTLLM_W4A16_MMA=0 leaves the second copy out."""
+    from optllm.kernels import w4a16_mma, w4a16_mma_tile
 
     torch.manual_seed(sym)
     args = QuantArgs(num_bits=4, group_size=64, symmetric=sym)
@@ -149,5 +150,22 @@ def test_w4a16_method_decode_rows_on_the_tensor_core_gemv(sym, monkeypatch):
         x = torch.randn(m, 256, device="cuda").to(torch.bfloat16)
         ref = x.double() @ ref_w.cuda().T + bias.to(torch.bfloat16).double().cuda()
         assert rel(layer(x), ref) < 5e-3, m
+    assert layer.tile_max_m == w4a16_mma_tile.route_max_m(96, 256) == 0  # no table entry: M > 16 on Triton
+    # OPTLLM_W4A16_TILE=1: M = 17..256 on the tensor-core tiles (kernels/w4a16_mma_tile.py), the same bounds
+    monkeypatch.setenv("OPTLLM_W4A16_TILE", "1")
+    tiled = build()
+    assert tiled.tile_max_m == 256
+    calls = []
+    real = w4a16_mma_tile.w4a16_mma_tile_linear
+    monkeypatch.setattr(w4a16_mma_tile, "w4a16_mma_tile_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (8, 17, 40, 256, 257):
+        x = torch.randn(m, 256, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ ref_w.cuda().T + bias.to(torch.bfloat16).double().cuda()
+        assert rel(tiled(x), ref) < 5e-3, m
+    assert calls == [17, 40, 256]
+    monkeypatch.setenv("OPTLLM_W4A16_TILE", "2")
+    with pytest.raises(ValueError, match="OPTLLM_W4A16_TILE"):
+        build()
+    monkeypatch.setenv("OPTLLM_W4A16_TILE", "auto")
     monkeypatch.setenv("OPTLLM_W4A16_MMA", "0")
     assert build().mma_weight is None
