@@ -200,3 +200,132 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
         else:
             assert vals[6:8] == (0, 0)
     assert driver.attributes == ([(8, cfg.smem())] if cfg.smem() > 48 * 1024 else [])
+
+
+def _bf16_pairs(u32: torch.Tensor) -> torch.Tensor:
+    """int64 words holding two bf16 (low half first) -> float64 [..., 2]."""
+    lo, hi = u32 & 0xFFFF, (u32 >> 16) & 0xFFFF
+    return torch.stack([lo, hi], -1).to(torch.int32).mul(1 << 16).view(torch.float32).double()
+
+
+def _emulate_tile(x, w, cfg, bias=None):
+    """The kernel transcribed to the CPU, CTA by CTA and warp by warp with the 32 lanes as vectors: the x ring
+    as bytes (cp.async done at issue: a refill of the slot being read would corrupt it), the weight registers
+    loaded `unroll` chunks ahead, each lane's A and B fragment registers taken where the kernel takes them and
+    placed where the PTX tables put them (m16n8k16 .bf16: A row g / g + 8, columns 2t, 2t + 1 (+ 8); B rows 2t,
+    2t + 1 (+ 8), column g; D rows g / g + 8, columns 2t, 2t + 1), the split-K partials summed in split order,
+    and the stores' rows and columns. float64 products of the kernel's bf16 operands."""
+    m_rows, k = x.shape
+    n, chunks, cpg = w.N, k // 64, w.group_size // 64
+    tiles, xrow, bm, stages = n // 16, tk.XROW, cfg.bm, cfg.stages
+    words = w.words.to(torch.int64) & 0xFFFFFFFF
+    xbytes = x.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF  # bf16 bits [M, K]
+    lane = torch.arange(32)
+    g, t = lane >> 2, lane & 3
+    gx, gy, gz = tk.grid(cfg, m_rows, n)
+    y = torch.zeros(m_rows, n, dtype=torch.float64)
+    for bx, by in ((a, b) for b in range(gy) for a in range(gx)):
+        m0 = bx * bm
+        total = {}  # (warp, r, j) -> [32, 4], summed over the splits in order
+        for bz in range(gz):
+            groups = chunks // cpg
+            c0, c1 = (bz * groups // cfg.split_k) * cpg, ((bz + 1) * groups // cfg.split_k) * cpg
+            ring = torch.full((stages, bm * xrow // 2), -1, dtype=torch.int64)  # bf16 bits a slot, 2-byte units
+
+            def load_x(s, c):
+                for q in range(bm * 8):  # every thread's pieces: q = threadIdx.x + i * THREADS
+                    row, part = q >> 3, q & 7
+                    mm = min(m0 + row, m_rows - 1)
+                    ring[s, (row * xrow + part * 16) // 2:(row * xrow + part * 16) // 2 + 8] = \
+                        xbytes[mm, c * 64 + part * 8:c * 64 + part * 8 + 8]
+
+            for s in range(stages - 1):
+                if c0 + s < c1:
+                    load_x(s, c0 + s)
+            acc = {(wp, r, j): torch.zeros(32, 4, dtype=torch.float64) for wp in range(cfg.warps)
+                   for r in range(cfg.rt) for j in range(cfg.nt)}
+            tl = {(wp, r): (by * cfg.warps + wp) * cfg.rt + r for wp in range(cfg.warps) for r in range(cfg.rt)}
+            tc = {key: min(v, tiles - 1) for key, v in tl.items()}
+            buf = {}  # (u, warp, r) -> the chunk index its registers hold
+            for u in range(cfg.unroll):
+                if c0 + u < c1:
+                    for key in tc:
+                        buf[(u, *key)] = c0 + u
+            slot = 0
+            for cb in range(c0, c1, cfg.unroll):
+                for u in range(cfg.unroll):
+                    c = cb + u
+                    if c >= c1:
+                        continue
+                    cur = {}
+                    for key in tc:
+                        cur[key] = buf[(u, *key)]
+                        if c + cfg.unroll < c1:
+                            buf[(u, *key)] = c + cfg.unroll
+                    fill = stages - 1 if slot == 0 else slot - 1
+                    if c + stages - 1 < c1:
+                        load_x(fill, c + stages - 1)
+                    for (wp, r), tcur in tc.items():
+                        assert cur[(wp, r)] == c  # the registers hold this chunk's weights
+                        wd = words[tcur, c, :, :]  # [32 lanes, 4 words]
+                        n0 = tcur * 16 + g
+                        gi = c // cpg
+                        s0, s1 = w.scales[gi, n0].double(), w.scales[gi, n0 + 8].double()
+                        z0 = 0.0 if w.zeros is None else w.zeros[gi, n0].double()
+                        z1 = 0.0 if w.zeros is None else w.zeros[gi, n0 + 8].double()
+                        for i in range(4):
+                            a = torch.zeros(16, 16, dtype=torch.float64)
+                            for jr in range(4):  # register jr: nibble pair jr, jr + 4 of word i >> 4 jr
+                                lo = (wd[:, i] >> (4 * jr)) & 15
+                                hi = (wd[:, i] >> (4 * jr + 16)) & 15
+                                sc, zz = (s0, z0) if jr % 2 == 0 else (s1, z1)
+                                vals = [((v.double() - 8 - zz) * sc).to(torch.bfloat16).double() for v in (lo, hi)]
+                                row, col = g + 8 * (jr & 1), 2 * t + 8 * (jr >> 1)
+                                a[row, col], a[row, col + 1] = vals
+                            for j in range(cfg.nt):
+                                base = (slot * bm * xrow + (8 * j + g) * xrow + 32 * t) // 2  # 2-byte units
+                                off = base + (0 if i < 2 else 8) + 4 * (i % 2)  # xa (.a .b | .c .d), xb (...)
+                                b0 = torch.stack([ring.view(-1)[off], ring.view(-1)[off + 1]], -1)
+                                b1 = torch.stack([ring.view(-1)[off + 2], ring.view(-1)[off + 3]], -1)
+                                assert (b0 >= 0).all() and (b1 >= 0).all()  # read only what a copy wrote
+                                b = torch.zeros(16, 8, dtype=torch.float64)
+                                b0v = _bf16_pairs(b0[:, 0] | (b0[:, 1] << 16))
+                                b1v = _bf16_pairs(b1[:, 0] | (b1[:, 1] << 16))
+                                b[2 * t, g], b[2 * t + 1, g] = b0v[:, 0], b0v[:, 1]
+                                b[2 * t + 8, g], b[2 * t + 9, g] = b1v[:, 0], b1v[:, 1]
+                                d = a @ b
+                                acc[(wp, r, j)] += torch.stack([d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t],
+                                                                d[g + 8, 2 * t + 1]], -1)
+                    slot = 0 if slot + 1 == stages else slot + 1
+            for key, v in acc.items():
+                total[key] = total.get(key, 0) + v
+        for (wp, r, j), v in total.items():
+            if tl[(wp, r)] >= tiles:
+                continue
+            na = tc[(wp, r)] * 16 + g
+            for q, (dm, dn) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):
+                mm = m0 + 8 * j + 2 * t + dm
+                keep = mm < m_rows
+                bb = 0.0 if bias is None else bias[na + dn].double()
+                y[mm[keep], (na + dn)[keep]] = (v[:, q] + bb)[keep] if bias is not None else v[keep, q]
+    return y
+
+
+@pytest.mark.parametrize("cfg,n,k,group,m,asym", [
+    (tk.TileConfig(2, 2, 2, stages=2), 80, 256, 64, 20, False),
+    (tk.TileConfig(1, 1, 3, stages=3, unroll=4, split_k=3), 48, 512, 64, 30, True),
+    (tk.TileConfig(2, 4, 1, stages=4, unroll=1, split_k=2), 96, 384, 128, 9, True),
+    (tk.TileConfig(1, 2, 2, stages=3, unroll=2), 32, 320, 64, 16, False),
+])
+def test_the_kernels_index_arithmetic_computes_the_linear(cfg, n, k, group, m, asym):
+    """The transcription above, over M and N tails (columns past M and row tiles past N computed from copies,
+    never stored), split-K with uneven splits, ring depths 2-4, unroll 1-4: within float64 rounding of the
+    reference on the same bf16 weights (one placement off is O(1))."""
+    q, s, z = _quantized(n, k, group, asym, seed=n + m)
+    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    for b in (None, bias):
+        ref = _ref(x, q, s, z, group, b).double()
+        got = _emulate_tile(x, w, cfg, b)
+        assert (got - ref).norm() <= 1e-5 * ref.norm(), (got - ref).abs().max()
