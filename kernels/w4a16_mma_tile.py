@@ -112,9 +112,9 @@ __device__ __forceinline__ void load_w(WChunk& wc, const W4* wp, int c, int n0, 
   wc.z = 0;
 #endif
 }
-// the four A fragments (k16 steps i) of a chunk: register j of fragment i is nibble pair j of word i >> 4j;
-// rows g (j even) and g + 8 (j odd)
-__device__ __forceinline__ void fragments(u32 (*a)[4], const WChunk& wc) {
+// the A fragment of k16 step i of a chunk: register j is nibble pair j of word i >> 4j, rows g (j even) and
+// g + 8 (j odd)
+__device__ __forceinline__ void fragment_i(u32* a, const WChunk& wc, int i) {
   const u32 sg = (wc.s & 0xFFFFu) * 0x10001u, sh = (wc.s >> 16) * 0x10001u;
 #if HAS_ZEROS
   const u32 nz0 = neg_pair(136.f + (float)(signed char)(wc.z & 0xFF)),
@@ -122,14 +122,21 @@ __device__ __forceinline__ void fragments(u32 (*a)[4], const WChunk& wc) {
 #else
   const u32 nz0 = 0xC308C308u, nz1 = 0xC308C308u;  // -136 in both halves
 #endif
-  const u32 words[4] = {wc.w.a, wc.w.b, wc.w.c, wc.w.d};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    a[i][0] = dq(words[i], nz0, sg);
-    a[i][1] = dq(words[i] >> 4, nz1, sh);
-    a[i][2] = dq(words[i] >> 8, nz0, sg);
-    a[i][3] = dq(words[i] >> 12, nz1, sh);
-  }
+  const u32 w = i == 0 ? wc.w.a : i == 1 ? wc.w.b : i == 2 ? wc.w.c : wc.w.d;
+  a[0] = dq(w, nz0, sg);
+  a[1] = dq(w >> 4, nz1, sh);
+  a[2] = dq(w >> 8, nz0, sg);
+  a[3] = dq(w >> 12, nz1, sh);
+}
+// the mma without `volatile` (a function of registers only): the compiler may interleave the independent
+// accumulators' mmas, where the GEMV's volatile ones keep program order (a chain of dependent mmas per
+// accumulator then waits out the mma latency each time: the first form of these tiles ran at 10-20% of the
+// tensor cores, H100)
+__device__ __forceinline__ void mma_free(float* d, const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 #define BN (16 * RT * WARPS)
 #define BM (8 * NT)
@@ -204,19 +211,24 @@ w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
         const int fill = slot == 0 ? STAGES - 1 : slot - 1;
         if (c + STAGES - 1 < c1) load_x(xs0 + fill * XSLOT, x, c + STAGES - 1, m0, M, ldx);
         cp_commit();
-        u32 a[RT][4][4];
-#pragma unroll
-        for (int r = 0; r < RT; ++r) fragments(a[r], cur[r]);
+        // two halves of the chunk: every column tile's 16 bytes of x (k16 steps 2h, 2h + 1) first, then per
+        // step the rt A fragments and the rt * nt mmas, each accumulator's next mma rt * nt mmas later
         const u32 xrow = xs0 + slot * XSLOT + g * XROW + 32 * t;
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const W4 xa = ld_shared(xrow + j * 8 * XROW), xb = ld_shared(xrow + j * 8 * XROW + 16);
+        for (int h = 0; h < 2; ++h) {
+          W4 xv[NT];
 #pragma unroll
-          for (int r = 0; r < RT; ++r) {
-            mma(acc[r][j], a[r][0], xa.a, xa.b);
-            mma(acc[r][j], a[r][1], xa.c, xa.d);
-            mma(acc[r][j], a[r][2], xb.a, xb.b);
-            mma(acc[r][j], a[r][3], xb.c, xb.d);
+          for (int j = 0; j < NT; ++j) xv[j] = ld_shared(xrow + j * 8 * XROW + 16 * h);
+#pragma unroll
+          for (int i2 = 0; i2 < 2; ++i2) {
+            u32 a[RT][4];
+#pragma unroll
+            for (int r = 0; r < RT; ++r) fragment_i(a[r], cur[r], 2 * h + i2);
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int r = 0; r < RT; ++r)
+                mma_free(acc[r][j], a[r], i2 ? xv[j].c : xv[j].a, i2 ? xv[j].d : xv[j].b);
           }
         }
         slot = slot + 1 == STAGES ? 0 : slot + 1;
