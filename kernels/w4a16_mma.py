@@ -839,20 +839,25 @@ def fits(x: torch.Tensor) -> bool:
         and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
 
 
-def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
-                   config: Optional[MmaConfig] = None) -> torch.Tensor:
-    """y = x @ W^T + bias: x bf16 [M, K] (M <= 32, unit stride along K, rows 16-byte aligned), bias
-    bf16 [N] or None -> y bf16 [M, N]."""
+def check_args(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor], max_m: int) -> None:
+    """What this file's GEMV and kernels/w4a16_mma_tile.py's tiles need of their arguments, one line each."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cuda or x.stride(1) != 1:
         raise ValueError(f"x: must be a CUDA bf16 [M, K] tensor with unit stride, got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
-    if not 1 <= m <= MAX_M or k != w.K:
-        raise ValueError(f"x: must be [M, {w.K}] with 1 <= M <= {MAX_M}, got {tuple(x.shape)}")
+    if not 1 <= m <= max_m or k != w.K:
+        raise ValueError(f"x: must be [M, {w.K}] with 1 <= M <= {max_m}, got {tuple(x.shape)}")
     if x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("x: rows must start on 16-byte boundaries (row stride a multiple of 8)")
     if bias is not None and (bias.shape != (w.N,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         raise ValueError(f"bias: must be a contiguous bf16 tensor of shape ({w.N},), got {bias.dtype} "
                          f"{tuple(bias.shape)}")
+
+
+def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
+                   config: Optional[MmaConfig] = None) -> torch.Tensor:
+    """y = x @ W^T + bias: x bf16 [M, K] (M <= 32, unit stride along K, rows 16-byte aligned), bias
+    bf16 [N] or None -> y bf16 [M, N]."""
+    check_args(x, w, bias, MAX_M)
     return w4a16_mma_linear(x, w, bias, config)
 
 
