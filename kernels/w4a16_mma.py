@@ -667,11 +667,15 @@ COMPILED_BY: list = []  # how each variant was built: "nvrtc", or the fallback a
 
 
 class _Launch:
-    """One compiled variant: its function, block size and argument layout (``pointers`` pointers,
-    then five ints); ``bound`` makes a weight's launches of it (torch's _CudaKernel.__call__ builds
-    the ctypes arguments anew each call, tens of µs of host time)."""
+    """One compiled variant: its function, block size, dynamic shared memory and argument layout
+    (``pointers`` pointers, then five ints); ``bound`` makes a weight's launches of it (torch's
+    _CudaKernel.__call__ builds the ctypes arguments anew each call, tens of µs of host time). The
+    GEMV's and kernels/w4a16_mma_tile.py's tiles' (``name``) alike."""
 
-    def __init__(self, kernel, warps: int, pointers: int) -> None:
+    smem = 0  # dynamic shared memory a CTA, bytes (the tiles' x ring; the GEMV has none)
+    name = "w4a16_mma_gemv"  # the kernel, for errors
+
+    def __init__(self, kernel, warps: int, pointers: int, smem: int = 0, name: str = "w4a16_mma_gemv") -> None:
         import ctypes
 
         from torch.cuda._utils import _get_gpu_runtime_library
@@ -682,10 +686,15 @@ class _Launch:
         self.kernel = kernel  # keeps its module loaded
         self.block = 32 * warps
         self.pointers = pointers
+        self.smem, self.name = smem, name
+        if smem > 48 * 1024:  # past the default limit: opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+            err = self.lib.cuFuncSetAttribute(self.func, 8, smem)
+            if err != 0:
+                raise RuntimeError(f"{name}: cuFuncSetAttribute({smem} bytes) failed with CUDA error {err}")
 
-    def bound(self, grid: int, grid_y: int, fixed: dict[int, int]) -> _Bound:
+    def bound(self, grid: int, grid_y: int, fixed: dict[int, int], grid_z: int = 1) -> _Bound:
         """This variant's launches for one weight (``_Bound``): fixed, slot index -> value."""
-        return _Bound(self, grid, grid_y, fixed)
+        return _Bound(self, grid, grid_y, fixed, grid_z)
 
 
 class _Bound:
@@ -694,9 +703,11 @@ class _Bound:
     stride -- and launches (setting all eleven to thirteen each call, after the config, grid and
     workspace lookups, cost 3.8 µs of Python a call on the CPU with a no-op launch; this, 2.3)."""
 
-    def __init__(self, launch: _Launch, grid: int, grid_y: int, fixed: dict[int, int]) -> None:
+    def __init__(self, launch: _Launch, grid: int, grid_y: int, fixed: dict[int, int], grid_z: int = 1) -> None:
         ctypes, p = launch.ctypes, launch.pointers
         self.launch, self.grid, self.grid_y = launch, grid, grid_y
+        # cuLaunchKernel's grid, block and shared memory, in its argument order
+        self.dims = (grid, grid_y, grid_z, launch.block, 1, 1, launch.smem)
         self.slots = [ctypes.c_void_p() for _ in range(p)] + [ctypes.c_int() for _ in range(5)]
         self.argv = (ctypes.c_void_p * len(self.slots))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in self.slots])
@@ -708,10 +719,9 @@ class _Bound:
     def run(self, stream: int, x_ptr: int, bias_ptr: int, y_ptr: int, m: int, sx: int) -> None:
         self._x.value, self._b.value, self._y.value, self._m.value, self._sx.value = x_ptr, bias_ptr, y_ptr, m, sx
         la = self.launch
-        err = la.lib.cuLaunchKernel(la.func, self.grid, self.grid_y, 1, la.block, 1, 1, 0, la.ctypes.c_void_p(stream),
-                                    self.argv, None)
+        err = la.lib.cuLaunchKernel(la.func, *self.dims, la.ctypes.c_void_p(stream), self.argv, None)
         if err != 0:
-            raise RuntimeError(f"w4a16_mma_gemv: cuLaunchKernel failed with CUDA error {err}")
+            raise RuntimeError(f"{la.name}: cuLaunchKernel failed with CUDA error {err}")
 
 
 def cuda_source(cfg: MmaConfig, cpg: int, has_zeros: bool, has_bias: bool, nt: int = 1) -> str:

@@ -315,55 +315,12 @@ COUNTERS = 1 << 16
 _WORKSPACES: dict = {}
 
 
-class _TileLaunch:
-    def __init__(self, kernel, cfg: TileConfig) -> None:
-        import ctypes
-
-        from torch.cuda._utils import _get_gpu_runtime_library
-
-        self.lib = _get_gpu_runtime_library()
-        self.ctypes = ctypes
-        self.kernel = kernel
-        self.func = kernel.func
-        self.block = 32 * cfg.warps
-        self.smem = cfg.smem()
-        if self.smem > 48 * 1024:  # past the default limit: opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
-            err = self.lib.cuFuncSetAttribute(self.func, 8, self.smem)
-            if err != 0:
-                raise RuntimeError(f"w4a16_mma_tile: cuFuncSetAttribute({self.smem} bytes) failed: CUDA error {err}")
-
-    def bound(self, grid: tuple[int, int, int], fixed: dict[int, int]) -> _TileBound:
-        return _TileBound(self, grid, fixed)
-
-
-class _TileBound:
-    """One weight's launch of a variant at one M: the pointers and sizes that do not change between calls set
-    once (as the GEMV's ``_Bound``); a call sets x, bias or y, y and x's row stride, and launches."""
-
-    def __init__(self, launch: _TileLaunch, grid: tuple[int, int, int], fixed: dict[int, int]) -> None:
-        c = launch.ctypes
-        self.launch, self.grid = launch, grid
-        self.slots = [c.c_void_p() for _ in range(8)] + [c.c_int() for _ in range(5)]
-        self.argv = (c.c_void_p * 13)(*[c.cast(c.byref(v), c.c_void_p) for v in self.slots])
-        for i, v in fixed.items():
-            self.slots[i].value = v
-        self._x, self._b, self._y, self._sx = (self.slots[i] for i in (1, 4, 5, 11))
-
-    def run(self, stream: int, x_ptr: int, bias_ptr: int, y_ptr: int, sx: int) -> None:
-        self._x.value, self._b.value, self._y.value, self._sx.value = x_ptr, bias_ptr, y_ptr, sx
-        la, g = self.launch, self.grid
-        err = la.lib.cuLaunchKernel(la.func, g[0], g[1], g[2], la.block, 1, 1, la.smem, la.ctypes.c_void_p(stream),
-                                    self.argv, None)
-        if err != 0:
-            raise RuntimeError(f"w4a16_mma_tile: cuLaunchKernel failed with CUDA error {err}")
-
-
-def _kernel(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> _TileLaunch:
+def _kernel(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> mk._Launch:
     key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
     kern = _KERNELS.get(key)
     if kern is None:
         compiled = mk._compile(cuda_source(cfg, cpg, has_zeros, has_bias), "w4a16_mma_tile")
-        kern = _KERNELS[key] = _TileLaunch(compiled, cfg)
+        kern = _KERNELS[key] = mk._Launch(compiled, cfg.warps, pointers=8, smem=cfg.smem(), name="w4a16_mma_tile")
     return kern
 
 
@@ -450,7 +407,7 @@ def w4a16_mma_tile(x: torch.Tensor, w: mk.W4A16MmaWeight, bias: Optional[torch.T
     return w4a16_mma_tile_linear(x, w, bias, config)
 
 
-def _bind(w: mk.W4A16MmaWeight, m: int, has_bias: bool, cfg: TileConfig, device: torch.device) -> _TileBound:
+def _bind(w: mk.W4A16MmaWeight, m: int, has_bias: bool, cfg: TileConfig, device: torch.device) -> mk._Bound:
     gr = grid(cfg, m, w.N)
     if cfg.split_k > 1 and gr[0] * gr[1] > COUNTERS:
         raise ValueError(f"split_k={cfg.split_k}: the grid's {gr[0] * gr[1]} tiles pass the {COUNTERS} counters")
@@ -460,13 +417,14 @@ def _bind(w: mk.W4A16MmaWeight, m: int, has_bias: bool, cfg: TileConfig, device:
     fixed = {0: w.words.data_ptr(), 2: w.scales.data_ptr(), 3: zeros.data_ptr(), 8: m, 9: w.N, 10: w.K, 12: w.N}
     if floats:
         fixed.update({6: _workspace(device, floats).data_ptr(), 7: _counters(device).data_ptr()})
-    return kern.bound(gr, fixed)
+    return kern.bound(gr[0], gr[1], fixed, gr[2])
 
 
 def w4a16_mma_tile_linear(x: torch.Tensor, w: mk.W4A16MmaWeight, bias: Optional[torch.Tensor] = None,
                           config: Optional[TileConfig] = None) -> torch.Tensor:
     """The runtime's call (x known to fit, no checks): the weight's launch at x's M, made once (its grid,
-    workspace and sizes) and kept in ``w.calls``; a call allocates y, sets four arguments and launches."""
+    workspace and sizes) and kept in ``w.calls`` (the GEMV's ``_Bound``); a call allocates y, sets its
+    arguments and launches."""
     m = x.shape[0]
     key = ("tile", m, bias is not None, config)
     call = w.calls.get(key)
@@ -475,5 +433,5 @@ def w4a16_mma_tile_linear(x: torch.Tensor, w: mk.W4A16MmaWeight, bias: Optional[
     y = torch.empty(m, w.N, device=x.device, dtype=torch.bfloat16)
     yp = y.data_ptr()
     call.run(torch._C._cuda_getCurrentRawStream(x.device.index), x.data_ptr(), yp if bias is None else bias.data_ptr(),
-             yp, x.stride(0))
+             yp, m, x.stride(0))
     return y
