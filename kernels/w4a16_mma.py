@@ -872,7 +872,8 @@ def w4a16_mma_gemv(x: torch.Tensor, w: W4A16MmaWeight, bias: Optional[torch.Tens
 
 
 _SMS: dict = {}
-_WORKSPACES: dict = {}  # (device, floats) -> fp32 partials; kept for the process's life
+# device -> fp32 partials' buffers, the newest (largest) last; never freed: captured graphs keep addresses
+_WORKSPACES: dict = {}
 
 
 def persistent_grid(w: W4A16MmaWeight, cfg: MmaConfig, device: torch.device) -> int:
@@ -896,13 +897,14 @@ def _workspace_floats(w: W4A16MmaWeight, cfg: MmaConfig, grid: int, nt: int) -> 
 
 
 def _workspace(device: torch.device, floats: int) -> torch.Tensor:
-    """One buffer per (device, size), never freed: captured graphs keep its address. Kernels of one
-    stream run in order, so weights share it."""
-    key = (device.index, floats)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = _WORKSPACES[key] = torch.empty(floats, dtype=torch.float32, device=device)
-    return ws
+    """The device's newest partials buffer, a larger one made first where it holds fewer than `floats`
+    (the load-time prepare()s of this file and kernels/w4a16_mma_tile.py size it, so calls do not
+    allocate). Kernels of one stream run in order, so every weight and both kernels share it; an older
+    buffer stays alive for the launches bound to it."""
+    held = _WORKSPACES.setdefault(device.index, [])
+    if not held or held[-1].numel() < floats:
+        held.append(torch.empty(floats, dtype=torch.float32, device=device))
+    return held[-1]
 
 
 def _variant(w: W4A16MmaWeight, cfg: MmaConfig, nt: int, has_bias: bool, device: torch.device):

@@ -310,9 +310,6 @@ def cuda_source(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> s
 _KERNELS: dict = {}
 _COUNTERS: dict = {}  # device -> int32 counters, zero between calls (each call's last CTAs reset theirs)
 COUNTERS = 1 << 16
-# device -> the split-K partials' buffers, the newest (largest) last; grown by prepare() at load (a call that
-# needs more than prepare sized, outside the runtime, grows it too); never freed: captured graphs keep addresses
-_WORKSPACES: dict = {}
 
 
 def _kernel(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> mk._Launch:
@@ -329,13 +326,6 @@ def _counters(device: torch.device) -> torch.Tensor:
     if cnt is None:
         cnt = _COUNTERS[device.index] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return cnt
-
-
-def _workspace(device: torch.device, floats: int) -> torch.Tensor:
-    held = _WORKSPACES.setdefault(device.index, [])
-    if not held or held[-1].numel() < floats:
-        held.append(torch.empty(max(floats, 1), dtype=torch.float32, device=device))
-    return held[-1]
 
 
 def grid(cfg: TileConfig, m: int, n: int) -> tuple[int, int, int]:
@@ -381,7 +371,7 @@ def prepare(w: mk.W4A16MmaWeight, max_m: int) -> None:
             _kernel(cfg, w.group_size // mk.CHUNK, w.zeros is not None, has_bias)
     floats = max(workspace_floats(config_for(w.N, w.K, m), m, w.N) for m in range(RUNTIME_MIN_M, max_m + 1))
     if floats:
-        _workspace(device, floats)
+        mk._workspace(device, floats)
         _counters(device)
 
 
@@ -416,7 +406,7 @@ def _bind(w: mk.W4A16MmaWeight, m: int, has_bias: bool, cfg: TileConfig, device:
     zeros = w.scales if w.zeros is None else w.zeros  # any valid address when symmetric
     fixed = {0: w.words.data_ptr(), 2: w.scales.data_ptr(), 3: zeros.data_ptr(), 8: m, 9: w.N, 10: w.K, 12: w.N}
     if floats:
-        fixed.update({6: _workspace(device, floats).data_ptr(), 7: _counters(device).data_ptr()})
+        fixed.update({6: mk._workspace(device, floats).data_ptr(), 7: _counters(device).data_ptr()})
     return kern.bound(gr[0], gr[1], fixed, gr[2])
 
 

@@ -181,7 +181,7 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(tk, "_KERNELS", {})
     monkeypatch.setattr(tk, "_COUNTERS", {})
-    monkeypatch.setattr(tk, "_WORKSPACES", {})
+    monkeypatch.setattr(tk.mk, "_WORKSPACES", {})
     xb = torch.randn(100, k + 64).to(torch.bfloat16)
     for m in (1, 17, 100):
         x = xb[:m, :k]
@@ -194,7 +194,7 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
                             y.data_ptr())
         assert vals[8:] == (m, n, k, k + 64, n)
         if cfg.split_k > 1:
-            ws = tk._WORKSPACES[None][-1]
+            ws = tk.mk._WORKSPACES[None][-1]
             assert vals[6] == ws.data_ptr() and vals[7] == tk._COUNTERS[None].data_ptr()
             assert ws.numel() >= cfg.split_k * grid[0] * grid[1] * cfg.bn * cfg.bm
         else:
