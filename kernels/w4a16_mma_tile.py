@@ -365,11 +365,11 @@ def prepare(w: mk.W4A16MmaWeight, max_m: int) -> None:
     size the split-K workspace and counters for the largest, so no call (inside a graph capture, mid-serving)
     compiles or allocates; the launches themselves are bound at a call's first M (host work only)."""
     device = w.words.device
-    configs = {config_for(w.N, w.K, m) for m in range(RUNTIME_MIN_M, max_m + 1)}
-    for cfg in configs:
+    plan = [(m, config_for(w.N, w.K, m)) for m in range(RUNTIME_MIN_M, max_m + 1)]
+    for cfg in {cfg for _, cfg in plan}:
         for has_bias in (False, True):
             _kernel(cfg, w.group_size // mk.CHUNK, w.zeros is not None, has_bias)
-    floats = max(workspace_floats(config_for(w.N, w.K, m), m, w.N) for m in range(RUNTIME_MIN_M, max_m + 1))
+    floats = max(workspace_floats(cfg, m, w.N) for m, cfg in plan)
     if floats:
         mk._workspace(device, floats)
         _counters(device)

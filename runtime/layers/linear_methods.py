@@ -180,7 +180,7 @@ class W4A16Method(_QuantizedMethod):
         if layer.mma_weight is not None and (bias is None or bias.dtype == x.dtype):
             if w4a16_mma.fits(x):
                 return w4a16_mma.w4a16_mma_linear(x, layer.mma_weight, bias)
-            if x.dim() == 2 and x.shape[0] <= layer.tile_max_m and w4a16_mma_tile.fits(x):
+            if layer.tile_max_m and w4a16_mma_tile.fits(x) and x.shape[0] <= layer.tile_max_m:
                 return w4a16_mma_tile.w4a16_mma_tile_linear(x, layer.mma_weight, bias)
         return w4a16_linear(x, self.weight_view(layer), bias, backend="triton")
 
