@@ -142,6 +142,22 @@ def rotated_us(op, rep: int = 20, copies: int = ROT) -> float:
     return graph_us(fn, rep) / copies
 
 
+def why(e: Exception, width: int = 100) -> str:
+    """An exception in one line for a results row: its type and its message's first line, cut at width."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:width]}"
+
+
+def time_rotated(r: dict, ops: dict, copies: int, rep: int = 40) -> None:
+    """r[name] = rotated_us of each op(i) of ops, or None and r[name + "_why"] where it raises (a kernel or
+    peer that does not take the shape)."""
+    for name, op in ops.items():
+        try:
+            r[name] = rotated_us(op, rep, copies)
+        except Exception as e:
+            r[name] = None
+            r[name + "_why"] = why(e)
+
+
 # ---- end-to-end: model shapes for random-weight runs (load_format="dummy")
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,

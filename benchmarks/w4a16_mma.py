@@ -34,6 +34,7 @@ from optllm.benchmarks.common import (
     rel,
     shape_plan,
     sym_int4,
+    time_rotated,
     write_results,
 )
 from optllm.kernels import w4a16 as w4k
@@ -113,15 +114,7 @@ def main():
                 name = "mma_" + cname(cfg)
                 r["err_" + name] = rel(mk.w4a16_mma_gemv(x, mma[0], None, cfg), ref)
                 ops[name] = lambda i, cfg=cfg: mk.w4a16_mma_gemv(x, mma[i], None, cfg)
-            for name, op in ops.items():
-                def fn(op=op):
-                    return [op(i) for i in range(rot)]
-                try:
-                    fn()
-                    r[name] = graph_us(fn, rep=40) / rot
-                except Exception as e:
-                    r[name] = None
-                    r[name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            time_rotated(r, ops, rot)
             ablated = {"mma_" + cname(c) for c in configs if c.ablate}  # wrong numbers: never the best
             best = min((c for c in ops if c.startswith("mma_") and c not in ablated and r[c] is not None),
                        key=lambda c: r[c])

@@ -24,11 +24,12 @@ import torch
 from optllm.benchmarks.common import (
     copy_bandwidth,
     flush_copies,
-    graph_us,
     provenance,
     rel,
     shape_plan,
     sym_int4,
+    time_rotated,
+    why,
     write_results,
 )
 from optllm.kernels import w4a16 as w4k
@@ -89,19 +90,11 @@ def main():
                 try:
                     r["err_tile_" + name] = rel(tk.w4a16_mma_tile(x, mma[0], None, cfg), ref)
                 except Exception as e:
-                    r["tile_" + name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    r["tile_" + name + "_why"] = why(e)
                     continue
                 ops["tile_" + name] = lambda i, cfg=cfg: tk.w4a16_mma_tile(x, mma[i], None, cfg)
             r["auto_config"] = repr(tk.config_for(n, k, m))
-            for name, op in ops.items():
-                def fn(op=op):
-                    return [op(i) for i in range(rot)]
-                try:
-                    fn()
-                    r[name] = graph_us(fn, rep=40) / rot
-                except Exception as e:
-                    r[name] = None
-                    r[name + "_why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            time_rotated(r, ops, rot)
             tiles = [c for c in ops if c.startswith("tile_") and not c.endswith("a") and r.get(c) is not None]
             if tiles:
                 best = min(tiles, key=lambda c: r[c])
