@@ -158,19 +158,25 @@ def test_kernel_gpu_graph_and_errors(cfg):
     q, s, z = _quantized(256, 512, 128, False, seed=1, device="cuda")
     w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 128, dtype=torch.bfloat16))
     x = torch.randn(1, 512, device="cuda").to(torch.bfloat16)
-    eager = mk.w4a16_mma_gemv(x, w, None, cfg)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mk.w4a16_mma_gemv(x, w, None, cfg)
-    for _ in range(3):
-        x.copy_(torch.randn(1, 512, device="cuda").to(torch.bfloat16))
-        graph.replay()
-        assert torch.equal(out, mk.w4a16_mma_gemv(x, w, None, cfg)) and not torch.equal(out, eager)
+    replays_follow_x(lambda x_: mk.w4a16_mma_gemv(x_, w, None, cfg), x)
     assert int(w.counters.abs().sum()) == 0
     with pytest.raises(ValueError, match="1 <= M <= 32"):
         mk.w4a16_mma_gemv(torch.zeros(33, 512, device="cuda", dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="bf16"):
         mk.w4a16_mma_gemv(torch.zeros(1, 512, device="cuda"), w)
+
+
+def replays_follow_x(call, x):
+    """call(x) captured in a CUDA graph: after x is refilled, each replay's output equals an eager call on
+    the new x and differs from the first (the tensor-core tests of this file and test_w4a16_mma_tile.py)."""
+    eager = call(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(x)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device=x.device).to(x.dtype))
+        graph.replay()
+        assert torch.equal(out, call(x)) and not torch.equal(out, eager)
 
 
 def _nvrtc():
