@@ -19,6 +19,8 @@
 #               ran at d8c07ca and was removed after it lost, so `f` configs need that commit), then Nsight
 #               Compute on the GEMV at gate_up and down, M = 1, in the runtime's config or each of NCU_CFGS
 #               (SOL, memory, warp stalls, instruction statistics)
+#   DECODE=1 (kernels; forty-second session): after TILE, benchmarks/decode.py's 8b-w4a16 case (--quick) with
+#               OPTLLM_W4A16_TILE=1 (batch 64's M = 64 on the tiles) and =0 (the Triton path)
 #   TILE=1 (tests, kernels; forty-first session): after the GPU tests, benchmarks/w4a16_tile.py (the M = 16..256
 #               tensor-core tiles against cuBLAS bf16 and the Triton path) at TILE_MS over TILE_CONFIGS
 #   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval;
@@ -85,7 +87,7 @@ mma_sweep() {
 }
 tile_bench() {  # TILE=1 (forty-first session): the small-batch tensor-core tiles at TILE_MS over TILE_CONFIGS
   [ -n "${TILE:-}" ] || return 0
-  timeout "$(( $(left) - 15 ))" python3 benchmarks/w4a16_tile.py --ms "${TILE_MS:-16,32,64,128,256}" \
+  timeout "${TILE_S:-$(( $(left) - 15 ))}" python3 benchmarks/w4a16_tile.py --ms "${TILE_MS:-16,32,64,128,256}" \
     ${TILE_CONFIGS:+--configs "$TILE_CONFIGS"} --out "$OUT" > "$OUT/logs/tile.log" 2>&1 || echo "w4a16_tile exited $?"
   grep "^|" "$OUT/logs/tile.log" | head -30
 }
@@ -150,6 +152,14 @@ tests) probes; [ "${TESTS:-}" = none ] || gpu_tests; tile_bench ;;
 kernels) probes
   [ "${TESTS:-}" = none ] || gpu_tests
   tile_bench
+  if [ -n "${DECODE:-}" ]; then  # DECODE=1 (forty-second session): the 8B W4A16 decode with the tiles (M 17..256) on, then off
+    for on in 1 0; do
+      OPTLLM_W4A16_TILE=$on timeout "$(( ($(left) - 20) / (on + 1) ))" python3 benchmarks/decode.py --cases 8b-w4a16 \
+        --quick --peers none --tag "decode_tile$on" --out "$OUT" > "$OUT/logs/decode_tile$on.log" 2>&1 \
+        || echo "decode (tiles $on) exited $?"
+      grep "^|" "$OUT/decode_tile$on.md" 2>/dev/null | head -8
+    done
+  fi
   if [ -n "${STREAM:-}" ]; then  # STREAM=1 (thirty-ninth session): what a pure read of the 8B shapes' words takes
     timeout 150 python3 benchmarks/stream_ceiling.py --out "$OUT" > "$OUT/logs/stream.log" 2>&1 || echo "stream exited $?"
     grep "^|" "$OUT/logs/stream.log"
