@@ -88,7 +88,7 @@ mma_sweep() {
 tile_bench() {  # TILE=1 (forty-first session): the small-batch tensor-core tiles at TILE_MS over TILE_CONFIGS
   [ -n "${TILE:-}" ] || return 0
   timeout "${TILE_S:-$(( $(left) - 15 ))}" python3 benchmarks/w4a16_tile.py --ms "${TILE_MS:-16,32,64,128,256}" \
-    ${TILE_CONFIGS:+--configs "$TILE_CONFIGS"} --out "$OUT" > "$OUT/logs/tile.log" 2>&1 || echo "w4a16_tile exited $?"
+    ${TILE_CONFIGS:+--configs "$TILE_CONFIGS"} --table --out "$OUT" > "$OUT/logs/tile.log" 2>&1 || echo "w4a16_tile exited $?"
   grep "^|" "$OUT/logs/tile.log" | head -30
 }
 probes() {  # CATCHUP=1: the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)

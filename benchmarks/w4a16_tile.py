@@ -2,19 +2,22 @@
 runtime's Triton W4A16 path at M = 16..256 (issue 13: M = 64 >= 2.5x cuBLAS bf16, M >= 256 >= 0.9x).
 
     python benchmarks/w4a16_tile.py [--shapes qkv,o,gate_up,down] [--ms 16,32,64,128,256]
-                                    [--configs 4x2x8,4x2x8k4,...] [--out DIR]
+                                    [--configs 4x2x8,4x2x8k4,...] [--out DIR] [--table]
 
 Configs are WARPSxRTxNT[sS][uU][kK][a]: warps a CTA, row tiles a warp, column tiles (8 rows) a CTA, S x-ring
 stages, U weight chunks loaded ahead, K CTAs along K (split-K), a no dequantization (timing only); "auto" is
 config_for's choice. Per shape and M: each kernel's relative error against the float32 reference, then
 µs of a CUDA-graph replay with weight copies rotated past 200 MB (weights from HBM), the tensor-core GEMV
 too where M <= 32 (its runtime config), the best tile's ×cuBLAS and % of the int4 floor (int4 words +
-bf16 scales + x + y at this card's copy rate, measured first), and its TFLOPS.
+bf16 scales + x + y at this card's copy rate, measured first), and its TFLOPS. --table also prints the
+kernels' tuned table (w4a16_mma_tile.TILE_TABLE) the run supports: per shape, a bucket at each measured M from
+RUNTIME_MIN_M up where the best tile beat the Triton path, up to the first M where it did not.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -57,6 +60,7 @@ def main():
     ap.add_argument("--ms", default="16,32,64,128,256")
     ap.add_argument("--configs", default="auto,4x2x8,4x2x8k2,4x2x8k4,4x2x8k8,8x2x8,4x1x16,4x2x4")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--table", action="store_true", help="print the TILE_TABLE this run supports")
     a = ap.parse_args()
     if not mk.available():
         raise SystemExit(f"the tensor-core kernels do not build here: {mk._UNAVAILABLE}")
@@ -106,7 +110,29 @@ def main():
         torch.cuda.empty_cache()
     table = render(rows, names)
     print(table)
+    if a.table:
+        print(tuned_table(rows, configs))
     write_results(a.out, "w4a16_tile", table, {"provenance": provenance(), "rows": rows})
+
+
+def tuned_table(rows, configs) -> str:
+    """TILE_TABLE's source for these rows: (N, K) -> ((M, best config), ...) over the measured M >= RUNTIME_MIN_M
+    in order, while the best tile beats the Triton path."""
+    out = ["TILE_TABLE = {"]
+    for key in dict.fromkeys((r["N"], r["K"], r["shape"]) for r in rows):
+        buckets = []
+        for r in sorted((r for r in rows if (r["N"], r["K"], r["shape"]) == key), key=lambda r: r["M"]):
+            if r["M"] < tk.RUNTIME_MIN_M:
+                continue
+            if r.get("tile_best") is None or r["triton_w4a16"] is None or r["tile_best"] >= r["triton_w4a16"]:
+                break
+            cfg = configs[r["tile_best_config"]] or tk.config_for(r["N"], r["K"], r["M"])
+            fields = ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                               if f.name != "ablate")
+            buckets.append(f"({r['M']}, TileConfig({fields}))")
+        if buckets:
+            out.append(f"    ({key[0]}, {key[1]}): ({', '.join(buckets)},),  # {key[2]}")
+    return "\n".join(out + ["}"])
 
 
 def render(rows, names):

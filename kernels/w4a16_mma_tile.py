@@ -338,20 +338,20 @@ def workspace_floats(cfg: TileConfig, m: int, n: int) -> int:
     return cfg.split_k * gx * gy * cfg.bn * cfg.bm if cfg.split_k > 1 else 0
 
 
-# (N, K) -> config at M = 17..256 where one was measured (none yet: DEFAULT_CONFIG, with split_k chosen so that
-# the grid fills the SMs)
-TILE_CONFIGS: dict = {}
 DEFAULT_CONFIG = TileConfig()
 RUNTIME_MIN_M = 17  # below, the GEMV (kernels/w4a16_mma.py)
 TILE_MAX_M = 256  # the most rows the runtime may send (OPTLLM_W4A16_TILE=1: every M of RUNTIME_MIN_M..TILE_MAX_M)
-# (N, K) -> the largest M the runtime sends the tiles (from RUNTIME_MIN_M), where benchmarks/w4a16_tile.py found
-# them ahead of the Triton path (kernels/w4a16.py) at every measured M up to it; none measured yet
-TILE_ROUTES: dict = {}
+# The tuned table (benchmarks/w4a16_tile.py --table prints it from a run): (N, K) -> ((max_m, config), ...) in
+# rising max_m, one M bucket each (M from the bucket before's max_m + 1 up to its own), only buckets where the
+# tiles were measured ahead of the Triton path (kernels/w4a16.py) at that max_m, and each bucket's best config;
+# the runtime sends the tiles M = RUNTIME_MIN_M up to the last bucket's max_m. None measured yet.
+TILE_TABLE: dict = {}
 
 
 def route_max_m(n: int, k: int) -> int:
     """The largest M the runtime sends the tiles for an (N, K) weight (0: none)."""
-    return TILE_ROUTES.get((n, k), 0)
+    buckets = TILE_TABLE.get((n, k))
+    return buckets[-1][0] if buckets else 0
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -376,12 +376,11 @@ def prepare(w: mk.W4A16MmaWeight, max_m: int) -> None:
 
 
 def config_for(n: int, k: int, m: int, sms: int = 132) -> TileConfig:
-    """The measured config of (N, K), else DEFAULT_CONFIG with the smallest power-of-two split_k (up to 8, one
-    quantization group a split at least is the caller's concern: fewer groups than splits leave splits empty,
-    which is correct) whose grid has 2 CTAs an SM."""
-    hit = TILE_CONFIGS.get((n, k))
-    if hit is not None:
-        return hit
+    """The tuned table's config of (N, K) at M (its bucket), else DEFAULT_CONFIG with the smallest power-of-two
+    split_k (up to 8, four chunks a split at least) whose grid has 2 CTAs an SM."""
+    for max_m, cfg in TILE_TABLE.get((n, k), ()):
+        if m <= max_m:
+            return cfg
     gx, gy, _ = grid(DEFAULT_CONFIG, m, n)
     split = 1
     while gx * gy * split < 2 * sms and split < 8 and (k // 64) // (2 * split) >= 4:

@@ -85,6 +85,15 @@ def test_configs_checks_and_split_k_sizing():
     assert tk.workspace_floats(cfg, 64, 4096) == 0
 
 
+def test_tuned_table_buckets_route_and_config(monkeypatch):
+    a, b = tk.TileConfig(4, 2, 4, split_k=4), tk.TileConfig(8, 2, 8, unroll=4)
+    monkeypatch.setattr(tk, "TILE_TABLE", {(4096, 4096): ((32, a), (128, b))})
+    assert tk.route_max_m(4096, 4096) == 128 and tk.route_max_m(4096, 14336) == 0
+    assert [tk.config_for(4096, 4096, m) for m in (17, 32, 33, 128)] == [a, a, b, b]
+    assert tk.config_for(4096, 4096, 129) == tk.TileConfig(split_k=4)  # past the table: the default (96 CTAs, split 4)
+    assert tk.config_for(4096, 14336, 64).split_k == 8  # other shapes: the default, sized
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(split_k=3), tk.TileConfig(8, 2, 8, stages=2),
