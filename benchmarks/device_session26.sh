@@ -89,7 +89,7 @@ tile_bench() {  # TILE=1 (forty-first session): the small-batch tensor-core tile
   [ -n "${TILE:-}" ] || return 0
   timeout "${TILE_S:-$(( $(left) - 15 ))}" python3 benchmarks/w4a16_tile.py --ms "${TILE_MS:-16,32,64,128,256}" \
     ${TILE_CONFIGS:+--configs "$TILE_CONFIGS"} --table --out "$OUT" > "$OUT/logs/tile.log" 2>&1 || echo "w4a16_tile exited $?"
-  grep "^|" "$OUT/logs/tile.log" | head -30
+  grep "^|\|^TILE_TABLE\|^    (\|^}" "$OUT/logs/tile.log" | head -60
 }
 probes() {  # CATCHUP=1: the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
   if [ -n "${CATCHUP:-}" ]; then  # after the prompt and mid-stream (min_tokens 48), greedy and sampled
