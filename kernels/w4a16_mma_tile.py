@@ -143,13 +143,26 @@ __device__ __forceinline__ void mma_free(float* d, const u32* a, u32 b0, u32 b1)
 #define XROW 144
 #define XSLOT (BM * XROW)
 #define THREADS (WARPS * 32)
-// chunk c of x rows m0 .. m0 + BM - 1 (rows past M: a copy of row M - 1, never stored) into the slot at s
-__device__ __forceinline__ void load_x(u32 s, const u16* __restrict__ x, int c, int m0, int M, int ldx) {
-  for (int q = threadIdx.x; q < BM * 8; q += THREADS) {
-    const int row = q >> 3, part = q & 7;
-    const int m = m0 + row < M ? m0 + row : M - 1;
-    cp_async16(s + row * XROW + part * 16, x + (size_t)m * ldx + (size_t)c * 64 + part * 8);
+#define XP ((BM * 8 + THREADS - 1) / THREADS)  // 16-byte pieces of an x chunk a thread copies
+// A thread's pieces of every x chunk: piece i is q = threadIdx.x + i * THREADS of the chunk's BM * 8 (row q / 8,
+// bytes 16 (q % 8) of its 128), where the row (a copy of row M - 1 past M, never stored) and the piece do not
+// depend on the chunk: their source pointers are made once, and a chunk adds its offset
+struct XPieces { const u16* src[XP]; };
+__device__ __forceinline__ void x_pieces(XPieces& xp, const u16* __restrict__ x, int m0, int M, int ldx) {
+#pragma unroll
+  for (int i = 0; i < XP; ++i) {
+    const int q = threadIdx.x + i * THREADS;
+    const int m = m0 + (q >> 3) < M ? m0 + (q >> 3) : M - 1;
+    xp.src[i] = x + (size_t)m * ldx + (q & 7) * 8;
   }
+}
+// chunk c of x rows m0 .. m0 + BM - 1 into the slot at s
+__device__ __forceinline__ void load_x(u32 s, const XPieces& xp, int c) {
+  const u32 dst = s + (threadIdx.x >> 3) * XROW + (threadIdx.x & 7) * 16;
+#pragma unroll
+  for (int i = 0; i < XP; ++i)
+    if ((BM * 8) % THREADS == 0 || threadIdx.x + i * THREADS < BM * 8)
+      cp_async16(dst + i * (THREADS / 8) * XROW, xp.src[i] + (size_t)c * 64);
 }
 extern "C" __global__ void __launch_bounds__(THREADS)
 w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
@@ -183,9 +196,11 @@ w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[r][j][q] = 0.f;
   const u32 xs0 = smem_addr(xs);
+  XPieces xp;
+  x_pieces(xp, x, m0, M, ldx);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (c0 + s < c1) load_x(xs0 + s * XSLOT, x, c0 + s, m0, M, ldx);
+    if (c0 + s < c1) load_x(xs0 + s * XSLOT, xp, c0 + s);
     cp_commit();
   }
   WChunk buf[UNROLL][RT];
@@ -209,7 +224,7 @@ w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
         cp_wait<STAGES - 2>();  // chunk c's x landed (this thread's copies) ...
         __syncthreads();  // ... and everyone's; every warp is done with chunk c - 1's slot, refilled now
         const int fill = slot == 0 ? STAGES - 1 : slot - 1;
-        if (c + STAGES - 1 < c1) load_x(xs0 + fill * XSLOT, x, c + STAGES - 1, m0, M, ldx);
+        if (c + STAGES - 1 < c1) load_x(xs0 + fill * XSLOT, xp, c + STAGES - 1);
         cp_commit();
         // two halves of the chunk: every column tile's 16 bytes of x (k16 steps 2h, 2h + 1) first, then per
         // step the rt A fragments and the rt * nt mmas, each accumulator's next mma rt * nt mmas later

@@ -234,12 +234,18 @@ def _emulate_tile(x, w, cfg, bias=None):
             c0, c1 = (bz * groups // cfg.split_k) * cpg, ((bz + 1) * groups // cfg.split_k) * cpg
             ring = torch.full((stages, bm * xrow // 2), -1, dtype=torch.int64)  # bf16 bits a slot, 2-byte units
 
+            threads = 32 * cfg.warps
+            xp = -(-bm * 8 // threads)  # XP: pieces a thread
+
             def load_x(s, c):
-                for q in range(bm * 8):  # every thread's pieces: q = threadIdx.x + i * THREADS
-                    row, part = q >> 3, q & 7
-                    mm = min(m0 + row, m_rows - 1)
-                    ring[s, (row * xrow + part * 16) // 2:(row * xrow + part * 16) // 2 + 8] = \
-                        xbytes[mm, c * 64 + part * 8:c * 64 + part * 8 + 8]
+                for tid in range(threads):  # thread tid's piece i: q = tid + i * THREADS while q < BM * 8
+                    for i in range(xp):
+                        q = tid + i * threads
+                        if q >= bm * 8:
+                            continue
+                        mm = min(m0 + (q >> 3), m_rows - 1)  # x_pieces: the source row, made once
+                        dst = (tid >> 3) * xrow + (tid & 7) * 16 + i * (threads // 8) * xrow  # bytes in the slot
+                        ring[s, dst // 2:dst // 2 + 8] = xbytes[mm, c * 64 + (q & 7) * 8:c * 64 + (q & 7) * 8 + 8]
 
             for s in range(stages - 1):
                 if c0 + s < c1:
