@@ -33,7 +33,7 @@ def test_rounded_reference_is_the_dequantized_weight_rounded_once():
 
 BUILT = [tk.TileConfig(), tk.TileConfig(split_k=4), tk.TileConfig(8, 2, 8), tk.TileConfig(4, 1, 16),
          tk.TileConfig(4, 2, 4, stages=3), tk.TileConfig(8, 1, 8, unroll=4), tk.TileConfig(2, 2, 2, stages=2),
-         tk.TileConfig(4, 2, 8, ablate=True)]
+         tk.TileConfig(4, 2, 8, ablate=True), tk.TileConfig(4, 1, 5, stages=2)]
 
 
 @pytest.mark.parametrize("cfg", BUILT, ids=repr)
@@ -324,11 +324,14 @@ def _emulate_tile(x, w, cfg, bias=None):
     (tk.TileConfig(1, 1, 3, stages=3, unroll=4, split_k=3), 48, 512, 64, 30, True),
     (tk.TileConfig(2, 4, 1, stages=4, unroll=1, split_k=2), 96, 384, 128, 9, True),
     (tk.TileConfig(1, 2, 2, stages=3, unroll=2), 32, 320, 64, 16, False),
+    (tk.TileConfig(4, 1, 5, stages=2), 128, 256, 64, 45, True),  # 320 x pieces over 128 threads: the last partial
+    (tk.TileConfig(8, 1, 1, stages=2, split_k=2), 160, 256, 128, 7, False),  # 64 pieces, 256 threads
 ])
 def test_the_kernels_index_arithmetic_computes_the_linear(cfg, n, k, group, m, asym):
     """The transcription above, over M and N tails (columns past M and row tiles past N computed from copies,
     never stored), split-K with uneven splits, ring depths 2-4, unroll 1-4: within float64 rounding of the
-    reference on the same bf16 weights (one placement off is O(1))."""
+    reference on the same bf16 weights (one placement off is O(1)); x chunks of more pieces than threads, fewer,
+    and not a multiple of them."""
     q, s, z = _quantized(n, k, group, asym, seed=n + m)
     w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
