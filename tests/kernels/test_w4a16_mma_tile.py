@@ -98,7 +98,7 @@ def test_tuned_table_buckets_route_and_config(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(split_k=3), tk.TileConfig(8, 2, 8, stages=2),
                                  tk.TileConfig(4, 1, 16, unroll=4), tk.TileConfig(2, 2, 2, stages=3, split_k=2),
-                                 None])
+                                 tk.TileConfig(4, 1, 5, stages=2), None])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
