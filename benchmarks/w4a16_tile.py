@@ -10,8 +10,8 @@ config_for's choice. Per shape and M: each kernel's relative error against the f
 µs of a CUDA-graph replay with weight copies rotated past 200 MB (weights from HBM), the tensor-core GEMV
 too where M <= 32 (its runtime config), the best tile's ×cuBLAS and % of the int4 floor (int4 words +
 bf16 scales + x + y at this card's copy rate, measured first), and its TFLOPS. --table also prints the
-kernels' tuned table (w4a16_mma_tile.TILE_TABLE) the run supports: per shape, a bucket at each measured M from
-RUNTIME_MIN_M up where the best tile beat the Triton path, up to the first M where it did not.
+kernels' tuned table (w4a16_mma_tile.TILE_TABLE) the run supports: per shape, an entry at each measured M from
+RUNTIME_MIN_M up where the best tile beat the Triton path.
 """
 
 from __future__ import annotations
@@ -116,22 +116,21 @@ def main():
 
 
 def tuned_table(rows, configs) -> str:
-    """TILE_TABLE's source for these rows: (N, K) -> ((M, best config), ...) over the measured M >= RUNTIME_MIN_M
-    in order, while the best tile beats the Triton path."""
+    """TILE_TABLE's source for these rows: (N, K) -> ((M, M, best config), ...) at each measured M >= RUNTIME_MIN_M
+    where the best tile beat the Triton path (the M between two measured ones are not guessed)."""
     out = ["TILE_TABLE = {"]
     for key in dict.fromkeys((r["N"], r["K"], r["shape"]) for r in rows):
-        buckets = []
+        entries = []
         for r in sorted((r for r in rows if (r["N"], r["K"], r["shape"]) == key), key=lambda r: r["M"]):
-            if r["M"] < tk.RUNTIME_MIN_M:
+            if r["M"] < tk.RUNTIME_MIN_M or r.get("tile_best") is None or r["triton_w4a16"] is None \
+                    or r["tile_best"] >= r["triton_w4a16"]:
                 continue
-            if r.get("tile_best") is None or r["triton_w4a16"] is None or r["tile_best"] >= r["triton_w4a16"]:
-                break
             cfg = configs[r["tile_best_config"]] or tk.config_for(r["N"], r["K"], r["M"])
             fields = ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
                                if f.name != "ablate")
-            buckets.append(f"({r['M']}, TileConfig({fields}))")
-        if buckets:
-            out.append(f"    ({key[0]}, {key[1]}): ({', '.join(buckets)},),  # {key[2]}")
+            entries.append(f"({r['M']}, {r['M']}, TileConfig({fields}))")
+        if entries:
+            out.append(f"    ({key[0]}, {key[1]}): ({', '.join(entries)},),  # {key[2]}")
     return "\n".join(out + ["}"])
 
 

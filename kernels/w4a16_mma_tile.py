@@ -29,7 +29,11 @@ Work split (``TileConfig``)
     no L1 allocation), with their groups' scales and zeros.
     split_k > 1: the CTAs of blockIdx.z take contiguous 1 / split_k of the quantization groups, write
     their fp32 partial tiles to a workspace, and the last to arrive at the tile's counter (which it
-    resets) sums them in split order: deterministic, no atomics on y, no host sync, CUDA-graph safe.
+    resets) sums them in split order: deterministic, no atomics on y, no host sync, CUDA-graph safe. The
+    counters and the workspace are the device's, shared by every weight (the workspace with the GEMV too):
+    split-K calls must run on one stream at a time, as the runtime's do. Two streams at once race on them and
+    leave counters off zero, which breaks every later call (the forty-second session's benchmark did so when
+    triton's do_bench_cudagraph started on its own stream before the calls before it had finished).
 Limits: bf16, N % 16 == 0, K % 64 == 0, G % 64 == 0, 1 <= M <= MAX_M, x rows 16-byte aligned.
 """
 
@@ -356,17 +360,23 @@ def workspace_floats(cfg: TileConfig, m: int, n: int) -> int:
 DEFAULT_CONFIG = TileConfig()
 RUNTIME_MIN_M = 17  # below, the GEMV (kernels/w4a16_mma.py)
 TILE_MAX_M = 256  # the most rows the runtime may send (OPTLLM_W4A16_TILE=1: every M of RUNTIME_MIN_M..TILE_MAX_M)
-# The tuned table (benchmarks/w4a16_tile.py --table prints it from a run): (N, K) -> ((max_m, config), ...) in
-# rising max_m, one M bucket each (M from the bucket before's max_m + 1 up to its own), only buckets where the
-# tiles were measured ahead of the Triton path (kernels/w4a16.py) at that max_m, and each bucket's best config;
-# the runtime sends the tiles M = RUNTIME_MIN_M up to the last bucket's max_m. None measured yet.
-TILE_TABLE: dict = {}
+# The tuned table (benchmarks/w4a16_tile.py --table prints it from a run): (N, K) -> ((lo, hi, config), ...), the
+# rows M = lo..hi that the runtime sends the tiles, in that config; every other M goes to the GEMV (M <= 16) or
+# the Triton path (kernels/w4a16.py). Entries only where a run measured the tiles ahead of the Triton path, at
+# the M measured (lo = hi): the decode graphs' batch buckets are multiples of 16, and the M between two measured
+# ones is not guessed. H100 (forty-second session, docs/BENCHMARKS.md), µs tiles / Triton: qkv M = 128 36.5 /
+# 44.1, down M = 128 66.8 / 111.3, gate_up M = 32 51.4 / 56.3; o lost at every M measured.
+TILE_TABLE: dict = {
+    (6144, 4096): ((128, 128, TileConfig(4, 2, 8, split_k=4)),),  # qkv
+    (4096, 14336): ((128, 128, TileConfig(4, 2, 8, split_k=4)),),  # down
+    (28672, 4096): ((32, 32, TileConfig(4, 2, 4, split_k=4)),),  # gate_up
+}
 
 
-def route_max_m(n: int, k: int) -> int:
-    """The largest M the runtime sends the tiles for an (N, K) weight (0: none)."""
-    buckets = TILE_TABLE.get((n, k))
-    return buckets[-1][0] if buckets else 0
+def route_rows(n: int, k: int) -> frozenset:
+    """The M the runtime sends the tiles for an (N, K) weight (empty: none)."""
+    return frozenset(m for lo, hi, _ in TILE_TABLE.get((n, k), ()) for m in range(max(lo, RUNTIME_MIN_M),
+                                                                                     min(hi, TILE_MAX_M) + 1))
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -375,12 +385,14 @@ def fits(x: torch.Tensor) -> bool:
         and x.data_ptr() % 16 == 0
 
 
-def prepare(w: mk.W4A16MmaWeight, max_m: int) -> None:
-    """At load, for the M = RUNTIME_MIN_M..max_m the runtime will send: compile each config those M take and
-    size the split-K workspace and counters for the largest, so no call (inside a graph capture, mid-serving)
+def prepare(w: mk.W4A16MmaWeight, rows) -> None:
+    """At load, for the M (rows: an iterable) the runtime will send: compile each config those M take and size
+    the split-K workspace and counters for the largest, so no call (inside a graph capture, mid-serving)
     compiles or allocates; the launches themselves are bound at a call's first M (host work only)."""
     device = w.words.device
-    plan = [(m, config_for(w.N, w.K, m)) for m in range(RUNTIME_MIN_M, max_m + 1)]
+    plan = [(m, config_for(w.N, w.K, m)) for m in sorted(rows)]
+    if not plan:
+        return
     for cfg in {cfg for _, cfg in plan}:
         for has_bias in (False, True):
             _kernel(cfg, w.group_size // mk.CHUNK, w.zeros is not None, has_bias)
@@ -391,10 +403,10 @@ def prepare(w: mk.W4A16MmaWeight, max_m: int) -> None:
 
 
 def config_for(n: int, k: int, m: int, sms: int = 132) -> TileConfig:
-    """The tuned table's config of (N, K) at M (its bucket), else DEFAULT_CONFIG with the smallest power-of-two
+    """The tuned table's config of (N, K) at M, else DEFAULT_CONFIG with the smallest power-of-two
     split_k (up to 8, four chunks a split at least) whose grid has 2 CTAs an SM."""
-    for max_m, cfg in TILE_TABLE.get((n, k), ()):
-        if m <= max_m:
+    for lo, hi, cfg in TILE_TABLE.get((n, k), ()):
+        if lo <= m <= hi:
             return cfg
     gx, gy, _ = grid(DEFAULT_CONFIG, m, n)
     split = 1

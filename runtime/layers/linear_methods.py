@@ -135,7 +135,7 @@ class W4A16Method(_QuantizedMethod):
         # decode rows (M <= 16) on the tensor-core GEMV (kernels/w4a16_mma.py) where it builds;
         # OPTLLM_W4A16_MMA=0 keeps every call on the Triton kernels (to compare the two end to end)
         self.mma = os.environ.get("OPTLLM_W4A16_MMA", "1") != "0"
-        # rows 17..256 on the tensor-core tiles (kernels/w4a16_mma_tile.py) up to the M its table measured them
+        # rows 17..256 on the tensor-core tiles (kernels/w4a16_mma_tile.py) at the M its table measured them
         # ahead of the Triton path for the shape (auto); OPTLLM_W4A16_TILE=1: every such M, 0: none (to compare)
         self.tile = os.environ.get("OPTLLM_W4A16_TILE", "auto")
         if self.tile not in ("auto", "0", "1"):
@@ -163,12 +163,11 @@ class W4A16Method(_QuantizedMethod):
             # a second copy of the int4 words in the fragment layout (0.5 byte a weight): M <= 16 reads it
             layer.mma_weight = w4a16_mma.from_w4a16(w)
             w4a16_mma.prepare(layer.mma_weight, getattr(layer, "bias", None) is not None)
-        layer.tile_max_m = 0
+        layer.tile_rows = frozenset()  # the M sent to the tiles
         if layer.mma_weight is not None and self.tile != "0":
-            layer.tile_max_m = w4a16_mma_tile.TILE_MAX_M if self.tile == "1" else \
-                w4a16_mma_tile.route_max_m(w.N, w.K)
-            if layer.tile_max_m:
-                w4a16_mma_tile.prepare(layer.mma_weight, layer.tile_max_m)
+            layer.tile_rows = frozenset(range(w4a16_mma_tile.RUNTIME_MIN_M, w4a16_mma_tile.TILE_MAX_M + 1)) \
+                if self.tile == "1" else w4a16_mma_tile.route_rows(w.N, w.K)
+            w4a16_mma_tile.prepare(layer.mma_weight, layer.tile_rows)
 
     def weight_view(self, layer) -> W4A16Weight:
         return W4A16Weight(layer.packed, layer.packed_scales, layer.packed_zeros, layer.locks,
@@ -180,7 +179,7 @@ class W4A16Method(_QuantizedMethod):
         if layer.mma_weight is not None and (bias is None or bias.dtype == x.dtype):
             if w4a16_mma.fits(x):
                 return w4a16_mma.w4a16_mma_linear(x, layer.mma_weight, bias)
-            if layer.tile_max_m and w4a16_mma_tile.fits(x) and x.shape[0] <= layer.tile_max_m:
+            if x.shape[0] in layer.tile_rows and w4a16_mma_tile.fits(x):
                 return w4a16_mma_tile.w4a16_mma_tile_linear(x, layer.mma_weight, bias)
         return w4a16_linear(x, self.weight_view(layer), bias, backend="triton")
 

@@ -85,13 +85,27 @@ def test_configs_checks_and_split_k_sizing():
     assert tk.workspace_floats(cfg, 64, 4096) == 0
 
 
-def test_tuned_table_buckets_route_and_config(monkeypatch):
+def test_tuned_table_rows_route_and_config(monkeypatch):
     a, b = tk.TileConfig(4, 2, 4, split_k=4), tk.TileConfig(8, 2, 8, unroll=4)
-    monkeypatch.setattr(tk, "TILE_TABLE", {(4096, 4096): ((32, a), (128, b))})
-    assert tk.route_max_m(4096, 4096) == 128 and tk.route_max_m(4096, 14336) == 0
-    assert [tk.config_for(4096, 4096, m) for m in (17, 32, 33, 128)] == [a, a, b, b]
-    assert tk.config_for(4096, 4096, 129) == tk.TileConfig(split_k=4)  # past the table: the default (96 CTAs, split 4)
+    monkeypatch.setattr(tk, "TILE_TABLE", {(4096, 4096): ((32, 32, a), (96, 128, b), (250, 300, b)),
+                                           (64, 64): ((1, 20, a),)})
+    assert tk.route_rows(4096, 4096) == frozenset([32, *range(96, 129), *range(250, 257)])  # up to TILE_MAX_M
+    assert tk.route_rows(64, 64) == frozenset(range(17, 21))  # from RUNTIME_MIN_M: below, the GEMV's
+    assert tk.route_rows(4096, 14336) == frozenset()
+    assert [tk.config_for(4096, 4096, m) for m in (32, 96, 128)] == [a, b, b]
+    assert tk.config_for(4096, 4096, 129) == tk.TileConfig(split_k=4)  # outside the table: the default (96 CTAs)
     assert tk.config_for(4096, 14336, 64).split_k == 8  # other shapes: the default, sized
+
+
+def test_the_shipped_table_is_measured_rows_in_valid_configs():
+    """Every entry: a shape the runtime has, rows inside RUNTIME_MIN_M..TILE_MAX_M, a config that builds (its
+    checks ran at import), and a split that leaves each CTA four chunks at least."""
+    assert tk.TILE_TABLE, "the tuned table is empty"
+    for (n, k), entries in tk.TILE_TABLE.items():
+        assert n % 16 == 0 and k % 64 == 0
+        for lo, hi, cfg in entries:
+            assert tk.RUNTIME_MIN_M <= lo <= hi <= tk.TILE_MAX_M
+            assert isinstance(cfg, tk.TileConfig) and not cfg.ablate and (k // 64) // cfg.split_k >= 4
 
 
 @pytest.mark.gpu

@@ -150,11 +150,11 @@ def test_w4a16_method_decode_rows_on_the_tensor_core_gemv(sym, monkeypatch):
         x = torch.randn(m, 256, device="cuda").to(torch.bfloat16)
         ref = x.double() @ ref_w.cuda().T + bias.to(torch.bfloat16).double().cuda()
         assert rel(layer(x), ref) < 5e-3, m
-    assert layer.tile_max_m == w4a16_mma_tile.route_max_m(96, 256) == 0  # no table entry: M > 16 on Triton
+    assert layer.tile_rows == w4a16_mma_tile.route_rows(96, 256) == frozenset()  # no table entry: M > 16 on Triton
     # OPTLLM_W4A16_TILE=1: M = 17..256 on the tensor-core tiles (kernels/w4a16_mma_tile.py), the same bounds
     monkeypatch.setenv("OPTLLM_W4A16_TILE", "1")
     tiled = build()
-    assert tiled.tile_max_m == 256
+    assert tiled.tile_rows == frozenset(range(17, 257))
     calls = []
     real = w4a16_mma_tile.w4a16_mma_tile_linear
     monkeypatch.setattr(w4a16_mma_tile, "w4a16_mma_tile_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -163,6 +163,17 @@ def test_w4a16_method_decode_rows_on_the_tensor_core_gemv(sym, monkeypatch):
         ref = x.double() @ ref_w.cuda().T + bias.to(torch.bfloat16).double().cuda()
         assert rel(tiled(x), ref) < 5e-3, m
     assert calls == [17, 40, 256]
+    # auto: the table's rows only, in its config
+    monkeypatch.setenv("OPTLLM_W4A16_TILE", "auto")
+    monkeypatch.setitem(w4a16_mma_tile.TILE_TABLE, (96, 256), ((40, 40, w4a16_mma_tile.TileConfig(2, 1, 2)),))
+    tabled = build()
+    assert tabled.tile_rows == frozenset({40})
+    calls.clear()
+    for m in (17, 40, 48):
+        x = torch.randn(m, 256, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ ref_w.cuda().T + bias.to(torch.bfloat16).double().cuda()
+        assert rel(tabled(x), ref) < 5e-3, m
+    assert calls == [40]
     monkeypatch.setenv("OPTLLM_W4A16_TILE", "2")
     with pytest.raises(ValueError, match="OPTLLM_W4A16_TILE"):
         build()
