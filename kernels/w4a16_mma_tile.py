@@ -364,9 +364,9 @@ TILE_MAX_M = 256  # the most rows the runtime may send (OPTLLM_W4A16_TILE=1: eve
 # rows M = lo..hi that the runtime sends the tiles, in that config; every other M goes to the GEMV (M <= 16) or
 # the Triton path (kernels/w4a16.py). Entries only where a run measured the tiles ahead of the Triton path, at
 # the M measured (lo = hi): the decode graphs' batch buckets are multiples of 16, and the M between two measured
-# ones is not guessed. H100, symmetric groups of 128 (forty-second session, docs/BENCHMARKS.md; other groups take
-# the same rows), µs tiles / Triton: qkv M = 128 36.5 /
-# 44.1, down M = 128 66.8 / 111.3, gate_up M = 32 51.4 / 56.3; o lost at every M measured.
+# ones is not guessed. Measured on an H100 with symmetric groups of 128 (forty-second session, docs/BENCHMARKS.md;
+# other groups take the same rows), µs tiles / Triton: qkv M = 128 36.5 / 44.1, down M = 128 66.8 / 111.3,
+# gate_up M = 32 51.4 / 56.3; o lost at every M measured.
 TILE_TABLE: dict = {
     (6144, 4096): ((128, 128, TileConfig(4, 2, 8, split_k=4)),),  # qkv
     (4096, 14336): ((128, 128, TileConfig(4, 2, 8, split_k=4)),),  # down
