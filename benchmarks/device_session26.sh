@@ -21,6 +21,8 @@
 #               (SOL, memory, warp stalls, instruction statistics)
 #   DECODE=1 (kernels; forty-second session): after TILE, benchmarks/decode.py's 8b-w4a16 case (--quick) with
 #               OPTLLM_W4A16_TILE=1 (batch 64's M = 64 on the tiles) and =0 (the Triton path)
+#   TILE_NCU=1 (kernels; forty-second session): after TILE, Nsight Compute on the tiles at o and down, M = TILE_NCU_M
+#               (64), configs TILE_NCU_CFGS (4x2x8k4 and its no-dequantization twin)
 #   TILE=1 (tests, kernels; forty-first session): after the GPU tests, benchmarks/w4a16_tile.py (the M = 16..256
 #               tensor-core tiles against cuBLAS bf16 and the Triton path) at TILE_MS over TILE_CONFIGS
 #   PART=kernels  no model, nothing carried: the GPU tests (TESTS), the GEMV sweep and Nsight Compute as in eval;
@@ -91,6 +93,31 @@ tile_bench() {  # TILE=1 (forty-first session): the small-batch tensor-core tile
     ${TILE_CONFIGS:+--configs "$TILE_CONFIGS"} --table --out "$OUT" > "$OUT/logs/tile.log" 2>&1 || echo "w4a16_tile exited $?"
   grep "^|\|^TILE_TABLE\|^    (\|^}" "$OUT/logs/tile.log" | head -60
 }
+tile_ncu() {  # TILE_NCU=1 (forty-second session): Nsight Compute on the tiles, o and down at M = 64 in TILE_NCU_CFGS
+  [ -n "${TILE_NCU:-}" ] || return 0
+  cat > /tmp/ncu_tile.py <<'PY'
+import os
+import torch
+from optllm.benchmarks.w4a16_tile import parse_config
+from optllm.kernels import w4a16 as w4k
+from optllm.kernels import w4a16_mma as mk
+from optllm.kernels import w4a16_mma_tile as tk
+for n, k in ((4096, 4096), (4096, 14336)):
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device="cuda")
+    s = (torch.rand(n, k // 128, device="cuda") * 1e-3).to(torch.bfloat16)
+    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, None, 128, dtype=torch.bfloat16))
+    x = torch.randn(int(os.environ.get("TILE_NCU_M", "64")), k, device="cuda", dtype=torch.bfloat16)
+    for c in os.environ.get("TILE_NCU_CFGS", "4x2x8k4,4x2x8k4a").split(","):
+        tk.w4a16_mma_tile(x, w, None, parse_config(c))
+torch.cuda.synchronize()
+PY
+  timeout "$(( $(left) - 5 ))" ncu --kernel-name regex:w4a16_mma_tile --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
+    --section SchedulerStats --section ComputeWorkloadAnalysis python3 /tmp/ncu_tile.py > "$OUT/ncu_tile.txt" 2>&1 \
+    || echo "ncu exited $?"
+  grep -E "w4a16_mma_tile|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  |Tensor" \
+    "$OUT/ncu_tile.txt" | head -90
+}
 probes() {  # CATCHUP=1: the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
   if [ -n "${CATCHUP:-}" ]; then  # after the prompt and mid-stream (min_tokens 48), greedy and sampled
     # shellcheck disable=SC2086
@@ -152,6 +179,7 @@ tests) probes; [ "${TESTS:-}" = none ] || gpu_tests; tile_bench ;;
 kernels) probes
   [ "${TESTS:-}" = none ] || gpu_tests
   tile_bench
+  tile_ncu
   if [ -n "${DECODE:-}" ]; then  # DECODE=1 (forty-second session): the 8B W4A16 decode with the tiles (M 17..256) on, then off
     for on in 1 0; do
       OPTLLM_W4A16_TILE=$on timeout "$(( ($(left) - 20) / (on + 1) ))" python3 benchmarks/decode.py --cases 8b-w4a16 \
