@@ -673,7 +673,7 @@ class _Launch:
     GEMV's and kernels/w4a16_mma_tile.py's tiles' (``name``) alike."""
 
     smem = 0  # dynamic shared memory a CTA, bytes (the tiles' x ring; the GEMV has none)
-    name = "w4a16_mma_gemv"  # the kernel, for errors
+    name = "w4a16_mma_gemv"  # the kernel, for errors (both also the defaults of stand-ins made without __init__)
 
     def __init__(self, kernel, warps: int, pointers: int, smem: int = 0, name: str = "w4a16_mma_gemv") -> None:
         import ctypes
@@ -705,7 +705,7 @@ class _Bound:
 
     def __init__(self, launch: _Launch, grid: int, grid_y: int, fixed: dict[int, int], grid_z: int = 1) -> None:
         ctypes, p = launch.ctypes, launch.pointers
-        self.launch, self.grid, self.grid_y = launch, grid, grid_y
+        self.launch = launch
         # cuLaunchKernel's grid, block and shared memory, in its argument order
         self.dims = (grid, grid_y, grid_z, launch.block, 1, 1, launch.smem)
         self.slots = [ctypes.c_void_p() for _ in range(p)] + [ctypes.c_int() for _ in range(5)]
