@@ -87,7 +87,13 @@ def shape_plan(csv: str):
 
 
 def graph_us(fn, rep: int = 20) -> float:
-    """Median µs of one replay of fn captured in a CUDA graph."""
+    """Median µs of one replay of fn captured in a CUDA graph. triton's do_bench_cudagraph runs fn on a stream
+    of its own at once, so the current stream's work is waited for first: calls of fn made before (a warm-up)
+    would otherwise overlap its first ones, and kernels that share per-device state (the W4A16 tiles' split-K
+    counters and workspace) race (forty-second session: wrong and NaN results on later calls)."""
+    import torch
+
+    torch.cuda.synchronize()
     return 1000 * triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
@@ -137,14 +143,8 @@ def eager_stream_us(op, copies: int, calls: int = 400, rep: int = 7) -> float:
 
 def rotated_us(op, rep: int = 20, copies: int = ROT) -> float:
     """µs per call of op(i), timed as one graph of op(0) .. op(copies - 1) divided by copies."""
-    import torch
-
     fn = lambda: [op(i) for i in range(copies)]  # noqa: E731
     fn()
-    # triton's do_bench_cudagraph runs fn on a stream of its own at once: without this, its first calls overlap
-    # these on the current stream, and kernels that share per-device state (the W4A16 tiles' split-K counters
-    # and workspace) race (forty-second session: wrong and NaN results on later calls)
-    torch.cuda.synchronize()
     return graph_us(fn, rep) / copies
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from optllm.benchmarks.common import BW, ROT, graph_us, provenance
+from optllm.benchmarks.common import BW, ROT, provenance, rotated_us
 from optllm.kernels.gemv import GemvConfig, gemv
 
 SHAPES = {  # name -> (N, K)
@@ -30,13 +30,6 @@ SHAPES = {  # name -> (N, K)
     "smol": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
              "lm_head": (49152, 576)},
 }
-def cold_us(op, copies: int) -> float:
-    """µs per call of op(i), one CUDA graph over every weight copy (each read cold from HBM)."""
-    fn = lambda: [op(i) for i in range(copies)]  # noqa: E731
-    fn()
-    return graph_us(fn) / copies
-
-
 CANDIDATES = [GemvConfig(bn, bk, w, s) for bn, bk, w, s in itertools.product(
     (4, 8, 16, 32), (256, 512, 1024), (2, 4, 8), (1, 3))]
 
@@ -55,11 +48,11 @@ def main():
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             floor = n * k * 2 / BW * 1e6
-            cublas = cold_us(lambda i: x @ ws[i].t(), copies)
+            cublas = rotated_us(lambda i: x @ ws[i].t(), copies=copies)
             best = None
             for cfg in CANDIDATES:
                 try:
-                    us = cold_us(lambda i, c=cfg: gemv(x, ws[i], config=c), copies)
+                    us = rotated_us(lambda i, c=cfg: gemv(x, ws[i], config=c), copies=copies)
                 except Exception as e:  # a config that does not compile is skipped
                     print(f"skip {cfg}: {type(e).__name__}", flush=True)
                     continue
