@@ -111,12 +111,16 @@ for n, k in ((4096, 4096), (4096, 14336)):
         tk.w4a16_mma_tile(x, w, None, parse_config(c))
 torch.cuda.synchronize()
 PY
-  timeout "$(( $(left) - 5 ))" ncu --kernel-name regex:w4a16_mma_tile --section SpeedOfLight --section MemoryWorkloadAnalysis \
+  ncu_profile tile w4a16_mma_tile "--section ComputeWorkloadAnalysis" "|Tensor"
+}
+ncu_profile() {  # NAME KERNEL_REGEX [EXTRA_SECTIONS] [EXTRA_GREP]: Nsight Compute on python3 /tmp/ncu_NAME.py's
+  # kernels matching the regex, the report in $OUT/ncu_NAME.txt, its headline lines printed
+  # shellcheck disable=SC2086
+  timeout "$(( $(left) - 5 ))" ncu --kernel-name "regex:$2" --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
-    --section SchedulerStats --section ComputeWorkloadAnalysis python3 /tmp/ncu_tile.py > "$OUT/ncu_tile.txt" 2>&1 \
-    || echo "ncu exited $?"
-  grep -E "w4a16_mma_tile|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  |Tensor" \
-    "$OUT/ncu_tile.txt" | head -90
+    --section SchedulerStats ${3:-} python3 "/tmp/ncu_$1.py" > "$OUT/ncu_$1.txt" 2>&1 || echo "ncu exited $?"
+  grep -E "$2|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  ${4:-}" \
+    "$OUT/ncu_$1.txt" | head -90
 }
 probes() {  # CATCHUP=1: the draft's eager catch-up by rows and one profiled (a random SmolLM2-shaped model)
   if [ -n "${CATCHUP:-}" ]; then  # after the prompt and mid-stream (min_tokens 48), greedy and sampled
@@ -151,10 +155,7 @@ for n, k in ((28672, 4096), (4096, 14336)):
         mk.w4a16_mma_gemv(x, w, None, c)
 torch.cuda.synchronize()
 PY
-  timeout "$(( $(left) - 5 ))" ncu --kernel-name regex:w4a16_mma --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
-    --section SchedulerStats python3 /tmp/ncu_mma.py > "$OUT/ncu_mma.txt" 2>&1 || echo "ncu exited $?"
-  grep -E "w4a16_mma|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issued Warp|No Eligible|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_mma.txt" | head -90
+  ncu_profile mma w4a16_mma
 }
 spec_eval() {  # NAME MODEL DRAFT_DIR, then eval's own arguments (later ones win: --temperatures 0)
   local name=$1 model=$2 draft=$3; shift 3
