@@ -364,13 +364,18 @@ TILE_MAX_M = 256  # the most rows the runtime may send (OPTLLM_W4A16_TILE=1: eve
 # rows M = lo..hi that the runtime sends the tiles, in that config; every other M goes to the GEMV (M <= 16) or
 # the Triton path (kernels/w4a16.py). Entries only where a run measured the tiles ahead of the Triton path, at
 # the M measured (lo = hi): the decode graphs' batch buckets are multiples of 16, and the M between two measured
-# ones is not guessed. Measured on an H100 with symmetric groups of 128 (forty-second session, docs/BENCHMARKS.md;
-# other groups take the same rows), µs tiles / Triton: qkv M = 128 36.5 / 44.1, down M = 128 66.8 / 111.3,
-# gate_up M = 32 51.4 / 56.3; o lost at every M measured.
+# ones is not guessed. Measured on an H100 with symmetric groups of 128 (other groups take the same rows;
+# docs/BENCHMARKS.md), µs tiles / Triton:
+#   forty-second session: qkv M = 128 36.5 / 44.1, down M = 128 66.8 / 111.3, gate_up M = 32 51.4 / 56.3;
+#   forty-third session: qkv M = 80 / 96 / 112 39.4 / 43.0, 39.2 / 43.6, 40.8 / 44.6; down 63.6 / 106.3,
+#   62.8 / 107.2, 65.5 / 107.8 (Triton's M > 64 dequantizes the whole weight and calls cuBLAS).
+# o lost at every M measured (16..256), gate_up everywhere but M = 32, qkv and down at M <= 64 and 256.
+_K4, _K4_NT4 = TileConfig(4, 2, 8, split_k=4), TileConfig(4, 2, 4, split_k=4)
 TILE_TABLE: dict = {
-    (6144, 4096): ((128, 128, TileConfig(4, 2, 8, split_k=4)),),  # qkv
-    (4096, 14336): ((128, 128, TileConfig(4, 2, 8, split_k=4)),),  # down
-    (28672, 4096): ((32, 32, TileConfig(4, 2, 4, split_k=4)),),  # gate_up
+    (6144, 4096): ((80, 80, _K4_NT4), (96, 96, _K4_NT4), (112, 112, TileConfig(4, 2, 8, split_k=2)),
+                   (128, 128, _K4)),  # qkv
+    (4096, 14336): ((80, 80, _K4_NT4), (96, 96, _K4_NT4), (112, 112, _K4), (128, 128, _K4)),  # down
+    (28672, 4096): ((32, 32, _K4_NT4),),  # gate_up
 }
 
 
