@@ -1,6 +1,6 @@
 """Tune the W4A16 kernel's launch configs on the GPU, at Llama-3-8B shapes (or SmolLM2's).
 
-    python benchmarks/tune_w4a16.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64,256,4096]
+    python benchmarks/tune_w4a16.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64,128,256,4096]
                                     [--budget-s 300] [--gemv-stages 1,3] [--only FLAG]
                                     [--layout k|n] [--out DIR]
 
@@ -81,6 +81,12 @@ def candidates(m, table=None, gemv_stages=(1, 3)):
             out.append(C(64, bn, bk, split, wp, st, swap_ab=True))
             if split <= 4:
                 out.append(C(64, bn, bk, split, wp, st))
+    elif m <= 128:  # swap-AB over one or two 64-row x tiles or one of 128, split over K; the plain tiles
+        for bm, (bn, bk), split, (wp, st) in itertools.product(
+                [64, 128], [(64, 128), (128, 64), (128, 128)], [1, 2, 4], [(4, 3), (8, 3)]):
+            out.append(C(bm, bn, bk, split, wp, st, swap_ab=True))
+        for bm, (bn, bk), (wp, st) in itertools.product([64, 128], [(128, 64), (128, 128)], [(4, 3), (8, 3)]):
+            out.append(C(bm, bn, bk, 1, wp, st))
     elif m <= 256:
         for bm, (bn, bk), split, (wp, st) in itertools.product(
                 [64, 128], [(128, 64), (128, 128), (256, 64)], [1, 2], [(4, 3), (8, 3), (8, 4)]):

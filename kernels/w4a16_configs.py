@@ -11,7 +11,10 @@ import os
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-M_BUCKETS = (1, 16, 64, 256, 4096)
+# 128 (forty-third session): M = 65..128 had shared M = 256's entries, where the whole weight is dequantized for
+# cuBLAS; at M = 80 that costs 2.9x M = 64's swap-AB tile on down (H100, 106.3 against 36.5 µs). Its own bucket
+# lets benchmarks/tune_w4a16.py --ms 128 fill it; until then it holds what M = 65..128 ran before.
+M_BUCKETS = (1, 16, 64, 128, 256, 4096)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ W4A16_CONFIGS = MappingProxyType({
     **{(m, n, k): _C(128, 128, 128, dequant=True)
        for m in (256, 4096) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))},
     (256, 28672, 4096): _C(128, 128, 64, 1, 8, 4, swap_ab=True),  # 168.6 (dequant 188.1)
+    # M = 65..128, not yet tuned: what they ran under M = 256's entries (the other shapes: the heuristic's dequant)
+    (128, 28672, 4096): _C(128, 128, 64, 1, 8, 4, swap_ab=True),
 })
 
 

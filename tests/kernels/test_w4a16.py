@@ -217,10 +217,10 @@ def test_bad_inputs():
 
 
 def test_configs_are_valid_data():
-    assert [m_bucket(m) for m in (1, 2, 16, 17, 64, 65, 256, 257, 10**5)] == \
-        [1, 16, 16, 64, 64, 256, 256, 4096, 4096]
+    assert [m_bucket(m) for m in (1, 2, 16, 17, 64, 65, 128, 129, 256, 257, 10**5)] == \
+        [1, 16, 16, 64, 64, 128, 128, 256, 256, 4096, 4096]
     for (bucket, n, k), cfg in W4A16_CONFIGS.items():
-        assert bucket in (1, 16, 64, 256, 4096) and isinstance(cfg, W4A16Config)
+        assert bucket in (1, 16, 64, 128, 256, 4096) and isinstance(cfg, W4A16Config)
         assert cfg.dequant or cfg.swap_ab or cfg.gemv or bucket >= 64
         assert not cfg.gemv or bucket == 1
     for m in (1, 2, 16, 64, 200, 4096):
