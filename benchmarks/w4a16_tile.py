@@ -4,14 +4,14 @@ runtime's Triton W4A16 path at M = 16..256 (issue 13: M = 64 >= 2.5x cuBLAS bf16
     python benchmarks/w4a16_tile.py [--shapes qkv,o,gate_up,down] [--ms 16,32,64,128,256]
                                     [--configs 4x2x8,4x2x8k4,...] [--out DIR] [--table]
 
-Configs are WARPSxRTxNT[sS][uU][kK][a]: warps a CTA, row tiles a warp, column tiles (8 rows) a CTA, S x-ring
-stages, U weight chunks loaded ahead, K CTAs along K (split-K), a no dequantization (timing only); "auto" is
-config_for's choice. Per shape and M: each kernel's relative error against the float32 reference, then
-µs of a CUDA-graph replay with weight copies rotated past 200 MB (weights from HBM), the tensor-core GEMV
-too where M <= 32 (its runtime config), the best tile's ×cuBLAS and % of the int4 floor (int4 words +
-bf16 scales + x + y at this card's copy rate, measured first), and its TFLOPS. --table also prints the
-kernels' tuned table (w4a16_mma_tile.TILE_TABLE) the run supports: per shape, an entry at each measured M from
-RUNTIME_MIN_M up where the best tile beat the Triton path.
+Configs are WARPSxRTxNT[sS][uU][kK][a][w]: warps a CTA, row tiles a warp, column tiles (8 rows) a CTA, S x-ring
+stages, U weight chunks loaded ahead, K CTAs along K (split-K), a no dequantization (timing only), w the wgmma
+form (4 warps, RT 64-row tiles a CTA, S ring stages, 6 unless given; sm_90a); "auto" is config_for's choice.
+Per shape and M: each kernel's relative error against the float32 reference, then µs of a CUDA-graph replay with
+weight copies rotated past 200 MB (weights from HBM), the tensor-core GEMV too where M <= 32 (its runtime config),
+the best tile's ×cuBLAS and % of the int4 floor (int4 words + bf16 scales + x + y at this card's copy rate,
+measured first), and its TFLOPS. --table also prints the kernels' tuned table (w4a16_mma_tile.TILE_TABLE) the run
+supports: per shape, an entry at each measured M from RUNTIME_MIN_M up where the best tile beat the Triton path.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ from optllm.kernels import w4a16_mma_tile as tk
 def parse_config(text: str) -> tk.TileConfig | None:
     if text == "auto":
         return None
-    hit = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:s(\d))?(?:u(\d))?(?:k(\d+))?(a?)", text)
+    hit = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:s(\d))?(?:u(\d))?(?:k(\d+))?(a?)(w?)", text)
     if hit is None:
-        raise SystemExit(f"--configs: {text!r} is not WARPSxRTxNT[sS][uU][kK][a] or auto")
-    warps, rt, nt, stages, unroll, split, ablate = hit.groups()
+        raise SystemExit(f"--configs: {text!r} is not WARPSxRTxNT[sS][uU][kK][a][w] or auto")
+    warps, rt, nt, stages, unroll, split, ablate, wgmma = hit.groups()
     try:
-        return tk.TileConfig(int(warps), int(rt), int(nt), stages=int(stages or 4), unroll=int(unroll or 2),
-                             split_k=int(split or 1), ablate=bool(ablate))
+        return tk.TileConfig(int(warps), int(rt), int(nt), stages=int(stages or (6 if wgmma else 4)),
+                             unroll=int(unroll or 2), split_k=int(split or 1), ablate=bool(ablate), wgmma=bool(wgmma))
     except ValueError as e:
         raise SystemExit(f"--configs: {text!r}: {e}") from None
 
@@ -99,7 +99,8 @@ def main():
                 ops["tile_" + name] = lambda i, cfg=cfg: tk.w4a16_mma_tile(x, mma[i], None, cfg)
             r["auto_config"] = repr(tk.config_for(n, k, m))
             time_rotated(r, ops, rot)
-            tiles = [c for c in ops if c.startswith("tile_") and not c.endswith("a") and r.get(c) is not None]
+            tiles = [c for c in ops if c.startswith("tile_") and r.get(c) is not None
+                     and not (configs[c[5:]] and configs[c[5:]].ablate)]
             if tiles:
                 best = min(tiles, key=lambda c: r[c])
                 r["tile_best"], r["tile_best_config"] = r[best], best[5:]
@@ -127,7 +128,7 @@ def tuned_table(rows, configs) -> str:
                 continue
             cfg = configs[r["tile_best_config"]] or tk.config_for(r["N"], r["K"], r["M"])
             fields = ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-                               if f.name != "ablate")
+                               if f.name != "ablate" and (f.name != "wgmma" or cfg.wgmma))
             entries.append(f"({r['M']}, {r['M']}, TileConfig({fields}))")
         if entries:
             out.append(f"    ({key[0]}, {key[1]}): ({', '.join(entries)},),  # {key[2]}")

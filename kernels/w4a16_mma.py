@@ -760,15 +760,16 @@ def nvrtc_ptx(lib, source: str, arch: str) -> str:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def _compile(source: str, name: str):
+def _compile(source: str, name: str, arch_suffix: str = ""):
     """The kernel `name` of `source`, loaded on the current device. NVRTC through torch's own library
     first: torch.cuda._compile_kernel also wants CUDA_HOME's headers, which a pip-installed torch
-    machine may lack; it is the fallback."""
+    machine may lack; it is the fallback. arch_suffix "a": the architecture-specific target (compute_90a,
+    which wgmma needs)."""
     from torch.cuda import _utils
 
     try:
         major, minor = torch.cuda.get_device_capability()
-        ptx = nvrtc_ptx(_utils._get_gpu_rtc_library(), source, f"compute_{major}{minor}")
+        ptx = nvrtc_ptx(_utils._get_gpu_rtc_library(), source, f"compute_{major}{minor}{arch_suffix}")
         kernel = _utils._cuda_load_module(ptx, [name])[name]
         COMPILED_BY.append("nvrtc")
         return kernel

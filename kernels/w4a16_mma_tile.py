@@ -49,6 +49,7 @@ from . import w4a16_mma as mk
 
 MAX_M = 4096  # any M works (the grid's column blocks); the runtime sends what the tuned table says
 XROW = 144  # bytes a row of an x slot: 64 bf16 and 16 of padding
+WGMMA_SMEM = 227 * 1024  # the most dynamic shared memory a CTA may take on sm_90
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,12 @@ class TileConfig:
     unroll: int = 2  # weight chunks a warp loads ahead into registers
     split_k: int = 1  # CTAs along K, each over 1 / split_k of the groups
     ablate: bool = False  # timing only: no dequantization (wrong numbers)
+    wgmma: bool = False  # the wgmma form (sm_90a): one warpgroup, everything through the ring (below)
 
     def __post_init__(self) -> None:
+        if self.wgmma and (self.warps != 4 or self.stages < 3 or self.smem() > WGMMA_SMEM):
+            raise ValueError(f"wgmma: allowed warps=4 (one warpgroup) and stages >= 3 with stages * {self.slot()} "
+                             f"bytes <= {WGMMA_SMEM}, got warps={self.warps}, stages={self.stages}")
         if self.warps not in (1, 2, 4, 8):
             raise ValueError(f"warps={self.warps}: allowed 1, 2, 4, 8")
         if self.rt not in (1, 2, 4):
@@ -69,7 +74,7 @@ class TileConfig:
         if self.nt not in range(1, 17) or self.rt * self.nt > 16:
             raise ValueError(f"nt={self.nt}: allowed 1..16 column tiles with rt * nt <= 16 (accumulators a lane: "
                              f"4 rt nt), got rt={self.rt}")
-        if self.stages not in range(2, 9) or self.stages * 8 * self.nt * XROW > 98304:
+        if self.stages not in range(2, 9) or (not self.wgmma and self.stages * 8 * self.nt * XROW > 98304):
             raise ValueError(f"stages={self.stages}: allowed 2..8 with stages * BM * {XROW} bytes <= 96 KiB")
         if self.unroll not in (1, 2, 4):
             raise ValueError(f"unroll={self.unroll}: allowed 1, 2, 4")
@@ -84,12 +89,19 @@ class TileConfig:
     def bm(self) -> int:
         return 8 * self.nt
 
+    def slot(self) -> int:
+        """Bytes a ring slot: x (BM rows x 64 k), and in the wgmma form also the chunk's words, scales and zeros
+        (rounded up to 128)."""
+        if not self.wgmma:
+            return self.bm * XROW
+        return -(-(self.bm * 128 + self.rt * (2048 + 128 + 64)) // 128) * 128
+
     def smem(self) -> int:
-        """Dynamic shared memory a CTA: the x ring."""
-        return self.stages * self.bm * XROW
+        """Dynamic shared memory a CTA: the ring."""
+        return self.stages * self.slot()
 
 
-_TILE_SOURCE = r"""
+_TILE_HELPERS = r"""
 // (u - 8 - zero) * scale for the nibble pair j, j + 4 of w: one bf16x2 fma brings 128 + u to u - 8 - zero
 // (exact: small integers), one more multiplies by the row's scale (one rounding)
 __device__ __forceinline__ u32 dq(u32 w, u32 nz, u32 s2) {
@@ -168,6 +180,9 @@ __device__ __forceinline__ void load_x(u32 s, const XPieces& xp, int c) {
     if ((BM * 8) % THREADS == 0 || threadIdx.x + i * THREADS < BM * 8)
       cp_async16(dst + i * (THREADS / 8) * XROW, xp.src[i] + (size_t)c * 64);
 }
+"""
+
+_MMA_KERNEL = r"""
 extern "C" __global__ void __launch_bounds__(THREADS)
 w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
                const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
@@ -255,6 +270,11 @@ w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
     }
   }
   cp_wait<0>();
+"""
+
+# the split-K sum and the stores, shared by both forms: lane (g, t) holds acc[r][j] of its row tile r (rows
+# n0[r], n0[r] + 8; live[r]: inside N) and column tile j, as mma.sync's and wgmma's D fragments both place them
+_EPILOGUE = r"""
 #if SPLITK > 1
   // partial tiles: ws [SPLITK][tiles of the grid][RT NT][THREADS] float4, coalesced along the threads
   const int id = blockIdx.y * gridDim.x + blockIdx.x, T = gridDim.x * gridDim.y;
@@ -318,12 +338,211 @@ w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
 """
 
 
+# The wgmma form (TileConfig.wgmma, sm_90a only; forty-third session, not yet run on a GPU). The mma.sync tiles
+# above ran latency-bound: one CTA of 4 warps an SM, one warp a scheduler, an instruction every 5.6-7.9 cycles,
+# SM busy 14-24% (Nsight Compute, H100, o and down at M = 64, docs/BENCHMARKS.md). Here one warpgroup (the CTA's
+# 4 warps) issues asynchronous m64nBMk16 wgmmas: A, the dequantized weights, from registers (warp w holds rows
+# 16 w .. 16 w + 15 of each 64-row tile, in mma.m16n8k16's A layout), B, x,
+# from shared memory through a descriptor; the dequantization of chunk c + 1 runs while chunk c's wgmmas do.
+# Everything a chunk needs comes through one cp.async ring of STAGES slots, STAGES - 2 chunks ahead (the slot of
+# chunk c - 2 is refilled once every warp has waited out c - 2's wgmmas):
+#   x       BM rows x 64 k as no-swizzle K-major core matrices [BM / 8][8 k blocks][8 rows][16 bytes]: piece q of
+#           the chunk (row 8 (q >> 6) + (q & 7), k block (q >> 3) & 7) lands at byte 16 q, so the copies are
+#           conflict-free and wgmma's k16 step i reads k blocks 2i, 2i + 1: start 256 i, leading-dimension byte
+#           offset (between the two k blocks) 128, stride-dimension byte offset (between 8-row groups) 1024;
+#   words   the CTA's 4 RT row tiles' fragment words of the chunk, [row tile][t][g][16 bytes] for lane (g, t): the
+#           GEMV's words give lane (g, t) the k 16 t .. 16 t + 15 of its rows (x read 32 bytes a lane), where wgmma's
+#           k16 step j takes of lane (g, t) k 16 j + 2 t (+ 8); so lane (g, t) reads two 4-byte words of lane
+#           (g, j)'s, and with the 8 lanes of one t side by side those reads are free of bank conflicts;
+#   scales  the chunk's group's scales of the CTA's BN rows (bf16), zeros (int8) when asymmetric.
+_WGMMA_KERNEL = r"""
+#define XBYTES (BM * 128)
+#define WBYTES (RT * 4 * 512)
+#define SBYTES (RT * 128)
+#define ZBYTES (RT * 64)
+#define SLOT (((XBYTES + WBYTES + SBYTES + ZBYTES) + 127) / 128 * 128)
+#define XPW ((BM * 8 + 127) / 128)  // x pieces a thread
+#define XLBO 128
+#define XSBO 1024
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void keep(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
+__device__ __forceinline__ unsigned long long x_desc(u32 addr) {  // no swizzle (bits 62-63 zero), base offset 0
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(XLBO >> 4) << 16)
+         | ((unsigned long long)(XSBO >> 4) << 32);
+}
+WGMMA_FUNCTION
+__device__ __forceinline__ u16 lds16(u32 a) {
+  u16 v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ u32 lds32(u32 a) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ u32 lds8(u32 a) {
+  u32 v;
+  asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+extern "C" __global__ void __launch_bounds__(128)
+w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
+               const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
+               float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int ldy) {
+  extern __shared__ __align__(128) unsigned char xs[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6, tiles = N >> 4;
+  const int m0 = blockIdx.x * BM, nb = blockIdx.y * BN;
+  const int all = chunks / CPG;
+  const int c0 = (int)(((long long)blockIdx.z * all) / SPLITK) * CPG;
+  const int c1 = (int)(((long long)(blockIdx.z + 1) * all) / SPLITK) * CPG;
+  // my row tiles (warp w of 64-row tile r): those past N compute a copy of the last one and store nothing
+  int n0[RT];
+  bool live[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const int tl = (blockIdx.y * RT + r) * 4 + warp;
+    live[r] = tl < tiles;
+    n0[r] = (live[r] ? tl : tiles - 1) * 16 + g;
+  }
+  // the copies' sources, made once (a chunk adds its offset): x pieces, my words (thread q: row tile
+  // q / 32 + 4 i of the CTA's, lane q % 32), the scales' and zeros' 16-byte pieces (rows past N: the last piece)
+  const u16* xsrc[XPW];
+#pragma unroll
+  for (int i = 0; i < XPW; ++i) {
+    const int q = threadIdx.x + i * 128;
+    const int m = m0 + 8 * (q >> 6) + (q & 7);
+    xsrc[i] = x + (size_t)(m < M ? m : M - 1) * ldx + ((q >> 3) & 7) * 8;
+  }
+  const W4* wsrc[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const int tl = blockIdx.y * RT * 4 + threadIdx.x / 32 + 4 * r;
+    wsrc[r] = wq + (size_t)(tl < tiles ? tl : tiles - 1) * chunks * 32 + lane;
+  }
+  const int sp = nb + 8 * (int)threadIdx.x, zp = nb + 16 * (int)threadIdx.x;
+  const u16* ssrc = scales + (sp + 8 <= N ? sp : N - 8);
+  const signed char* zsrc = zeros + (zp + 16 <= N ? zp : N - 16);
+  const u32 xs0 = smem_addr(xs);
+  auto load = [&](u32 sb, int c) {  // chunk c into the slot at sb (every thread; one commit after)
+#pragma unroll
+    for (int i = 0; i < XPW; ++i)
+      if ((BM * 8) % 128 == 0 || threadIdx.x + i * 128 < BM * 8)
+        cp_async16(sb + 16 * (threadIdx.x + i * 128), xsrc[i] + (size_t)c * 64);
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {  // lane (g, t) of row tile p / 32 at block 32 (p / 32) + 8 t + g
+      const int p = threadIdx.x + 128 * r;
+      cp_async16(sb + XBYTES + 16 * ((p >> 5) * 32 + (p & 3) * 8 + ((p >> 2) & 7)), wsrc[r] + (size_t)c * 32);
+    }
+    const size_t gi = (size_t)(c / CPG) * N;
+    if (threadIdx.x < BN / 8) cp_async16(sb + XBYTES + WBYTES + 16 * threadIdx.x, ssrc + gi);
+#if HAS_ZEROS
+    if (threadIdx.x < BN / 16) cp_async16(sb + XBYTES + WBYTES + SBYTES + 16 * threadIdx.x, zsrc + gi);
+#endif
+  };
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[r][j][q] = 0.f;
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {
+    if (c0 + s < c1) load(xs0 + s * SLOT, c0 + s);
+    cp_commit();
+  }
+  u32 a[2][RT][4][4];  // two chunks' A fragments: chunk c's stay untouched until its wgmmas are waited out
+  int slot = 0;  // (c - c0) % STAGES
+  for (int cb = c0; cb < c1; cb += 2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = cb + h;
+      if (c < c1) {  // the same for every thread: the barrier is reached by all
+        cp_wait<STAGES - 3>();  // chunk c landed (this thread's copies) ...
+        fence_async_smem();     // ... visible to the wgmmas' (async proxy) reads ...
+        __syncthreads();        // ... everyone's; and every warp waited out chunk c - 2's wgmmas: its slot is free
+        const int fill = slot >= 2 ? slot - 2 : slot + STAGES - 2;
+        if (c + STAGES - 2 < c1) load(xs0 + fill * SLOT, c + STAGES - 2);
+        cp_commit();
+        const u32 sb = xs0 + slot * SLOT;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const int lt = r * 4 + warp, nl = lt * 16 + g;  // my row tile and row g within the CTA's BN
+          const u32 sc = (u32)lds16(sb + XBYTES + WBYTES + 2 * nl)
+                         | ((u32)lds16(sb + XBYTES + WBYTES + 2 * (nl + 8)) << 16);
+          const u32 sg = (sc & 0xFFFFu) * 0x10001u, sh = (sc >> 16) * 0x10001u;
+#if HAS_ZEROS
+          const u32 nz0 = neg_pair(136.f + (float)(signed char)lds8(sb + XBYTES + WBYTES + SBYTES + nl)),
+                    nz1 = neg_pair(136.f + (float)(signed char)lds8(sb + XBYTES + WBYTES + SBYTES + nl + 8));
+#else
+          const u32 nz0 = 0xC308C308u, nz1 = 0xC308C308u;
+#endif
+          // the words hold lane (g, t')'s k 16 t' .. 16 t' + 15 (the GEMV's order: word i, pair jr -> row
+          // g + 8 (jr & 1), k 16 t' + 8 (i >> 1) + 4 (i & 1) + 2 (jr >> 1)); wgmma's k16 step j wants, of lane (g, t),
+          // k 16 j + 2 t (+ 8): lane (g, j)'s words t / 2 and 2 + t / 2, pairs 2 (t & 1) (row g), 2 (t & 1) + 1 (g + 8)
+          const u32 wb = sb + XBYTES + 16 * (lt * 32 + g) + 4 * (t >> 1);
+          const int sh0 = 8 * (t & 1);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const u32 lo = lds32(wb + 128 * j), hi = lds32(wb + 128 * j + 8);
+            a[h][r][j][0] = dq(lo >> sh0, nz0, sg);
+            a[h][r][j][1] = dq(lo >> (sh0 + 4), nz1, sh);
+            a[h][r][j][2] = dq(hi >> sh0, nz0, sg);
+            a[h][r][j][3] = dq(hi >> (sh0 + 4), nz1, sh);
+          }
+        }
+        wg_fence();
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) wgmma_bm(&acc[r][0][0], a[h][r][i], x_desc(sb + 256 * i));
+        wg_commit();
+        wg_wait<1>();  // chunk c - 1's wgmmas are done: its A registers and (after the next barrier) its slot free
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+      }
+    }
+  }
+  wg_wait<0>();
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) keep(acc[r][j][q]);
+  cp_wait<0>();
+"""
+
+
+def wgmma_function(bm: int) -> str:
+    """``wgmma_bm(d, a, desc)``: one m64n{bm}k16 bf16 wgmma, A from four registers, B from shared memory (K-major,
+    the descriptor), fp32 accumulators d[0 .. bm / 2 - 1] in place (scale-d 1, no scaling or transposes)."""
+    nd = bm // 2
+    regs = ", ".join(f"%{i}" for i in range(nd))
+    a = ", ".join(f"%{nd + i}" for i in range(4))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+    return (f'__device__ __forceinline__ void wgmma_bm(float* d, const u32* a, unsigned long long desc) {{\n'
+            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n'
+            f'wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16 '
+            f'{{{regs}}}, {{{a}}}, %{nd + 4}, p, 1, 1, 0;\\n}}\\n"\n'
+            f'    : {outs}\n'
+            f'    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));\n}}\n')
+
+
 def cuda_source(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> str:
     """The CUDA source of one variant (cpg: 64-k chunks per quantization group)."""
     return (f"#define WARPS {cfg.warps}\n#define RT {cfg.rt}\n#define NT {cfg.nt}\n#define STAGES {cfg.stages}\n"
             f"#define UNROLL {cfg.unroll}\n#define SPLITK {cfg.split_k}\n#define CPG {cpg}\n"
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n#define ABLATE {int(cfg.ablate)}\n"
-            ) + mk.COMMON_SOURCE + _TILE_SOURCE
+            ) + mk.COMMON_SOURCE + _TILE_HELPERS + (
+        _WGMMA_KERNEL.replace("WGMMA_FUNCTION", wgmma_function(cfg.bm)) if cfg.wgmma else _MMA_KERNEL) + _EPILOGUE
 
 
 _KERNELS: dict = {}
@@ -335,7 +554,10 @@ def _kernel(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> mk._L
     key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
     kern = _KERNELS.get(key)
     if kern is None:
-        compiled = mk._compile(cuda_source(cfg, cpg, has_zeros, has_bias), "w4a16_mma_tile")
+        if cfg.wgmma and torch.cuda.get_device_capability() != (9, 0):
+            raise ValueError(f"{cfg}: the wgmma form needs compute capability 9.0 (sm_90a), got "
+                             f"{torch.cuda.get_device_capability()}")
+        compiled = mk._compile(cuda_source(cfg, cpg, has_zeros, has_bias), "w4a16_mma_tile", "a" if cfg.wgmma else "")
         kern = _KERNELS[key] = mk._Launch(compiled, cfg.warps, pointers=8, smem=cfg.smem(), name="w4a16_mma_tile")
     return kern
 

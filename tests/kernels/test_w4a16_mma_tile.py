@@ -33,13 +33,16 @@ def test_rounded_reference_is_the_dequantized_weight_rounded_once():
 
 BUILT = [tk.TileConfig(), tk.TileConfig(split_k=4), tk.TileConfig(8, 2, 8), tk.TileConfig(4, 1, 16),
          tk.TileConfig(4, 2, 4, stages=3), tk.TileConfig(8, 1, 8, unroll=4), tk.TileConfig(2, 2, 2, stages=2),
-         tk.TileConfig(4, 2, 8, ablate=True), tk.TileConfig(4, 1, 5, stages=2)]
+         tk.TileConfig(4, 2, 8, ablate=True), tk.TileConfig(4, 1, 5, stages=2),
+         tk.TileConfig(4, 2, 8, stages=6, wgmma=True), tk.TileConfig(4, 1, 16, stages=6, split_k=4, wgmma=True),
+         tk.TileConfig(4, 2, 4, stages=4, split_k=4, wgmma=True), tk.TileConfig(4, 1, 3, stages=3, wgmma=True)]
 
 
 @pytest.mark.parametrize("cfg", BUILT, ids=repr)
 def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
-    """Compiled on the CPU as the GPU would (NVRTC to PTX, Triton's sm_90 ptxas): it builds, spills nothing,
-    and 8 warps of it (two CTAs of 4, one of 8) fit an SM's 64 K registers."""
+    """Compiled on the CPU as the GPU would (NVRTC to PTX, Triton's sm_90 ptxas; sm_90a for the wgmma form): it builds,
+    spills nothing, and 8 warps of it (two CTAs of 4, one of 8) fit an SM's 64 K registers; the wgmma form's wgmmas
+    are not serialized (ptxas would wait out each before the next: it warns when it does)."""
     import re
     import subprocess
     from pathlib import Path
@@ -52,9 +55,11 @@ def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
     lib = _nvrtc()
     for cpg, zeros, bias in ((1, False, False), (2, True, True)):
         src = tmp_path / f"k{cpg}.ptx"
-        src.write_text(mk.nvrtc_ptx(lib, tk.cuda_source(cfg, cpg, zeros, bias), "compute_90"))
-        out = subprocess.run([str(ptxas), "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+        arch = "90a" if cfg.wgmma else "90"
+        src.write_text(mk.nvrtc_ptx(lib, tk.cuda_source(cfg, cpg, zeros, bias), f"compute_{arch}"))
+        out = subprocess.run([str(ptxas), f"-arch=sm_{arch}", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
+        assert "serialized" not in out and "warning" not in out.lower(), out
         spills = [int(v) for v in re.findall(r"(\d+) bytes spill", out)]
         assert spills and not any(spills), out
         regs = max(int(v) for v in re.findall(r"Used (\d+) registers", out))
@@ -108,14 +113,21 @@ def test_the_shipped_table_is_measured_rows_in_valid_configs():
             assert isinstance(cfg, tk.TileConfig) and not cfg.ablate and (k // 64) // cfg.split_k >= 4
 
 
+# the wgmma form (sm_90a): one and two 64-row tiles a CTA, BM 8 .. 128, split-K, ring depths 3 .. 6
+WGMMA_GPU = [tk.TileConfig(4, 2, 8, stages=6, wgmma=True), tk.TileConfig(4, 1, 3, stages=3, split_k=3, wgmma=True),
+             tk.TileConfig(4, 1, 16, stages=4, split_k=2, wgmma=True), tk.TileConfig(4, 2, 1, stages=5, wgmma=True)]
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(split_k=3), tk.TileConfig(8, 2, 8, stages=2),
                                  tk.TileConfig(4, 1, 16, unroll=4), tk.TileConfig(2, 2, 2, stages=3, split_k=2),
-                                 tk.TileConfig(4, 1, 5, stages=2), None])
+                                 tk.TileConfig(4, 1, 5, stages=2), None, *WGMMA_GPU])
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
+    if cfg is not None and cfg.wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma form needs sm_90a")
     for n, k, group in ((64, 256, 64), (960, 576, 64), (272, 1024, 128), (128, 512, 512), (48, 320, 64),
                         (4096, 1024, 128)):
         q, s, z = _quantized(n, k, group, asym, seed=n + k, device="cuda")
@@ -140,9 +152,11 @@ def test_kernel_gpu(cfg, asym):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(split_k=4)])
+@pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(split_k=4), WGMMA_GPU[1]])
 def test_kernel_gpu_graph_and_errors(cfg):
     """Replays follow x, and the split-K counters are back at zero after every call."""
+    if cfg.wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma form needs sm_90a")
     q, s, z = _quantized(512, 1024, 128, False, seed=2, device="cuda")
     w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 128, dtype=torch.bfloat16))
     x = torch.randn(64, 1024, device="cuda").to(torch.bfloat16)
@@ -174,7 +188,8 @@ class _FakeDriver:
         return 0
 
 
-@pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(8, 1, 16, stages=5, split_k=3)])
+@pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(8, 1, 16, stages=5, split_k=3),
+                                 tk.TileConfig(4, 2, 8, stages=6, split_k=2, wgmma=True)])
 @pytest.mark.parametrize("asym,with_bias", [(False, False), (True, True)])
 def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
     """The grid (column blocks, row blocks, splits), block, the x ring's dynamic shared memory (opted in past
@@ -190,7 +205,10 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
     class Kernel:
         func = None
 
-    monkeypatch.setattr(tk.mk, "_compile", lambda source, name: Kernel())
+    compiled = []
+    monkeypatch.setattr(tk.mk, "_compile",
+                        lambda source, name, arch_suffix="": compiled.append(arch_suffix) or Kernel())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
     monkeypatch.setattr("torch.cuda._utils._get_gpu_runtime_library", lambda: driver)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 55, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -216,6 +234,7 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
         else:
             assert vals[6:8] == (0, 0)
     assert driver.attributes == ([(8, cfg.smem())] if cfg.smem() > 48 * 1024 else [])
+    assert compiled and set(compiled) == {"a" if cfg.wgmma else ""}  # wgmma: compute_90a
 
 
 def _bf16_pairs(u32: torch.Tensor) -> torch.Tensor:
@@ -353,4 +372,139 @@ def test_the_kernels_index_arithmetic_computes_the_linear(cfg, n, k, group, m, a
     for b in (None, bias):
         ref = _ref(x, q, s, z, group, b).double()
         got = _emulate_tile(x, w, cfg, b)
+        assert (got - ref).norm() <= 1e-5 * ref.norm(), (got - ref).abs().max()
+
+
+def _emulate_wgmma(x, w, cfg, bias=None):
+    """The wgmma form transcribed to the CPU: the ring as bytes (x pieces, each warp's words, the group's scales and
+    zeros, at the offsets the copies write; cp.async done at issue, and a refill never of the slot being read nor
+    of the one the wgmmas still in flight read), each warp's A fragments from its own words and rows of the scales,
+    B read through the descriptor as PTX defines the no-swizzle K-major canonical layout (element (k, n) of a k16
+    step at start + (k / 8) LBO + (n / 8) SBO + 16 (n % 8) + 2 (k % 8)), D placed by wgmma's fragment layout (warp w:
+    rows 16 w + g (+ 8), columns 8 j + 2 t (+ 1)), the split-K partials summed in split order, and the stores.
+    float64 products of the kernel's bf16 operands."""
+    m_rows, k = x.shape
+    n, chunks, cpg = w.N, k // 64, w.group_size // 64
+    tiles, bm, bn, rt, stages = n // 16, cfg.bm, cfg.bn, cfg.rt, cfg.stages
+    xbytes_n, wbytes = bm * 128, rt * 4 * 512
+    sbase, zbase = xbytes_n + wbytes, xbytes_n + wbytes + rt * 128
+    x8 = x.contiguous().view(torch.uint8).to(torch.int64)  # [M, 2K]
+    w8 = w.words.contiguous().view(torch.uint8).to(torch.int64).view(tiles, chunks, 32, 16)
+    s8 = w.scales.contiguous().view(torch.uint8).to(torch.int64)  # [groups, 2N]
+    z8 = None if w.zeros is None else w.zeros.contiguous().view(torch.uint8).to(torch.int64)
+    lane = torch.arange(32)
+    g, t = lane >> 2, lane & 3
+    gx, gy, gz = tk.grid(cfg, m_rows, n)
+    xpw = -(-bm * 8 // 128)
+    y = torch.zeros(m_rows, n, dtype=torch.float64)
+
+    def u32(b):  # [..., 4] bytes -> int64 little-endian words
+        return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+    for bx, by in ((a, b) for b in range(gy) for a in range(gx)):
+        m0, nb = bx * bm, by * bn
+        total = {}
+        for bz in range(gz):
+            groups = chunks // cpg
+            c0, c1 = (bz * groups // cfg.split_k) * cpg, ((bz + 1) * groups // cfg.split_k) * cpg
+            ring = torch.full((stages, cfg.slot()), -1, dtype=torch.int64)
+
+            def load(s, c):
+                for tid in range(128):
+                    for i in range(xpw):
+                        q = tid + 128 * i
+                        if q >= bm * 8:
+                            continue
+                        mm = min(m0 + 8 * (q >> 6) + (q & 7), m_rows - 1)
+                        kb = (q >> 3) & 7
+                        ring[s, 16 * q:16 * q + 16] = x8[mm, 2 * (c * 64 + 8 * kb):2 * (c * 64 + 8 * kb) + 16]
+                    for r in range(rt):
+                        tl = by * rt * 4 + tid // 32 + 4 * r
+                        p = tid + 128 * r
+                        dst = xbytes_n + 16 * ((p >> 5) * 32 + (p & 3) * 8 + ((p >> 2) & 7))  # lane (g, t): 32 lt+8 t+g
+                        ring[s, dst:dst + 16] = w8[min(tl, tiles - 1), c, tid % 32]
+                    gi = c // cpg
+                    if tid < bn // 8:
+                        sp = nb + 8 * tid if nb + 8 * tid + 8 <= n else n - 8
+                        ring[s, sbase + 16 * tid:sbase + 16 * tid + 16] = s8[gi, 2 * sp:2 * sp + 16]
+                    if z8 is not None and tid < bn // 16:
+                        zp = nb + 16 * tid if nb + 16 * tid + 16 <= n else n - 16
+                        ring[s, zbase + 16 * tid:zbase + 16 * tid + 16] = z8[gi, zp:zp + 16]
+
+            for s in range(stages - 2):
+                if c0 + s < c1:
+                    load(s, c0 + s)
+            acc = {(wp, r): torch.zeros(32, bm // 2, dtype=torch.float64) for wp in range(4) for r in range(rt)}
+            slot = 0
+            for c in range(c0, c1):
+                fill = slot - 2 if slot >= 2 else slot + stages - 2
+                assert fill != slot and fill != (slot - 1) % stages  # not read now, nor by the wgmmas in flight
+                if c + stages - 2 < c1:
+                    load(fill, c + stages - 2)
+                sl = ring[slot]
+                for (wp, r), a_acc in acc.items():
+                    nl = (r * 4 + wp) * 16 + g
+                    blk = xbytes_n + 16 * ((r * 4 + wp) * 32 + g)  # lane (g, j)'s words at + 128 j, lane (g, t) reads
+                    wsel = 4 * (t >> 1)  # words t / 2 and 2 + t / 2 of them
+                    sc = [_bf16_pairs(sl[sbase + 2 * rows] | (sl[sbase + 2 * rows + 1] << 8))[:, 0]
+                          for rows in (nl, nl + 8)]
+                    if z8 is None:
+                        zz = [torch.zeros(32, dtype=torch.float64)] * 2
+                    else:
+                        zz = [sl[zbase + rows].to(torch.uint8).view(torch.int8).double() for rows in (nl, nl + 8)]
+                    for i in range(4):
+                        full = torch.zeros(16, 16, dtype=torch.float64)  # the warp's A: each lane's entries
+                        for reg in range(4):  # a0 / a1 from word t / 2, a2 / a3 from word 2 + t / 2; rows g, g + 8
+                            at = blk + 128 * i + wsel + 8 * (reg >> 1)
+                            assert (sl[at[:, None] + torch.arange(4)] >= 0).all()
+                            word = u32(sl[at[:, None] + torch.arange(4)])
+                            sh = 8 * (t & 1) + 4 * (reg & 1)
+                            lo, hi = (word >> sh) & 15, (word >> (sh + 16)) & 15
+                            s_, z_ = sc[reg & 1], zz[reg & 1]
+                            vals = [((v.double() - 8 - z_) * s_).to(torch.bfloat16).double() for v in (lo, hi)]
+                            row, col = g + 8 * (reg & 1), 2 * t + 8 * (reg >> 1)  # wgmma's A layout, natural k
+                            full[row, col], full[row, col + 1] = vals
+                        start = 256 * i
+                        kk, nn = torch.arange(16)[:, None], torch.arange(bm)[None, :]
+                        addr = start + (kk // 8) * 128 + (nn // 8) * 1024 + 16 * (nn % 8) + 2 * (kk % 8)
+                        bits = sl[addr] | (sl[addr + 1] << 8)
+                        assert (sl[addr] >= 0).all() and (sl[addr + 1] >= 0).all()  # read only what a copy wrote
+                        b = (bits.to(torch.int32) << 16).view(torch.float32).double()  # [16 k, BM]
+                        d = full @ b  # [16 rows of warp wp, BM]
+                        cols = 8 * torch.arange(bm // 8)[None, :] + 2 * t[:, None]  # [32, BM / 8]
+                        for q, (dr, dc) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+                            a_acc[:, q::4] += d[(g + dr)[:, None], cols + dc]
+                slot = 0 if slot + 1 == stages else slot + 1
+            for key, v in acc.items():
+                total[key] = total.get(key, 0) + v
+        for (wp, r), v in total.items():
+            tl = (by * rt + r) * 4 + wp
+            if tl >= tiles:
+                continue
+            na = tl * 16 + g
+            for j in range(bm // 8):
+                for q, (dm, dn) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):
+                    mm = m0 + 8 * j + 2 * t + dm
+                    keep = mm < m_rows
+                    bb = 0.0 if bias is None else bias[na + dn].double()
+                    y[mm[keep], (na + dn)[keep]] = (v[:, 4 * j + q] + bb)[keep]
+    return y
+
+
+@pytest.mark.parametrize("cfg,n,k,group,m,asym", [
+    (tk.TileConfig(4, 1, 2, stages=3, wgmma=True), 80, 256, 64, 13, False),  # 5 row tiles: a CTA and a quarter
+    (tk.TileConfig(4, 2, 3, stages=4, split_k=3, wgmma=True), 144, 768, 128, 30, True),  # BM 24, uneven splits
+    (tk.TileConfig(4, 1, 1, stages=5, split_k=2, wgmma=True), 64, 512, 64, 9, True),  # x pieces fewer than threads
+    (tk.TileConfig(4, 1, 4, stages=3, wgmma=True), 32, 320, 64, 40, False),  # dead row tiles inside one CTA
+])
+def test_the_wgmma_forms_index_arithmetic_computes_the_linear(cfg, n, k, group, m, asym):
+    """The wgmma form's transcription over M and N tails, split-K with uneven splits, ring depths 3-5 and x chunks of
+    fewer pieces than threads: within float64 rounding of the reference on the same bf16 weights."""
+    q, s, z = _quantized(n, k, group, asym, seed=n + m)
+    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    for b in (None, bias):
+        ref = _ref(x, q, s, z, group, b).double()
+        got = _emulate_wgmma(x, w, cfg, b)
         assert (got - ref).norm() <= 1e-5 * ref.norm(), (got - ref).abs().max()
