@@ -601,10 +601,22 @@ TILE_TABLE: dict = {
 }
 
 
-def route_rows(n: int, k: int) -> frozenset:
-    """The M the runtime sends the tiles for an (N, K) weight (empty: none)."""
-    return frozenset(m for lo, hi, _ in TILE_TABLE.get((n, k), ()) for m in range(max(lo, RUNTIME_MIN_M),
-                                                                                     min(hi, TILE_MAX_M) + 1))
+def wgmma_here() -> bool:
+    """Whether this process's CUDA device runs the wgmma form (compute capability 9.0: sm_90a)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _entries(n: int, k: int, wgmma: bool) -> tuple:
+    """The table's rows of (N, K) this device can run (wgmma False: without the wgmma form's)."""
+    return tuple(e for e in TILE_TABLE.get((n, k), ()) if wgmma or not e[2].wgmma)
+
+
+def route_rows(n: int, k: int, wgmma: Optional[bool] = None) -> frozenset:
+    """The M the runtime sends the tiles for an (N, K) weight (empty: none); rows in the wgmma form only where
+    ``wgmma`` (None: wgmma_here())."""
+    ok = wgmma_here() if wgmma is None else wgmma
+    return frozenset(m for lo, hi, _ in _entries(n, k, ok) for m in range(max(lo, RUNTIME_MIN_M),
+                                                                           min(hi, TILE_MAX_M) + 1))
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -630,10 +642,11 @@ def prepare(w: mk.W4A16MmaWeight, rows) -> None:
         _counters(device)
 
 
-def config_for(n: int, k: int, m: int, sms: int = 132) -> TileConfig:
-    """The tuned table's config of (N, K) at M, else DEFAULT_CONFIG with the smallest power-of-two
-    split_k (up to 8, four chunks a split at least) whose grid has 2 CTAs an SM."""
-    for lo, hi, cfg in TILE_TABLE.get((n, k), ()):
+def config_for(n: int, k: int, m: int, sms: int = 132, wgmma: Optional[bool] = None) -> TileConfig:
+    """The tuned table's config of (N, K) at M (the wgmma form's only where ``wgmma``, None: wgmma_here()), else
+    DEFAULT_CONFIG with the smallest power-of-two split_k (up to 8, four chunks a split at least) whose grid has
+    2 CTAs an SM."""
+    for lo, hi, cfg in _entries(n, k, wgmma_here() if wgmma is None else wgmma):
         if lo <= m <= hi:
             return cfg
     gx, gy, _ = grid(DEFAULT_CONFIG, m, n)

@@ -102,6 +102,21 @@ def test_tuned_table_rows_route_and_config(monkeypatch):
     assert tk.config_for(4096, 14336, 64).split_k == 8  # other shapes: the default, sized
 
 
+def test_wgmma_rows_route_only_where_the_device_runs_them(monkeypatch):
+    """A table row in the wgmma form goes to the tiles on sm_90 only; elsewhere its M stays on the Triton path and
+    config_for gives the mma.sync form."""
+    wg, plain = tk.TileConfig(4, 2, 8, stages=6, split_k=2, wgmma=True), tk.TileConfig(4, 2, 4, split_k=4)
+    monkeypatch.setattr(tk, "TILE_TABLE", {(4096, 4096): ((64, 64, wg), (96, 96, plain))})
+    assert tk.route_rows(4096, 4096, wgmma=True) == {64, 96} and tk.route_rows(4096, 4096, wgmma=False) == {96}
+    assert tk.config_for(4096, 4096, 64, wgmma=True) == wg
+    assert not tk.config_for(4096, 4096, 64, wgmma=False).wgmma
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (8, 0))
+    assert tk.route_rows(4096, 4096) == {96}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    assert tk.route_rows(4096, 4096) == {64, 96} and tk.config_for(4096, 4096, 64) == wg
+
+
 def test_the_shipped_table_is_measured_rows_in_valid_configs():
     """Every entry: a shape the runtime has, rows inside RUNTIME_MIN_M..TILE_MAX_M, a config that builds (its
     checks ran at import), and a split that leaves each CTA four chunks at least."""
