@@ -37,7 +37,8 @@
 #   PART=host   no model, nothing carried (thirty-eighth session): host_profile_spec.py on a random SmolLM2 at
 #               temperature HOST_TEMP (1), batches HOST_BS (8,64): a dormant draft engine's host time, by function;
 #               TESTS (GPU tests) and DORMANT=1 first, HOST_ARGS passed on (--ablate)
-#   PART=gen    carry .carry2 (twenty-eighth session): more self-distilled data, GEN_S seconds of chunks
+#   PART=gen    carry .carry2 (twenty-eighth session; DATA, OPENERS, GEN_SEED below: forty-third): more
+#               self-distilled data, GEN_S seconds of chunks
 #               (benchmarks/gen_draft_data.py, seeds apart from the nineteenth session's), merged after
 #               the nineteenth session's 12288 into /root/d/data_all.jsonl (a later PART=train on the same
 #               warm machine trains on it instead), which also comes back as $OUT/data_all.jsonl.gz
@@ -205,10 +206,15 @@ kernels) probes
     grep "^|" "$OUT/logs/stream.log"
   fi
   [ -n "${NO_MMA:-}" ] || { mma_sweep; [ -n "${NO_NCU:-}" ] || mma_ncu; } ;;
-gen)
-  gzip -dc .carry-draft/dataset_12288.jsonl.gz > /root/d/float_data.jsonl
+gen)  # DATA (forty-third session): a carried folder's data_all.jsonl.gz (.carry-data: data-s43's 47057) is the old
+  # set instead of the repo's 12288 (with .carry2 it passes 64 MiB: assemble the model in an earlier call);
+  # OPENERS=1: the turns start with task openers (gen_draft_data.py --openers builtin); GEN_SEED: the first seed
+  old=/root/d/float_data.jsonl
+  if [ -n "${DATA:-}" ]; then old=/root/d/prev_data.jsonl; gzip -dc "$DATA"/data_all.jsonl.gz > "$old"
+  else gzip -dc .carry-draft/dataset_12288.jsonl.gz > "$old"; fi
   python3 benchmarks/gen_draft_data.py smollm2-135m --device cuda --out /root/d/data_all.jsonl --chunk 2048 \
-    --seconds "${GEN_S:-$(( $(left) - 150 ))}" --exclude /root/d/float_data.jsonl --merge > "$OUT/logs/gen.log" 2>&1
+    --seconds "${GEN_S:-$(( $(left) - 150 ))}" --exclude "$old" --merge --seed "${GEN_SEED:-1000000}" \
+    ${OPENERS:+--openers builtin} > "$OUT/logs/gen.log" 2>&1
   echo "gen exited $?"; tail -4 "$OUT/logs/gen.log"
   gzip -c /root/d/data_all.jsonl > "$OUT/data_all.jsonl.gz"; ls -la "$OUT"
   ;;

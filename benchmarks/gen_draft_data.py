@@ -7,7 +7,12 @@ dropped). The sequences go to --out in train-draft's dataset.jsonl format (`trai
 summary last.
 
     python benchmarks/gen_draft_data.py smollm2-135m --out /root/d/new.jsonl --seconds 420 \\
-        --exclude /root/d/old.jsonl --merge
+        --exclude /root/d/old.jsonl --merge [--openers builtin|FILE]
+
+--openers: the user turns start with task openers, cycled (builtin: speculative.data.TASK_OPENERS; FILE: one a
+line), so they spread over kinds of request the target alone rarely writes. Turns that share a run of 8 words
+with one of `optllm eval`'s held-out prompts (or hold a shorter one whole) are dropped and counted
+(decontaminated), so the speculative evaluation stays on prompts no draft trained on.
 """
 
 from __future__ import annotations
@@ -17,8 +22,17 @@ import json
 import time
 from pathlib import Path
 
+from optllm.eval.speculation import heldout_user_prompts
 from optllm.runtime.llm import LLM
-from optllm.speculative.data import answer_prompts, distinct_texts, magpie_prompts, read_dataset, turn_tokens
+from optllm.speculative.data import (
+    TASK_OPENERS,
+    answer_prompts,
+    distinct_texts,
+    magpie_prompts,
+    overlaps,
+    read_dataset,
+    turn_tokens,
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -35,24 +49,40 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--merge", action="store_true", help="--exclude's sequences first in --out")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--openers", default=None, help="builtin (TASK_OPENERS) or a file of task openers, one a line")
     a = ap.parse_args(argv)
     if a.chunk < 1 or a.seconds <= 0:
         ap.error("--chunk must be >= 1 and --seconds > 0")
+    openers: tuple[str, ...] = ()
+    if a.openers == "builtin":
+        openers = TASK_OPENERS
+    elif a.openers is not None:
+        if not Path(a.openers).is_file():
+            ap.error(f"--openers {a.openers!r}: allowed builtin or a file of openers, one a line")
+        lines = Path(a.openers).read_text(encoding="utf-8").splitlines()
+        openers = tuple(line.strip() for line in lines if line.strip())
+        if not openers:
+            ap.error(f"--openers {a.openers}: the file has no opener (one a line)")
     old = read_dataset(a.exclude) if a.exclude is not None else []
     old_prompts = {tuple(s.token_ids[:s.num_prompt_tokens]) for s in old}
     t0 = time.perf_counter()
     llm = LLM(a.target, device=a.device, max_model_len=a.seq_len, max_num_seqs=a.max_num_seqs)
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     seen: set[str] = set()
-    new, chunks, tokens, dropped = [], 0, 0, 0
+    heldout = heldout_user_prompts()
+    new, chunks, tokens, dropped, contaminated = [], 0, 0, 0, 0
     tmp = a.out.with_name(a.out.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         if a.merge:
             f.writelines(json.dumps(s.to_json()) + "\n" for s in old)
         while chunks < a.max_chunks and time.perf_counter() - t0 < a.seconds:
             t1 = time.perf_counter()
-            turns = magpie_prompts(llm, a.chunk, seed=a.seed + chunks * 8 * a.chunk, max_tokens=turn_tokens(a.seq_len))
+            turns = magpie_prompts(llm, a.chunk, seed=a.seed + chunks * 8 * a.chunk, max_tokens=turn_tokens(a.seq_len),
+                                   openers=openers)
             texts = distinct_texts([t[0]["content"] for t in turns], seen)
+            hit = overlaps(texts, heldout)
+            contaminated += sum(hit)
+            texts = [t for t, h in zip(texts, hit) if not h]
             t2 = time.perf_counter()
             seqs = answer_prompts(llm, [[{"role": "user", "content": t}] for t in texts],
                                   max_tokens=a.answer_tokens, temperature=0.0, max_len=a.seq_len)
@@ -70,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{len(new)} sequences in {t3 - t0:.0f} s", flush=True)
     tmp.replace(a.out)
     summary = {"chunks": chunks, "new_sequences": len(new), "answer_tokens": tokens, "dropped_as_old": dropped,
+               "dropped_as_eval_prompts": contaminated,
                "merged_old": len(old) if a.merge else 0, "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary), flush=True)
     return summary

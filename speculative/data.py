@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,15 +117,27 @@ def user_prefix(tokenizer) -> tuple[str, str]:
     return before, after.strip().split("\n")[0].strip()
 
 
+# Task openers for Magpie (``magpie_prompts(openers=TASK_OPENERS)``): the first words of a user turn across the kinds
+# of request a chat model serves (questions, explanations, writing, lists, code, advice ...). A model left to write
+# from the user prefix alone settles on a few kinds (SmolLM2: mostly "I'm ..." and "What is ..." questions), so a draft
+# trained on them has seen little of, for example, the stories a user asks it to write.
+TASK_OPENERS = ("Write", "Write a story", "Write a poem", "Explain", "How do I", "What is", "Why", "Can you",
+                "List", "Describe", "Summarize", "Give me", "Help me", "Compare", "Tell me", "Create", "Suggest",
+                "I need", "Translate", "Write a Python function")
+
+
 def magpie_prompts(llm: LLM, num_prompts: int, seed: int = 0, max_tokens: int = 64, temperature: float = 1.0,
-                   max_rounds: int = 4) -> list[Conversation]:
+                   max_rounds: int = 4, openers: Sequence[str] = ()) -> list[Conversation]:
     """num_prompts distinct user turns written by the target from its chat template's user
     prefix alone (Magpie), sampled at `temperature` with per-request seeds (deterministic),
     deduplicated (case and surrounding space ignored). Fewer when the model keeps repeating
-    itself after max_rounds rounds of sampling."""
+    itself after max_rounds rounds of sampling. openers: request i's turn starts with
+    openers[i % len(openers)] (the prefix then ends with it; the turn is the opener and what the
+    model wrote after it), so the turns spread over those kinds of request."""
     tok = llm.tokenizer
     before, end_of_turn = user_prefix(tok)
-    prefix_ids = tok(before, add_special_tokens=False)["input_ids"]
+    starts = list(openers) or [""]
+    prefixes = [tok(before + o, add_special_tokens=False)["input_ids"] for o in starts]
     stop_ids = _stop_ids(tok, end_of_turn)
     seen: set[str] = set()
     prompts: list[Conversation] = []
@@ -139,7 +151,9 @@ def magpie_prompts(llm: LLM, num_prompts: int, seed: int = 0, max_tokens: int = 
                                  stop=[end_of_turn] if end_of_turn else None, stop_token_ids=stop_ids)
                   for i in range(ask)]
         next_seed += ask
-        texts = [out.outputs[0].text for out in llm.generate([list(prefix_ids)] * ask, params)]
+        which = [(next_seed - ask + i) % len(starts) for i in range(ask)]  # by seed: the same turn each round
+        outs = llm.generate([list(prefixes[w]) for w in which], params)
+        texts = [starts[w] + out.outputs[0].text if out.outputs[0].text.strip() else "" for w, out in zip(which, outs)]
         for text in distinct_texts(texts, seen)[:want]:
             prompts.append([{"role": "user", "content": text}])
     return prompts
@@ -163,6 +177,31 @@ def distinct_texts(texts: list[str], seen: set[str] | None = None) -> list[str]:
             seen.add(key)
             kept.append(text)
     return kept
+
+
+def _words(text: str) -> list[str]:
+    return "".join(c if c.isalnum() else " " for c in text.casefold()).split()
+
+
+def overlaps(texts: Sequence[str], references: Sequence[str], n: int = 8) -> list[bool]:
+    """For each text, whether it shares a run of n words with one of the references (case and punctuation
+    ignored), or holds a whole reference shorter than n words: a written training prompt that would put an
+    evaluation prompt into the draft's training data."""
+    if n < 1:
+        raise ValueError(f"n={n}: allowed n >= 1")
+    grams, short = set(), []
+    for ref in references:
+        w = _words(ref)
+        if len(w) < n:
+            short.append(" " + " ".join(w) + " ")
+        grams.update(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
+    out = []
+    for text in texts:
+        w = _words(text)
+        hit = any(tuple(w[i:i + n]) in grams for i in range(len(w) - n + 1))
+        joined = " " + " ".join(w) + " "
+        out.append(hit or any(r.strip() and r in joined for r in short))
+    return out
 
 
 def _stop_ids(tokenizer, end_of_turn: str) -> list[int]:

@@ -80,6 +80,41 @@ def test_magpie_prompts_are_deterministic_distinct_and_non_empty(chat_llm):
     assert magpie_prompts(chat_llm, 5, seed=4, max_tokens=8) != a
 
 
+def test_magpie_openers_start_the_turns_and_keep_them_deterministic(chat_llm):
+    """With openers each request's prefix ends with its opener (by its seed, so a resampled round keeps them) and
+    the turn is the opener and what the model wrote after it; the same seeds give the same turns."""
+    from optllm.speculative.data import TASK_OPENERS
+
+    openers = ("Write a story", "Explain")
+    a = magpie_prompts(chat_llm, 6, seed=3, max_tokens=8, openers=openers)
+    assert a == magpie_prompts(chat_llm, 6, seed=3, max_tokens=8, openers=openers) and len(a) == 6
+    texts = [c[0]["content"] for c in a]
+    assert all(t.startswith(openers) for t in texts)
+    assert {t.startswith("Explain") for t in texts} == {True, False}  # both kinds were asked for and came back
+    # the opener is in the prefix the model continued: request i (seed 3 + i) is openers[(3 + i) % 2]
+    before, _ = user_prefix(chat_llm.tokenizer)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8, seed=3)
+    ids = chat_llm.tokenizer(before + openers[1], add_special_tokens=False)["input_ids"]
+    first = openers[1] + chat_llm.generate([ids], params)[0].outputs[0].text
+    assert first.strip() == texts[0]
+    assert len(TASK_OPENERS) == len(set(TASK_OPENERS)) and any(o.startswith("Write") for o in TASK_OPENERS)
+
+
+def test_overlaps_finds_an_evaluation_prompt_inside_a_written_one():
+    from optllm.speculative.data import overlaps
+
+    refs = ["Write a short story about a robot who learns to paint.", "Tell me a joke."]
+    texts = ["Please write a SHORT story about a robot, who learns to paint today",  # 8 words in a row, case/commas
+             "Write a short story about a robot that dances.",  # 7 words in a row only
+             "tell me a joke",  # a short reference whole
+             "Could you tell me a joke?",
+             "Tell me a jokester's secret"]  # not the word "joke"
+    assert overlaps(texts, refs) == [True, False, True, True, False]
+    assert overlaps(texts[:2], refs, n=7) == [True, True]
+    with pytest.raises(ValueError, match="n=0"):
+        overlaps(texts, refs, n=0)
+
+
 def test_distinct_texts():
     seen = {"old one"}
     assert distinct_texts(["  Old   ONE ", "a b", " A  b ", "", "   ", "c", "a b"], seen) == ["a b", "c"]
