@@ -571,6 +571,25 @@ def models() -> None:
     typer.echo(f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+
+def _openers(openers: Optional[str], prompts: Optional[Path], dataset: Optional[Path]) -> tuple[str, ...]:
+    """train-draft --openers: builtin (TASK_OPENERS) or a file of openers, one a line; only where the target writes
+    the prompts (no --prompts, no --dataset)."""
+    if openers is None:
+        return ()
+    if prompts is not None or dataset is not None:
+        _fail(f"--openers is not allowed with --{'prompts' if prompts is not None else 'dataset'}; allowed: where the "
+              "target writes its own prompts (Magpie)")
+    from ..speculative.data import TASK_OPENERS
+
+    if openers == "builtin":
+        return TASK_OPENERS
+    path = Path(openers)
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+    if not any(lines):
+        _fail(f"--openers {openers!r}: allowed builtin or a file with one opener a line")
+    return tuple(line for line in lines if line)
+
 @app.command("train-draft")
 def train_draft(
     target: str = typer.Argument(..., help="the model the draft serves: folder, built-in alias or hub id"),
@@ -590,6 +609,9 @@ def train_draft(
     prompts: Optional[Path] = typer.Option(None, help="FILE.jsonl: {\"prompt\": ...}, ShareGPT conversations, or "
                                            "an earlier run's dataset.jsonl (its prompts answered again by this target) "
                                            "[default: the target writes its own]"),
+    openers: Optional[str] = typer.Option(None, help="Magpie: builtin (task openers: 'Write a story', 'Explain', "
+                                          "'How do I', ...) or a FILE of openers, one a line, that start the written "
+                                          "user turns, cycled"),
     dataset: Optional[Path] = typer.Option(None, help="OUT/dataset.jsonl of an earlier train-draft run on this target: "
                                            "train on its sequences instead of writing new ones"),
     max_steps: int = typer.Option(1000, help="optimizer steps"),
@@ -614,6 +636,7 @@ def train_draft(
                                          "and SGLang load as a speculative model"),
 ) -> None:
     """Train a draft (Medusa heads or an EAGLE layer) for TARGET on its own answers to its own prompts."""
+    from ..eval.speculation import heldout_user_prompts
     from ..speculative.export import EXPORT_FORMATS, export_vllm
     from ..speculative.train import DraftConfig
     from ..speculative.train import train_draft as run
@@ -622,6 +645,7 @@ def train_draft(
         _fail(f"--export {export!r} is not allowed; allowed: {', '.join(EXPORT_FORMATS)}")
     if export is not None and method not in ("eagle", "eagle3"):
         _fail(f"--export {export} writes EAGLE drafts; --method {method} has no such layout")
+    task_openers = _openers(openers, prompts, dataset)
     try:
         cfg = DraftConfig(target=target, out=out, method=method, num_heads=num_heads, num_prompts=num_prompts,
                           prompts=prompts, dataset=dataset, max_steps=max_steps, lr=lr, batch_size=batch_size,
@@ -630,7 +654,8 @@ def train_draft(
                           eval_every=eval_every, holdout=holdout, resume=resume, init_from=init_from, device=device,
                           seed=seed,
                           overwrite=overwrite,
-                          ttt_steps=ttt_steps, draft_vocab=draft_vocab, labels=labels, time_limit=time_limit)
+                          ttt_steps=ttt_steps, draft_vocab=draft_vocab, labels=labels, time_limit=time_limit,
+                          openers=task_openers, exclude_prompts=tuple(heldout_user_prompts()))
         result = run(cfg, log=typer.echo)
         if export == "vllm":
             from ..hub.loader import resolve_model

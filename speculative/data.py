@@ -253,15 +253,22 @@ def answer_prompts(llm: LLM, prompts: list[Prompt], max_tokens: int = 256, tempe
 
 def build_dataset(target: str, num_prompts: int, prompts_file: str | Path | None = None, seed: int = 0,
                   device: str = "auto", max_len: int = 512, answer_tokens: int = 256,
-                  answer_temperature: float = 0.0, log: Callable[[str], None] = print) -> list[DraftSequence]:
+                  answer_temperature: float = 0.0, log: Callable[[str], None] = print, openers: Sequence[str] = (),
+                  exclude: Sequence[str] = ()) -> list[DraftSequence]:
     """Self-distillation data for TARGET: prompts (from prompts_file, else Magpie) answered
-    by the target on the optllm runtime. num_prompts bounds the prompts either way."""
+    by the target on the optllm runtime. num_prompts bounds the prompts either way. Magpie only:
+    openers start the written turns (magpie_prompts), and a written turn that overlaps one of
+    exclude (``overlaps``) is dropped."""
     file_prompts = read_prompts(prompts_file)[:num_prompts] if prompts_file is not None else None
     llm = LLM(target, device=device, max_model_len=max_len)
     try:
         if file_prompts is None:
-            prompts: list[Prompt] = magpie_prompts(llm, num_prompts, seed=seed, max_tokens=turn_tokens(max_len))
-            log(f"data: the target wrote {len(prompts)} distinct prompts (Magpie)")
+            written = magpie_prompts(llm, num_prompts, seed=seed, max_tokens=turn_tokens(max_len), openers=openers)
+            hit = overlaps([c[0]["content"] for c in written], exclude) if exclude else [False] * len(written)
+            prompts: list[Prompt] = [c for c, h in zip(written, hit) if not h]
+            log(f"data: the target wrote {len(written)} distinct prompts (Magpie"
+                + (f", {len(openers)} task openers" if openers else "") + ")"
+                + (f"; {sum(hit)} dropped as overlapping an evaluation prompt" if any(hit) else ""))
         else:
             prompts = file_prompts
             log(f"data: {len(prompts)} prompts from {prompts_file}")

@@ -88,9 +88,15 @@ class DraftConfig:
     seed: int = 0
     overwrite: bool = False
     time_limit: float | None = None
+    # Magpie: the written user turns start with these (speculative.data.TASK_OPENERS, say), cycled
+    openers: tuple[str, ...] = ()
+    # Magpie: written turns that overlap one of these (a run of 8 words) are dropped: the cli passes `optllm eval`'s
+    # held-out prompts, so a draft never trains on what its evaluation asks
+    exclude_prompts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        self.openers, self.exclude_prompts = tuple(self.openers), tuple(self.exclude_prompts)
         self.prompts = Path(self.prompts) if self.prompts is not None else None
         self.resume = Path(self.resume) if self.resume is not None else None
         self.dataset = Path(self.dataset) if self.dataset is not None else None
@@ -196,7 +202,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
                 seqs = build_dataset(cfg.target, cfg.num_prompts, cfg.prompts, seed=cfg.seed,
                                      device="cuda" if use_cuda else "cpu", max_len=cfg.seq_len,
                                      answer_tokens=cfg.answer_tokens, answer_temperature=cfg.answer_temperature,
-                                     log=log)
+                                     log=log, openers=cfg.openers, exclude=cfg.exclude_prompts)
                 write_dataset(seqs, work / "dataset.jsonl")
             except BaseException:  # a bad prompt file, an interrupt: no data, so nothing to resume
                 shutil.rmtree(work, ignore_errors=True)
@@ -587,7 +593,7 @@ def _save_draft(work: Path, heads: torch.nn.Module, sizes: dict, cfg: DraftConfi
                for k, v in heads.state_dict().items()},
               work / "model.safetensors", metadata={"format": "pt"})
     training = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
-                if k not in ("target", "out", "overwrite", "resume")}
+                if k not in ("target", "out", "overwrite", "resume", "exclude_prompts")}
     config = {
         "method": cfg.method,
         **sizes,

@@ -156,6 +156,8 @@ def _cli(*args):
     ("missing-prompts", "not found"),
     ("missing-dataset", "dataset file"),
     ("init-from", "not a draft folder"),
+    ("openers-file", "--openers"),
+    ("openers-dataset", "--openers is not allowed with --dataset"),
 ])
 def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
     args = {"method": [str(tiny_chat), "--method", "eagle9", "--out", str(tmp_path / "o")],
@@ -164,6 +166,9 @@ def test_bad_input_is_one_line(case, pattern, tiny_llama, tiny_chat, tmp_path):
             "missing-prompts": [str(tiny_chat), "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "x.jsonl")],
             "missing-dataset": [str(tiny_chat), "--out", str(tmp_path / "o"), "--dataset", str(tmp_path / "x.jsonl")],
             "init-from": [str(tiny_chat), "--out", str(tmp_path / "o"), "--init-from", str(tmp_path)],
+            "openers-file": [str(tiny_chat), "--out", str(tmp_path / "o"), "--openers", str(tmp_path / "none.txt")],
+            "openers-dataset": [str(tiny_chat), "--out", str(tmp_path / "o"), "--openers", "builtin",
+                                "--dataset", str(tmp_path / "x.jsonl")],
             }[case]
     r = _cli(*args)
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
@@ -347,3 +352,29 @@ def test_a_bad_prompt_file_leaves_nothing_behind(tiny_chat, tmp_path, line, patt
         with pytest.raises(UserError, match=pattern):
             train_draft(DraftConfig(target=str(tiny_chat), out=tmp_path / "o", prompts=f, **SMALL), log=lambda _: None)
         assert not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()
+
+
+def test_openers_start_the_written_prompts_and_evaluation_prompts_are_kept_out(tiny_chat, tmp_path, monkeypatch):
+    """train-draft --openers FILE: every written prompt begins with one of them; the cli hands the evaluation's
+    held-out prompts to the data step, which drops a written turn that overlaps one (here: every turn that begins
+    with the opener "Explain", made a held-out prompt), and the draft's config records the openers, not the list."""
+    import optllm.eval.speculation as ev
+
+    monkeypatch.setattr(ev, "heldout_user_prompts", lambda: ["Explain"])
+    f = tmp_path / "openers.txt"
+    f.write_text("Write a story\nExplain\n")
+    out = tmp_path / "d"
+    r = _cli(str(tiny_chat), "--out", str(out), "--device", "cpu", "--num-prompts", "6", "--max-steps", "1",
+             "--seq-len", "64", "--answer-tokens", "4", "--batch-size", "2", "--holdout", "1", "--openers", str(f))
+    assert r.exit_code == 0, (r.output, r.exception)
+    from optllm.runtime.llm import LLM
+    from optllm.speculative.data import overlaps
+
+    tok = LLM(str(tiny_chat), device="cpu", max_model_len=64).tokenizer
+    seqs = read_dataset(out / "dataset.jsonl")
+    prompts = [tok.decode(s.token_ids[:s.num_prompt_tokens]) for s in seqs]
+    assert prompts and all("Write a story" in p or "Explain" in p for p in prompts), prompts
+    assert not any(overlaps(prompts, ["Explain"])), prompts  # no kept prompt holds the held-out one
+    assert "dropped as overlapping an evaluation prompt" in r.output
+    training = json.loads((out / "config.json").read_text())["training"]
+    assert training["openers"] == ["Write a story", "Explain"] and "exclude_prompts" not in training
