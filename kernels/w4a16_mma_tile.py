@@ -183,18 +183,7 @@ __device__ __forceinline__ void load_x(u32 s, const XPieces& xp, int c) {
 """
 
 _MMA_KERNEL = r"""
-extern "C" __global__ void __launch_bounds__(THREADS)
-w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
-               const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
-               float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int ldy) {
-  extern __shared__ __align__(16) unsigned char xs[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6, tiles = N >> 4;
-  const int m0 = blockIdx.x * BM;
-  const int all = chunks / CPG;
-  const int c0 = (int)(((long long)blockIdx.z * all) / SPLITK) * CPG;
-  const int c1 = (int)(((long long)(blockIdx.z + 1) * all) / SPLITK) * CPG;
+KERNEL_HEAD
   // my row tiles: those past N compute a copy of the last one and store nothing
   const W4* wp[RT];
   int n0[RT];
@@ -271,6 +260,20 @@ w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* 
   }
   cp_wait<0>();
 """
+
+# both forms' kernel: its arguments (the launcher's slots), the lane's place, and its split's chunks c0 .. c1 - 1
+_KERNEL_HEAD = r"""extern "C" __global__ void __launch_bounds__(THREADS)
+w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
+               const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
+               float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int ldy) {
+  extern __shared__ __align__(128) unsigned char xs[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6, tiles = N >> 4;
+  const int m0 = blockIdx.x * BM;
+  const int all = chunks / CPG;
+  const int c0 = (int)(((long long)blockIdx.z * all) / SPLITK) * CPG;
+  const int c1 = (int)(((long long)(blockIdx.z + 1) * all) / SPLITK) * CPG;"""
 
 # the split-K sum and the stores, shared by both forms: lane (g, t) holds acc[r][j] of its row tile r (rows
 # n0[r], n0[r] + 8; live[r]: inside N) and column tile j, as mma.sync's and wgmma's D fragments both place them
@@ -391,18 +394,8 @@ __device__ __forceinline__ u32 lds8(u32 a) {
   asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));
   return v;
 }
-extern "C" __global__ void __launch_bounds__(128)
-w4a16_mma_tile(const W4* __restrict__ wq, const u16* __restrict__ x, const u16* __restrict__ scales,
-               const signed char* __restrict__ zeros, const u16* __restrict__ bias, u16* __restrict__ y,
-               float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int ldy) {
-  extern __shared__ __align__(128) unsigned char xs[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6, tiles = N >> 4;
-  const int m0 = blockIdx.x * BM, nb = blockIdx.y * BN;
-  const int all = chunks / CPG;
-  const int c0 = (int)(((long long)blockIdx.z * all) / SPLITK) * CPG;
-  const int c1 = (int)(((long long)(blockIdx.z + 1) * all) / SPLITK) * CPG;
+KERNEL_HEAD
+  const int nb = blockIdx.y * BN;
   // my row tiles (warp w of 64-row tile r): those past N compute a copy of the last one and store nothing
   int n0[RT];
   bool live[RT];
@@ -542,7 +535,8 @@ def cuda_source(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> s
             f"#define UNROLL {cfg.unroll}\n#define SPLITK {cfg.split_k}\n#define CPG {cpg}\n"
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n#define ABLATE {int(cfg.ablate)}\n"
             ) + mk.COMMON_SOURCE + _TILE_HELPERS + (
-        _WGMMA_KERNEL.replace("WGMMA_FUNCTION", wgmma_function(cfg.bm)) if cfg.wgmma else _MMA_KERNEL) + _EPILOGUE
+        _WGMMA_KERNEL.replace("WGMMA_FUNCTION", wgmma_function(cfg.bm)) if cfg.wgmma else _MMA_KERNEL
+    ).replace("KERNEL_HEAD", _KERNEL_HEAD) + _EPILOGUE
 
 
 _KERNELS: dict = {}

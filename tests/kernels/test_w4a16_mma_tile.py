@@ -380,13 +380,17 @@ def test_the_kernels_index_arithmetic_computes_the_linear(cfg, n, k, group, m, a
     never stored), split-K with uneven splits, ring depths 2-4, unroll 1-4: within float64 rounding of the
     reference on the same bf16 weights (one placement off is O(1)); x chunks of more pieces than threads, fewer,
     and not a multiple of them."""
+    _transcription_computes_the_linear(_emulate_tile, cfg, n, k, group, m, asym)
+
+
+def _transcription_computes_the_linear(emulate, cfg, n, k, group, m, asym):
     q, s, z = _quantized(n, k, group, asym, seed=n + m)
     w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16)
     for b in (None, bias):
         ref = _ref(x, q, s, z, group, b).double()
-        got = _emulate_tile(x, w, cfg, b)
+        got = emulate(x, w, cfg, b)
         assert (got - ref).norm() <= 1e-5 * ref.norm(), (got - ref).abs().max()
 
 
@@ -515,11 +519,4 @@ def _emulate_wgmma(x, w, cfg, bias=None):
 def test_the_wgmma_forms_index_arithmetic_computes_the_linear(cfg, n, k, group, m, asym):
     """The wgmma form's transcription over M and N tails, split-K with uneven splits, ring depths 3-5 and x chunks of
     fewer pieces than threads: within float64 rounding of the reference on the same bf16 weights."""
-    q, s, z = _quantized(n, k, group, asym, seed=n + m)
-    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, group, dtype=torch.bfloat16))
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-    bias = torch.randn(n).to(torch.bfloat16)
-    for b in (None, bias):
-        ref = _ref(x, q, s, z, group, b).double()
-        got = _emulate_wgmma(x, w, cfg, b)
-        assert (got - ref).norm() <= 1e-5 * ref.norm(), (got - ref).abs().max()
+    _transcription_computes_the_linear(_emulate_wgmma, cfg, n, k, group, m, asym)
