@@ -71,9 +71,10 @@ class TileConfig:
             raise ValueError(f"warps={self.warps}: allowed 1, 2, 4, 8")
         if self.rt not in (1, 2, 4):
             raise ValueError(f"rt={self.rt}: allowed 1, 2, 4 row tiles a warp")
-        if self.nt not in range(1, 17) or self.rt * self.nt > 16:
-            raise ValueError(f"nt={self.nt}: allowed 1..16 column tiles with rt * nt <= 16 (accumulators a lane: "
-                             f"4 rt nt), got rt={self.rt}")
+        most = 32 if self.wgmma else 16  # the wgmma form keeps no B fragments in registers: 128 accumulators fit
+        if self.nt not in range(1, most + 1) or self.rt * self.nt > most:
+            raise ValueError(f"nt={self.nt}: allowed 1..{most} column tiles with rt * nt <= {most} (accumulators a "
+                             f"lane: 4 rt nt), got rt={self.rt}")
         if self.stages not in range(2, 9) or (not self.wgmma and self.stages * 8 * self.nt * XROW > 98304):
             raise ValueError(f"stages={self.stages}: allowed 2..8 with stages * BM * {XROW} bytes <= 96 KiB")
         if self.unroll not in (1, 2, 4):

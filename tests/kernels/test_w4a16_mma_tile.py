@@ -35,7 +35,8 @@ BUILT = [tk.TileConfig(), tk.TileConfig(split_k=4), tk.TileConfig(8, 2, 8), tk.T
          tk.TileConfig(4, 2, 4, stages=3), tk.TileConfig(8, 1, 8, unroll=4), tk.TileConfig(2, 2, 2, stages=2),
          tk.TileConfig(4, 2, 8, ablate=True), tk.TileConfig(4, 1, 5, stages=2),
          tk.TileConfig(4, 2, 8, stages=6, wgmma=True), tk.TileConfig(4, 1, 16, stages=6, split_k=4, wgmma=True),
-         tk.TileConfig(4, 2, 4, stages=4, split_k=4, wgmma=True), tk.TileConfig(4, 1, 3, stages=3, wgmma=True)]
+         tk.TileConfig(4, 2, 4, stages=4, split_k=4, wgmma=True), tk.TileConfig(4, 1, 3, stages=3, wgmma=True),
+         tk.TileConfig(4, 2, 16, stages=4, wgmma=True), tk.TileConfig(4, 1, 32, stages=4, split_k=2, wgmma=True)]
 
 
 @pytest.mark.parametrize("cfg", BUILT, ids=repr)
@@ -69,6 +70,13 @@ def test_cuda_source_builds_for_hopper_without_spills(cfg, tmp_path):
 def test_configs_checks_and_split_k_sizing():
     with pytest.raises(ValueError, match="rt \\* nt <= 16"):
         tk.TileConfig(rt=2, nt=9)
+    with pytest.raises(ValueError, match="rt \\* nt <= 32"):
+        tk.TileConfig(rt=2, nt=17, wgmma=True)
+    with pytest.raises(ValueError, match="warps=4"):
+        tk.TileConfig(8, 2, 8, wgmma=True)
+    with pytest.raises(ValueError, match="stages >= 3"):
+        tk.TileConfig(4, 2, 8, stages=2, wgmma=True)
+    assert tk.TileConfig(4, 2, 8, stages=6, wgmma=True).smem() == 6 * (64 * 128 + 2 * (2048 + 128 + 64))
     with pytest.raises(ValueError, match="warps=3"):
         tk.TileConfig(warps=3)
     with pytest.raises(ValueError, match="96 KiB"):
@@ -130,7 +138,8 @@ def test_the_shipped_table_is_measured_rows_in_valid_configs():
 
 # the wgmma form (sm_90a): one and two 64-row tiles a CTA, BM 8 .. 128, split-K, ring depths 3 .. 6
 WGMMA_GPU = [tk.TileConfig(4, 2, 8, stages=6, wgmma=True), tk.TileConfig(4, 1, 3, stages=3, split_k=3, wgmma=True),
-             tk.TileConfig(4, 1, 16, stages=4, split_k=2, wgmma=True), tk.TileConfig(4, 2, 1, stages=5, wgmma=True)]
+             tk.TileConfig(4, 1, 16, stages=4, split_k=2, wgmma=True), tk.TileConfig(4, 2, 1, stages=5, wgmma=True),
+             tk.TileConfig(4, 2, 16, stages=4, wgmma=True)]
 
 
 @pytest.mark.gpu
@@ -515,6 +524,7 @@ def _emulate_wgmma(x, w, cfg, bias=None):
     (tk.TileConfig(4, 2, 3, stages=4, split_k=3, wgmma=True), 144, 768, 128, 30, True),  # BM 24, uneven splits
     (tk.TileConfig(4, 1, 1, stages=5, split_k=2, wgmma=True), 64, 512, 64, 9, True),  # x pieces fewer than threads
     (tk.TileConfig(4, 1, 4, stages=3, wgmma=True), 32, 320, 64, 40, False),  # dead row tiles inside one CTA
+    (tk.TileConfig(4, 1, 20, stages=3, wgmma=True), 64, 256, 128, 170, True),  # BM 160: 10 pieces a thread
 ])
 def test_the_wgmma_forms_index_arithmetic_computes_the_linear(cfg, n, k, group, m, asym):
     """The wgmma form's transcription over M and N tails, split-K with uneven splits, ring depths 3-5 and x chunks of
