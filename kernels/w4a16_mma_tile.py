@@ -35,6 +35,9 @@ Work split (``TileConfig``)
     leave counters off zero, which breaks every later call (the forty-second session's benchmark did so when
     triton's do_bench_cudagraph started on its own stream before the calls before it had finished).
 Limits: bf16, N % 16 == 0, K % 64 == 0, G % 64 == 0, 1 <= M <= MAX_M, x rows 16-byte aligned.
+
+TileConfig.wgmma (forty-third session, sm_90a only, not yet run on a GPU): the same words, grid, split-K and
+stores, with the products by asynchronous wgmma instead of mma.sync (``_WGMMA_KERNEL`` below says how).
 """
 
 from __future__ import annotations
@@ -346,8 +349,8 @@ _EPILOGUE = r"""
 # above ran latency-bound: one CTA of 4 warps an SM, one warp a scheduler, an instruction every 5.6-7.9 cycles,
 # SM busy 14-24% (Nsight Compute, H100, o and down at M = 64, docs/BENCHMARKS.md). Here one warpgroup (the CTA's
 # 4 warps) issues asynchronous m64nBMk16 wgmmas: A, the dequantized weights, from registers (warp w holds rows
-# 16 w .. 16 w + 15 of each 64-row tile, in mma.m16n8k16's A layout), B, x,
-# from shared memory through a descriptor; the dequantization of chunk c + 1 runs while chunk c's wgmmas do.
+# 16 w .. 16 w + 15 of each 64-row tile, in mma.m16n8k16's A layout), B, x, from shared memory through a
+# descriptor; the dequantization of chunk c + 1 runs while chunk c's wgmmas do.
 # Everything a chunk needs comes through one cp.async ring of STAGES slots, STAGES - 2 chunks ahead (the slot of
 # chunk c - 2 is refilled once every warp has waited out c - 2's wgmmas):
 #   x       BM rows x 64 k as no-swizzle K-major core matrices [BM / 8][8 k blocks][8 rows][16 bytes]: piece q of
