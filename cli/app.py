@@ -571,7 +571,6 @@ def models() -> None:
     typer.echo(f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-
 def _openers(openers: Optional[str], prompts: Optional[Path], dataset: Optional[Path]) -> tuple[str, ...]:
     """train-draft --openers: builtin (TASK_OPENERS) or a file of openers, one a line; only where the target writes
     the prompts (no --prompts, no --dataset)."""
@@ -589,6 +588,7 @@ def _openers(openers: Optional[str], prompts: Optional[Path], dataset: Optional[
     if not any(lines):
         _fail(f"--openers {openers!r}: allowed builtin or a file with one opener a line")
     return tuple(line for line in lines if line)
+
 
 @app.command("train-draft")
 def train_draft(
