@@ -1,0 +1,40 @@
+"""benchmarks/tune_w4a16.py's candidates for the M = 128 bucket (forty-third session): swap-AB over one or two
+64-row x tiles or one of 128, split 1/2/4, and the plain tiles; each a valid config that computes the linear
+(Triton's interpreter, a small shape, M between 64 and 128)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from optllm.benchmarks.tune_w4a16 import candidates
+from optllm.kernels import w4a16 as w4k
+from optllm.kernels.w4a16_configs import W4A16Config, m_bucket
+
+
+def test_the_m128_bucket_has_its_own_candidates():
+    c = candidates(128)
+    assert m_bucket(100) == 128 and c[0].dequant  # the dequantize + cuBLAS path stays a candidate
+    swap = [x for x in c if x.swap_ab]
+    assert {x.block_m for x in swap} == {64, 128} and {x.split_k for x in swap} == {1, 2, 4}
+    assert any(not x.swap_ab and not x.dequant for x in c)
+    assert all(isinstance(x, W4A16Config) for x in c) and len(set(c)) == len(c)
+    assert candidates(129) != c  # M = 129.. keep the M = 256 bucket's
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("i", [1, 8, 20, 37])
+def test_candidates_compute_the_linear(i):
+    cfg = candidates(128)[i]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(i)
+    q = torch.randint(-8, 8, (128, 256), generator=g, dtype=torch.int8)
+    s = torch.rand(128, 2, generator=g) * 0.01 + 0.001
+    w = w4k.prepack_w4a16(q.to(dev), s.to(dev), None, 128, dtype=torch.float32)
+    x = torch.randn(100, 256, generator=g).to(dev)
+    ref = x @ w4k.dequantize_w4a16(w).t()
+    y = w4k.w4a16_gemm(x, w, config=cfg)
+    assert (y - ref).norm() <= 1e-5 * ref.norm(), cfg
