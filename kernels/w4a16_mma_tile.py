@@ -161,7 +161,6 @@ __device__ __forceinline__ void mma_free(float* d, const u32* a, u32 b0, u32 b1)
 #define BN (16 * RT * WARPS)
 #define BM (8 * NT)
 #define XROW 144
-#define XSLOT (BM * XROW)
 #define THREADS (WARPS * 32)
 #define XP ((BM * 8 + THREADS - 1) / THREADS)  // 16-byte pieces of an x chunk a thread copies
 // A thread's pieces of every x chunk: piece i is q = threadIdx.x + i * THREADS of the chunk's BM * 8 (row q / 8,
@@ -212,7 +211,7 @@ KERNEL_HEAD
   x_pieces(xp, x, m0, M, ldx);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (c0 + s < c1) load_x(xs0 + s * XSLOT, xp, c0 + s);
+    if (c0 + s < c1) load_x(xs0 + s * SLOT, xp, c0 + s);
     cp_commit();
   }
   WChunk buf[UNROLL][RT];
@@ -236,11 +235,11 @@ KERNEL_HEAD
         cp_wait<STAGES - 2>();  // chunk c's x landed (this thread's copies) ...
         __syncthreads();  // ... and everyone's; every warp is done with chunk c - 1's slot, refilled now
         const int fill = slot == 0 ? STAGES - 1 : slot - 1;
-        if (c + STAGES - 1 < c1) load_x(xs0 + fill * XSLOT, xp, c + STAGES - 1);
+        if (c + STAGES - 1 < c1) load_x(xs0 + fill * SLOT, xp, c + STAGES - 1);
         cp_commit();
         // two halves of the chunk: every column tile's 16 bytes of x (k16 steps 2h, 2h + 1) first, then per
         // step the rt A fragments and the rt * nt mmas, each accumulator's next mma rt * nt mmas later
-        const u32 xrow = xs0 + slot * XSLOT + g * XROW + 32 * t;
+        const u32 xrow = xs0 + slot * SLOT + g * XROW + 32 * t;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           W4 xv[NT];
@@ -367,7 +366,6 @@ _WGMMA_KERNEL = r"""
 #define WBYTES (RT * 4 * 512)
 #define SBYTES (RT * 128)
 #define ZBYTES (RT * 64)
-#define SLOT (((XBYTES + WBYTES + SBYTES + ZBYTES) + 127) / 128 * 128)
 #define XPW ((BM * 8 + 127) / 128)  // x pieces a thread
 #define XLBO 128
 #define XSBO 1024
@@ -538,6 +536,7 @@ def cuda_source(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> s
     return (f"#define WARPS {cfg.warps}\n#define RT {cfg.rt}\n#define NT {cfg.nt}\n#define STAGES {cfg.stages}\n"
             f"#define UNROLL {cfg.unroll}\n#define SPLITK {cfg.split_k}\n#define CPG {cpg}\n"
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n#define ABLATE {int(cfg.ablate)}\n"
+            f"#define SLOT {cfg.slot()}\n"  # bytes a ring slot: TileConfig.slot's, the one count of it
             ) + mk.COMMON_SOURCE + _TILE_HELPERS + (
         _WGMMA_KERNEL.replace("WGMMA_FUNCTION", wgmma_function(cfg.bm)) if cfg.wgmma else _MMA_KERNEL
     ).replace("KERNEL_HEAD", _KERNEL_HEAD) + _EPILOGUE
@@ -552,7 +551,7 @@ def _kernel(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> mk._L
     key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
     kern = _KERNELS.get(key)
     if kern is None:
-        if cfg.wgmma and torch.cuda.get_device_capability() != (9, 0):
+        if cfg.wgmma and not wgmma_here():
             raise ValueError(f"{cfg}: the wgmma form needs compute capability 9.0 (sm_90a), got "
                              f"{torch.cuda.get_device_capability()}")
         compiled = mk._compile(cuda_source(cfg, cpg, has_zeros, has_bias), "w4a16_mma_tile", "a" if cfg.wgmma else "")

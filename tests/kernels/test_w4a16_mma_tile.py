@@ -150,7 +150,7 @@ WGMMA_GPU = [tk.TileConfig(4, 2, 8, stages=6, wgmma=True), tk.TileConfig(4, 1, 3
 @pytest.mark.parametrize("asym", [False, True])
 def test_kernel_gpu(cfg, asym):
     assert mk.available(), mk._UNAVAILABLE
-    if cfg is not None and cfg.wgmma and torch.cuda.get_device_capability() != (9, 0):
+    if cfg is not None and cfg.wgmma and not tk.wgmma_here():
         pytest.skip("the wgmma form needs sm_90a")
     for n, k, group in ((64, 256, 64), (960, 576, 64), (272, 1024, 128), (128, 512, 512), (48, 320, 64),
                         (4096, 1024, 128)):
@@ -179,7 +179,7 @@ def test_kernel_gpu(cfg, asym):
 @pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(split_k=4), WGMMA_GPU[1]])
 def test_kernel_gpu_graph_and_errors(cfg):
     """Replays follow x, and the split-K counters are back at zero after every call."""
-    if cfg.wgmma and torch.cuda.get_device_capability() != (9, 0):
+    if cfg.wgmma and not tk.wgmma_here():
         pytest.skip("the wgmma form needs sm_90a")
     q, s, z = _quantized(512, 1024, 128, False, seed=2, device="cuda")
     w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 128, dtype=torch.bfloat16))
@@ -233,6 +233,7 @@ def test_a_launch_sends_every_argument(monkeypatch, cfg, asym, with_bias):
     monkeypatch.setattr(tk.mk, "_compile",
                         lambda source, name, arch_suffix="": compiled.append(arch_suffix) or Kernel())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr("torch.cuda._utils._get_gpu_runtime_library", lambda: driver)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 55, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
