@@ -25,12 +25,12 @@ from pathlib import Path
 from optllm.eval.speculation import heldout_user_prompts
 from optllm.runtime.llm import LLM
 from optllm.speculative.data import (
-    TASK_OPENERS,
     answer_prompts,
     distinct_texts,
     magpie_prompts,
     overlaps,
     read_dataset,
+    read_openers,
     turn_tokens,
 )
 
@@ -53,16 +53,10 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     if a.chunk < 1 or a.seconds <= 0:
         ap.error("--chunk must be >= 1 and --seconds > 0")
-    openers: tuple[str, ...] = ()
-    if a.openers == "builtin":
-        openers = TASK_OPENERS
-    elif a.openers is not None:
-        if not Path(a.openers).is_file():
-            ap.error(f"--openers {a.openers!r}: allowed builtin or a file of openers, one a line")
-        lines = Path(a.openers).read_text(encoding="utf-8").splitlines()
-        openers = tuple(line.strip() for line in lines if line.strip())
-        if not openers:
-            ap.error(f"--openers {a.openers}: the file has no opener (one a line)")
+    try:
+        openers = read_openers(a.openers) if a.openers is not None else ()
+    except ValueError as e:
+        ap.error(f"--openers {e}")
     old = read_dataset(a.exclude) if a.exclude is not None else []
     old_prompts = {tuple(s.token_ids[:s.num_prompt_tokens]) for s in old}
     t0 = time.perf_counter()

@@ -579,15 +579,12 @@ def _openers(openers: Optional[str], prompts: Optional[Path], dataset: Optional[
     if prompts is not None or dataset is not None:
         _fail(f"--openers is not allowed with --{'prompts' if prompts is not None else 'dataset'}; allowed: where the "
               "target writes its own prompts (Magpie)")
-    from ..speculative.data import TASK_OPENERS
+    from ..speculative.data import read_openers
 
-    if openers == "builtin":
-        return TASK_OPENERS
-    path = Path(openers)
-    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
-    if not any(lines):
-        _fail(f"--openers {openers!r}: allowed builtin or a file with one opener a line")
-    return tuple(line for line in lines if line)
+    try:
+        return read_openers(openers)
+    except ValueError as e:
+        _fail(f"--openers {e}")
 
 
 @app.command("train-draft")

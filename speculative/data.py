@@ -126,6 +126,19 @@ TASK_OPENERS = ("Write", "Write a story", "Write a poem", "Explain", "How do I",
                 "I need", "Translate", "Write a Python function")
 
 
+def read_openers(spec: str) -> tuple[str, ...]:
+    """--openers: "builtin" (TASK_OPENERS) or a file of openers, one a line (blank lines skipped). ValueError, one
+    line, for a missing file or one without an opener."""
+    if spec == "builtin":
+        return TASK_OPENERS
+    path = Path(spec)
+    openers = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()) \
+        if path.is_file() else ()
+    if not openers:
+        raise ValueError(f"{spec!r}: allowed builtin or a file with one opener a line")
+    return openers
+
+
 def magpie_prompts(llm: LLM, num_prompts: int, seed: int = 0, max_tokens: int = 64, temperature: float = 1.0,
                    max_rounds: int = 4, openers: Sequence[str] = ()) -> list[Conversation]:
     """num_prompts distinct user turns written by the target from its chat template's user
@@ -150,8 +163,8 @@ def magpie_prompts(llm: LLM, num_prompts: int, seed: int = 0, max_tokens: int = 
         params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=next_seed + i,
                                  stop=[end_of_turn] if end_of_turn else None, stop_token_ids=stop_ids)
                   for i in range(ask)]
+        which = [(next_seed + i) % len(starts) for i in range(ask)]  # the opener by the request's seed
         next_seed += ask
-        which = [(next_seed - ask + i) % len(starts) for i in range(ask)]  # by seed: the same turn each round
         outs = llm.generate([list(prefixes[w]) for w in which], params)
         texts = [starts[w] + out.outputs[0].text if out.outputs[0].text.strip() else "" for w, out in zip(which, outs)]
         for text in distinct_texts(texts, seen)[:want]:
@@ -264,7 +277,7 @@ def build_dataset(target: str, num_prompts: int, prompts_file: str | Path | None
     try:
         if file_prompts is None:
             written = magpie_prompts(llm, num_prompts, seed=seed, max_tokens=turn_tokens(max_len), openers=openers)
-            hit = overlaps([c[0]["content"] for c in written], exclude) if exclude else [False] * len(written)
+            hit = overlaps([c[0]["content"] for c in written], exclude)
             prompts: list[Prompt] = [c for c, h in zip(written, hit) if not h]
             log(f"data: the target wrote {len(written)} distinct prompts (Magpie"
                 + (f", {len(openers)} task openers" if openers else "") + ")"

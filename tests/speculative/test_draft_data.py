@@ -100,6 +100,20 @@ def test_magpie_openers_start_the_turns_and_keep_them_deterministic(chat_llm):
     assert len(TASK_OPENERS) == len(set(TASK_OPENERS)) and any(o.startswith("Write") for o in TASK_OPENERS)
 
 
+def test_read_openers(tmp_path):
+    from optllm.speculative.data import TASK_OPENERS, read_openers
+
+    assert read_openers("builtin") == TASK_OPENERS
+    f = tmp_path / "o.txt"
+    f.write_text("  Write a story \n\n Explain\n")
+    assert read_openers(str(f)) == ("Write a story", "Explain")
+    for bad in ("\n \n", None):
+        if bad is not None:
+            f.write_text(bad)
+        with pytest.raises(ValueError, match="allowed builtin or a file with one opener a line"):
+            read_openers(str(f) if bad is not None else str(tmp_path / "missing.txt"))
+
+
 def test_overlaps_finds_an_evaluation_prompt_inside_a_written_one():
     from optllm.speculative.data import overlaps
 
