@@ -119,7 +119,9 @@ def test_count_bound_counts_every_request_and_matches_server_usage(server):
     assert s["output_tokens"] == delta["optllm_generation_tokens_total"] == 12 * 6
     for r in report.requests:
         assert 0 < r.ttft_s <= r.e2e_s and r.sent_s >= r.scheduled_s == 0.0
-        assert abs(r.ttft_s + sum(r.itl_s) - r.e2e_s) < 0.05  # the gaps tile the stream
+        # the gaps tile the stream up to its last chunk; e2e also holds the tail ([DONE] after the usage chunk),
+        # which a busy machine can stretch, so only the order is a fact here
+        assert r.itl_s and all(g >= 0 for g in r.itl_s) and r.ttft_s + sum(r.itl_s) <= r.e2e_s + 1e-9
     assert s["output_throughput"] == pytest.approx(72 / s["duration_s"])
     assert s["request_throughput"] == pytest.approx(12 / s["duration_s"])
     assert seen and (seen[-1].issued, seen[-1].ok, seen[-1].failed, seen[-1].in_flight) == (12, 12, 0, 0)
