@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..hub.identity import target_identity
+from ..hub.identity import same_target, target_identity
 from ..hub.loader import check_architecture, load_config, parse_dtype, resolve_model
 
-__all__ = ["last_hidden", "lm_head_weight", "load_target", "target_identity"]
+__all__ = ["last_hidden", "lm_head_weight", "load_target", "same_target", "target_identity"]
 
 
 def load_target(model: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):

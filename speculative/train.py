@@ -29,7 +29,7 @@ import torch
 from ..errors import UserError
 from .data import DraftSequence, build_dataset, read_dataset, write_dataset
 from .methods import DRAFT_METHODS
-from .target import load_target, target_identity
+from .target import load_target, same_target, target_identity
 
 METHODS = tuple(DRAFT_METHODS)
 _STATE = "trainer_state.json"
@@ -229,7 +229,7 @@ def train_draft(cfg: DraftConfig, log: Callable[[str], None] = print) -> TrainRe
         method.fit(heads, train)
     if init is not None:
         try:
-            _apply_init(cfg.init_from, *init, heads, target_identity(folder), log)
+            _apply_init(cfg.init_from, *init, heads, folder, log)
         except UserError:
             if acc.is_main_process:
                 shutil.rmtree(work, ignore_errors=True)  # a run that never trained leaves nothing behind
@@ -557,7 +557,7 @@ def _read_init(path: Path, method: str) -> tuple[dict, dict]:
     return meta, weights
 
 
-def _apply_init(path: Path, meta: dict, weights: dict, heads: torch.nn.Module, identity: str,
+def _apply_init(path: Path, meta: dict, weights: dict, heads: torch.nn.Module, target_folder: Path,
                 log: Callable[[str], None]) -> None:
     """Start heads from the weights _read_init returned: the same sizes, else one clear error; another
     target's draft loads with a warning."""
@@ -572,7 +572,7 @@ def _apply_init(path: Path, meta: dict, weights: dict, heads: torch.nn.Module, i
                         f"allowed: a draft of the same sizes (heads, layers, draft vocabulary)")
     heads.load_state_dict(weights)
     target = meta.get("target") if isinstance(meta.get("target"), dict) else {}
-    if target.get("sha256") != identity:
+    if not same_target(target.get("sha256"), target_folder):
         log(f"warning: {where} was trained for another target ({target.get('model')}); its weights start this run "
             "all the same")
     training = meta.get("training") if isinstance(meta.get("training"), dict) else {}

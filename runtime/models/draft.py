@@ -328,13 +328,13 @@ def load_draft(folder: str | Path, target, target_config, target_folder: Path | 
                         f"the target has {h} and {v}")
     want = (cfg.get("target") or {}).get("sha256")
     if want and target_folder is not None:
-        from ...hub.identity import target_identity
+        from ...hub.identity import same_target, target_identity
 
         try:
-            have = target_identity(target_folder)
+            have = None if same_target(want, target_folder) else target_identity(target_folder)
         except (UserError, OSError):
             have = None
-        if have is not None and have != want:
+        if have is not None:
             log.warning("the draft in %s was trained for another target (%s, sha256 %s...); this one is %s... "
                         "-- it runs, but expect fewer accepted tokens", folder,
                         (cfg.get("target") or {}).get("model"), want[:12], have[:12])

@@ -3,8 +3,10 @@ resumed to the same losses, and bad input as one clear line."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from safetensors.torch import load_file
 
 from optllm.errors import UserError
 from optllm.speculative.data import read_dataset
-from optllm.speculative.target import target_identity
+from optllm.speculative.target import same_target, target_identity
 from optllm.speculative.train import DraftConfig, train_draft
 
 SMALL = dict(num_heads=3, num_prompts=6, max_steps=4, batch_size=2, grad_accum=2, warmup_steps=1, seq_len=96,
@@ -54,6 +56,30 @@ def test_identity_changes_with_the_target(tiny_chat, tmp_path):
     cfg["rms_norm_eps"] = 1e-5 if cfg.get("rms_norm_eps") != 1e-5 else 1e-6
     (other / "config.json").write_text(json.dumps(cfg))
     assert target_identity(other) != target_identity(tiny_chat)
+
+
+def test_identity_ignores_the_writer_and_accepts_the_byte_hash_drafts_recorded_before(tiny_chat, tmp_path):
+    """The same model written by another transformers (its version, key order, indentation) keeps
+    its identity; a draft's record of the older hash (config.json's bytes) still matches."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_chat, other)
+    raw = (other / "config.json").read_bytes()
+    cfg = json.loads(raw)
+    moved = {"transformers_version": "9.99.0", "_name_or_path": "/elsewhere"} | dict(reversed(list(cfg.items())))
+    (other / "config.json").write_text(json.dumps(moved, indent=4))
+    assert target_identity(other) == target_identity(tiny_chat)
+    assert same_target(target_identity(tiny_chat), other) and not same_target(None, other)
+    # the legacy hash: sha256 of the bytes, then the tensor's name and bytes
+    tensors = {}
+    for f in sorted(Path(tiny_chat).glob("*.safetensors")):
+        tensors |= load_file(f)
+    name = "lm_head.weight" if not cfg.get("tie_word_embeddings") and "lm_head.weight" in tensors \
+        else "model.embed_tokens.weight"
+    legacy = hashlib.sha256(raw + name.encode() + tensors[name].contiguous().reshape(-1).view(torch.uint8)
+                            .numpy().tobytes()).hexdigest()
+    assert legacy != target_identity(tiny_chat)
+    assert same_target(legacy, tiny_chat) and not same_target(legacy, other)  # other's bytes differ
+    assert not same_target("0" * 64, tiny_chat)
 
 
 class _Stop(Exception):
