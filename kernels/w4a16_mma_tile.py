@@ -361,14 +361,18 @@ _EPILOGUE = r"""
 #           k16 step j takes of lane (g, t) k 16 j + 2 t (+ 8); so lane (g, t) reads two 4-byte words of lane
 #           (g, j)'s, and with the 8 lanes of one t side by side those reads are free of bank conflicts;
 #   scales  the chunk's group's scales of the CTA's BN rows (bf16), zeros (int8) when asymmetric.
+# The x descriptor's byte offsets as the layout above needs them under PTX's reading of a no-swizzle K-major
+# descriptor: the leading-dimension offset between the two k blocks of a k16 step, the stride-dimension offset
+# between 8-row groups. No CPU test can check that the hardware reads them so (the transcription takes PTX's
+# reading): tests/kernels/test_w4a16_mma_tile.py's GPU test says, where the form computes wrong, whether the
+# swapped pair computes right.
+X_LBO, X_SBO = 128, 1024
 _WGMMA_KERNEL = r"""
 #define XBYTES (BM * 128)
 #define WBYTES (RT * 4 * 512)
 #define SBYTES (RT * 128)
 #define ZBYTES (RT * 64)
 #define XPW ((BM * 8 + 127) / 128)  // x pieces a thread
-#define XLBO 128
-#define XSBO 1024
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -537,6 +541,7 @@ def cuda_source(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> s
             f"#define UNROLL {cfg.unroll}\n#define SPLITK {cfg.split_k}\n#define CPG {cpg}\n"
             f"#define HAS_ZEROS {int(has_zeros)}\n#define HAS_BIAS {int(has_bias)}\n#define ABLATE {int(cfg.ablate)}\n"
             f"#define SLOT {cfg.slot()}\n"  # bytes a ring slot: TileConfig.slot's, the one count of it
+            f"#define XLBO {X_LBO}\n#define XSBO {X_SBO}\n"
             ) + mk.COMMON_SOURCE + _TILE_HELPERS + (
         _WGMMA_KERNEL.replace("WGMMA_FUNCTION", wgmma_function(cfg.bm)) if cfg.wgmma else _MMA_KERNEL
     ).replace("KERNEL_HEAD", _KERNEL_HEAD) + _EPILOGUE
@@ -548,7 +553,7 @@ COUNTERS = 1 << 16
 
 
 def _kernel(cfg: TileConfig, cpg: int, has_zeros: bool, has_bias: bool) -> mk._Launch:
-    key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device())
+    key = (cfg, cpg, has_zeros, has_bias, torch.cuda.current_device(), (X_LBO, X_SBO) if cfg.wgmma else None)
     kern = _KERNELS.get(key)
     if kern is None:
         if cfg.wgmma and not wgmma_here():

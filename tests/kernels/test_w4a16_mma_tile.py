@@ -176,6 +176,33 @@ def test_kernel_gpu(cfg, asym):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_wgmma_descriptor_offsets_gpu(monkeypatch):
+    """The x descriptor's two byte offsets (X_LBO, X_SBO) as the hardware reads them: where the wgmma form computes
+    wrong, the failure says whether the swapped pair computes right (the one reading of PTX the transcription
+    cannot check), so that one device call answers it."""
+    if not tk.wgmma_here():
+        pytest.skip("the wgmma form needs sm_90a")
+    cfg = WGMMA_GPU[0]
+    q, s, z = _quantized(256, 512, 128, False, seed=5, device="cuda")
+    w = mk.from_w4a16(w4k.prepack_w4a16(q, s, z, 128, dtype=torch.bfloat16))
+    x = torch.randn(64, 512, device="cuda").to(torch.bfloat16)
+    ref = _ref(x, q, s, z, 128, None)
+
+    def rel() -> float:
+        y = tk.w4a16_mma_tile(x, w, None, cfg)
+        return float((y.float() - ref).norm() / ref.norm())
+
+    lbo, sbo = tk.X_LBO, tk.X_SBO
+    got = rel()
+    if got > 3e-3:
+        monkeypatch.setattr(tk, "X_LBO", sbo)
+        monkeypatch.setattr(tk, "X_SBO", lbo)
+        pytest.fail(f"the wgmma form's relative error is {got:.3g} with X_LBO {lbo}, X_SBO {sbo}; with them swapped "
+                    f"it is {rel():.3g}")
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("cfg", [tk.TileConfig(), tk.TileConfig(split_k=4), WGMMA_GPU[1]])
 def test_kernel_gpu_graph_and_errors(cfg):
     """Replays follow x, and the split-K counters are back at zero after every call."""
@@ -495,7 +522,7 @@ def _emulate_wgmma(x, w, cfg, bias=None):
                             full[row, col], full[row, col + 1] = vals
                         start = 256 * i
                         kk, nn = torch.arange(16)[:, None], torch.arange(bm)[None, :]
-                        addr = start + (kk // 8) * 128 + (nn // 8) * 1024 + 16 * (nn % 8) + 2 * (kk % 8)
+                        addr = start + (kk // 8) * tk.X_LBO + (nn // 8) * tk.X_SBO + 16 * (nn % 8) + 2 * (kk % 8)
                         bits = sl[addr] | (sl[addr + 1] << 8)
                         assert (sl[addr] >= 0).all() and (sl[addr + 1] >= 0).all()  # read only what a copy wrote
                         b = (bits.to(torch.int32) << 16).view(torch.float32).double()  # [16 k, BM]
