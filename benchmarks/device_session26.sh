@@ -51,6 +51,8 @@
 #   PART=awqdata, then PART=awqtrain (thirty-fourth session): a draft trained on the AWQ target with the
 #               float draft's recipe and prompts (the float dataset's prompts answered again by the AWQ
 #               target; STEPS, 3981 as .carry-e3 ran) into /root/d/e3awq, back as e3awq.tgz.part*
+# SPEC_PROFILE=1 (eval, after BS1_REPS; forty-fourth session): benchmarks/profile_step.py's speculative step graphs at
+# SPEC_TREES (20,41) nodes, batches SPEC_PROFILE_BS (1), kernel by kernel, into $OUT/spec_profile
 # TIGHT=1 (eval, after LOAD's continuous): that load again at TIGHT_BS with max_model_len 64 below its own
 # LOAD: eval's --spec-load, one eval each (none: no load, only the batch-1 run of BS1_REPS) (waves, the default, and/or continuous: "waves continuous")
 # DATA (train): a carried folder with data_all.jsonl.gz, trained on instead (.carry-data, 12 MB: with
@@ -260,6 +262,13 @@ eval)
       # shellcheck disable=SC2086
       spec_eval "$name" smollm2-135m /root/d/e3 --batch-sizes 1 --spec-reps "$BS1_REPS" $v
     done
+  fi
+  if [ -n "${SPEC_PROFILE:-}" ]; then
+    # (forty-fourth session) where a speculative step's graph time goes, kernel by kernel, at trees of
+    # SPEC_TREES nodes (20,41: the 41-node step profiled 0.36 ms over the 20-node one at batch 1 on the H100)
+    timeout "${SPEC_PROFILE_S:-240}" python3 benchmarks/profile_step.py --model smollm2-135m --draft /root/d/e3 \
+      --batches "${SPEC_PROFILE_BS:-1}" --spec-trees "${SPEC_TREES:-20,41}" --out "$OUT/spec_profile" \
+      > "$OUT/logs/spec_profile.log" 2>&1 || echo "profile_step exited $?"
   fi
   [ -n "${NO_MMA:-}" ] || { mma_sweep; mma_ncu; }
   ;;
