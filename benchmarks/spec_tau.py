@@ -81,6 +81,13 @@ def penalize_depth(llm: LLM, penalty: float) -> None:
     draft.forward_ranked = lambda *a: (lambda out, lp, ids: (out, lp - penalty, ids))(*forward_ranked(*a))
 
 
+def _first_words(llm: LLM, prompt: list[int], words: int = 8) -> str:
+    """The user turn's first words (after the chat template's last user prefix)."""
+    text = llm.tokenizer.decode(prompt)
+    turn = text.rsplit("user\n", 1)[-1]
+    return " ".join(turn.split()[:words])
+
+
 def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     before = llm.engine.stats().speculation
     h0, acc0, steps0 = list(before["histogram"]), before["accepted"], before["seq_steps"]
@@ -113,6 +120,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--depth-penalties", default="0", help="comma-separated log-prob penalties a depth")
+    ap.add_argument("--per-prompt", action="store_true", help="also each prompt's own tau (its first words beside it)")
     ap.add_argument("--out")
     a = ap.parse_args()
     trees = {t: parse_tree(t) for t in a.trees.split(",")}
@@ -134,6 +142,9 @@ def main() -> None:
             label = name if not pen else f"{name} -{pen:g}/depth"
             for s in sets:
                 r = measure(llm, prompts[s], a.output_len)
+                if a.per_prompt:
+                    r["per_prompt"] = [dict(words=_first_words(llm, p), tau=measure(llm, [p], a.output_len)["tau"])
+                                       for p in prompts[s]]
                 rows.append(dict(tree=label, set=s, prompts=len(prompts[s]), depth_penalty=pen, **opts, **r))
                 print(f"{label} {s}: tau {r['tau']:.3f} over {r['seq_steps']} steps "
                       f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
@@ -148,6 +159,10 @@ def main() -> None:
         cond += [""] * (depth - 1 - len(cond))
         lines.append(f"| {r['tree']} | {r['set']} ({r['prompts']}) | {r['tau']:.2f} | " + " | ".join(pct) + " | "
                      + " | ".join(cond) + " |")
+    for r in rows:
+        if "per_prompt" in r:
+            lines += [f"\n{r['tree']}, {r['set']}, each prompt alone:\n", "| tau | prompt |", "|---|---|"]
+            lines += [f"| {p['tau']:.2f} | {p['words']} |" for p in sorted(r["per_prompt"], key=lambda p: p["tau"])]
     table = "\n".join(lines)
     print(table)
     write_results(a.out, "spec_tau", table, {"args": {k: str(v) for k, v in vars(a).items()}, "rows": rows,
