@@ -104,7 +104,7 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
                 given_previous=given, seconds=seconds)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", required=True)
     ap.add_argument("--model", default="smollm2-135m")
@@ -117,12 +117,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", type=int, default=0)
     ap.add_argument("--batch", type=int, default=8, help="sequences decoded together (tau does not depend on it)")
+    ap.add_argument("--max-len", type=int, default=1024, help="the engine's max_model_len")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--depth-penalties", default="0", help="comma-separated log-prob penalties a depth")
     ap.add_argument("--per-prompt", action="store_true", help="also each prompt's own tau (its first words beside it)")
     ap.add_argument("--out")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     trees = {t: parse_tree(t) for t in a.trees.split(",")}
     sets = a.sets.split(",")
     penalties = [float(p) for p in a.depth_penalties.split(",")]
@@ -133,7 +134,7 @@ def main() -> None:
     rows = []
     for name, opts in trees.items():
         llm = LLM(a.model, device=a.device, dtype=a.dtype, draft=a.draft, spec_policy="fixed", max_num_seqs=a.batch,
-                  max_model_len=1024, enable_prefix_caching=False, **opts)
+                  max_model_len=a.max_len, enable_prefix_caching=False, **opts)
         prompts = {"eval": render_prompts(llm, a.num, offset=EVAL_OFFSET)} if "eval" in sets else {}
         if "holdout" in sets:
             prompts["holdout"] = holdout_prompts(a.data, a.holdout, a.seed, a.skip, a.num)
@@ -167,6 +168,7 @@ def main() -> None:
     print(table)
     write_results(a.out, "spec_tau", table, {"args": {k: str(v) for k, v in vars(a).items()}, "rows": rows,
                                             "provenance": provenance()})
+    return rows
 
 
 if __name__ == "__main__":
