@@ -22,16 +22,15 @@ def target_identity(folder: str | Path) -> str:
     name the program that wrote it: ``_WRITER_KEYS``) and its LM head's stored tensor bytes
     (lm_head.weight, or the token embedding when tied): a draft trained on one target can tell,
     when served, that it was given another."""
-    return _identities(folder)[0]
+    return target_identities(folder)[0]
 
 
 def same_target(sha256: str | None, folder: str | Path) -> bool:
-    """Whether a draft's recorded identity is this target's: ``target_identity``, or the hash drafts
-    recorded before it (over config.json's bytes, writer keys included)."""
-    return sha256 is not None and sha256 in _identities(folder)
+    """Whether a draft's recorded identity is this target's (one of ``target_identities``)."""
+    return sha256 is not None and sha256 in target_identities(folder)
 
 
-def _identities(folder: str | Path) -> tuple[str, str]:
+def target_identities(folder: str | Path) -> tuple[str, str]:
     """(target_identity, the legacy hash over config.json's bytes), the LM head's bytes read once."""
     from safetensors import safe_open
 

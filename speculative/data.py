@@ -122,7 +122,7 @@ def user_prefix(tokenizer) -> tuple[str, str]:
 # from the user prefix alone settles on a few kinds (SmolLM2: mostly "I'm ..." and "What is ..." questions), so a draft
 # trained on them has seen little of, for example, the stories a user asks it to write. The role-play openers (last
 # five) came after e3-s43's tau per held-out prompt (docs/BENCHMARKS.md, forty-fourth session): role-play and verse
-# were the eval's lowest (2.2-3.1 against 3.4-5.1 for advice and opinions), and no opener asked for role-play.
+# were the eval's lowest (2.2-3.1 against 3.3-5.1 for advice and opinions), and no opener asked for role-play.
 TASK_OPENERS = ("Write", "Write a story", "Write a poem", "Explain", "How do I", "What is", "Why", "Can you",
                 "List", "Describe", "Summarize", "Give me", "Help me", "Compare", "Tell me", "Create", "Suggest",
                 "I need", "Translate", "Write a Python function",

@@ -328,10 +328,11 @@ def load_draft(folder: str | Path, target, target_config, target_folder: Path | 
                         f"the target has {h} and {v}")
     want = (cfg.get("target") or {}).get("sha256")
     if want and target_folder is not None:
-        from ...hub.identity import same_target, target_identity
+        from ...hub.identity import target_identities
 
         try:
-            have = None if same_target(want, target_folder) else target_identity(target_folder)
+            ids = target_identities(target_folder)
+            have = None if want in ids else ids[0]
         except (UserError, OSError):
             have = None
         if have is not None:
