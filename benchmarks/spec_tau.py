@@ -41,6 +41,7 @@ from optllm.eval.speculation import render_prompts
 from optllm.runtime.llm import LLM
 from optllm.runtime.sampling_params import SamplingParams
 from optllm.speculative.data import DraftSequence
+from optllm.speculative.train import _split
 
 _TREE = re.compile(r"d(\d+)k(\d+)n(\d+)")
 EVAL_OFFSET = 18  # `optllm eval --draft` at batch 1: render_prompts(..., offset=17), its first batch a warm-up
@@ -56,16 +57,14 @@ def parse_tree(text: str) -> dict:
 
 
 def holdout_prompts(path: Path, holdout: int, seed: int, skip: int, num: int) -> list[list[int]]:
-    """The prompts (token ids) of the sequences train-draft held out of `path` (its _split: the
-    first `holdout` of a seeded permutation), those at file index >= skip, at most num."""
-    import torch
-
+    """The prompts (token ids) of the sequences train-draft held out of `path` (its own split,
+    ``speculative.train._split``), those at file index >= skip, at most num."""
     with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
         seqs = [DraftSequence.from_json(json.loads(line)) for line in f if line.strip()]
-    n_held = min(holdout, max(1, len(seqs) // 5)) if len(seqs) > 1 else 0
-    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed)).tolist()[:n_held]
-    picked = [seqs[i] for i in order if i >= skip][:num]
-    return [s.token_ids[:s.num_prompt_tokens] for s in picked]
+    # the split's held sequences are the file's own objects: their indices by identity
+    index = {id(s): i for i, s in enumerate(seqs)}
+    _, held = _split(seqs, holdout, seed)
+    return [s.token_ids[:s.num_prompt_tokens] for s in held if index[id(s)] >= skip][:num]
 
 
 def penalize_depth(llm: LLM, penalty: float) -> None:
