@@ -131,12 +131,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "holdout" in sets and a.data is None:
         raise SystemExit("--sets holdout needs --data (the draft's training data)")
     rows = []
+    # token ids, the same for every tree's engine (one model): the data file read once
+    prompts = {"holdout": holdout_prompts(a.data, a.holdout, a.seed, a.skip, a.num)} if "holdout" in sets else {}
     for name, opts in trees.items():
         llm = LLM(a.model, device=a.device, dtype=a.dtype, draft=a.draft, spec_policy="fixed", max_num_seqs=a.batch,
                   max_model_len=a.max_len, enable_prefix_caching=False, **opts)
-        prompts = {"eval": render_prompts(llm, a.num, offset=EVAL_OFFSET)} if "eval" in sets else {}
-        if "holdout" in sets:
-            prompts["holdout"] = holdout_prompts(a.data, a.holdout, a.seed, a.skip, a.num)
+        if "eval" in sets and "eval" not in prompts:
+            prompts["eval"] = render_prompts(llm, a.num, offset=EVAL_OFFSET)
         for pen in penalties:
             penalize_depth(llm, pen)
             label = name if not pen else f"{name} -{pen:g}/depth"
