@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = ap.parse_args(argv)
     trees = {t: parse_tree(t) for t in a.trees.split(",")}
     sets = a.sets.split(",")
-    penalties = [float(p) for p in a.depth_penalties.split(",")]
+    try:
+        penalties = [float(p) for p in a.depth_penalties.split(",")]
+    except ValueError:
+        raise SystemExit(f"--depth-penalties: {a.depth_penalties!r}; allowed: comma-separated numbers") from None
     if bad := [s for s in sets if s not in ("eval", "holdout")]:
         raise SystemExit(f"--sets: {bad} not allowed; allowed: eval, holdout")
     if "holdout" in sets and a.data is None:

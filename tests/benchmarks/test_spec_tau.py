@@ -63,3 +63,7 @@ def test_a_bad_tree_is_one_line():
     with pytest.raises(SystemExit, match="'d5k8' is not a tree; allowed: dDkKnN"):
         spec_tau.parse_tree("d5k8")
     assert spec_tau.parse_tree("d6k10n60") == dict(spec_depth=6, spec_top_k=10, spec_num_draft=60)
+    with pytest.raises(SystemExit, match="--depth-penalties: '0,x'; allowed: comma-separated numbers"):
+        spec_tau.main(["--draft", "d", "--depth-penalties", "0,x"])
+    with pytest.raises(SystemExit, match="--sets holdout needs --data"):
+        spec_tau.main(["--draft", "d", "--sets", "holdout"])
