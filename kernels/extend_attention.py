@@ -137,9 +137,17 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
 _EXTEND = CompiledLaunch(_extend_kernel, pointers=11, runtime=True)
 
 
+# 128-row tiles (8 warps, 128 keys a tile, 3 stages) only for new runs of at least this many (query, head)
+# rows: below it a sequence's queries fit one or two such tiles, and each tile walks every key alone.
+# H100, forty-fifth session: a 41-node tree verify (SmolLM2, 123 rows, batch 1) took 17.7 µs a call in one
+# 128-row tile against 5.8 µs for a 20-node tree in one 64-row tile (profile_step.py), 0.42 ms a step.
+BIG_TILE_ROWS = 512
+
+
 def extend_tiles(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages): up to 128 (query, head) rows, fewer
-    when the longest new run (e.g. a token tree) needs fewer; head_dim 256 halves the tiles.
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages): up to 128 (query, head) rows for long
+    new runs (BIG_TILE_ROWS), 64 for shorter ones (a token tree), fewer when the run needs fewer;
+    head_dim 256 halves the tiles.
     float32 queries / caches (elem_bytes 4) take 64 keys a tile in two stages: 128 x 128 tiles
     of d 128 in three stages ask 256 KiB of shared memory, over the H200's 227 KiB (found by
     tests/kernels/test_tree_attention.py on the H200).
@@ -147,7 +155,8 @@ def extend_tiles(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int =
     stages 444 us (310 TFLOP/s); 128 x 64, 2 stages 489 us; 64 x 64, 4 warps, 3 stages 456 us."""
     big = head_dim <= 128
     rows = triton.next_power_of_2(max(1, max_seqlen_q) * group)
-    block_m = max(16, triton.next_power_of_2(group), min(128 if big else 64, rows))
+    cap = 128 if big and max_seqlen_q * group >= BIG_TILE_ROWS else 64
+    block_m = max(16, triton.next_power_of_2(group), min(cap, rows))
     if elem_bytes > 2:
         return block_m, 64 if big else 32, 8 if block_m >= 128 else 4, 2
     if big and block_m >= 128:

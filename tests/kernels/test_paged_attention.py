@@ -21,7 +21,12 @@ Error bounds (max |out - expected| / max |expected|):
 import pytest
 import torch
 
-from optllm.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
+from optllm.kernels.extend_attention import (
+    BIG_TILE_ROWS,
+    extend_tiles,
+    paged_extend_attention,
+    paged_extend_attention_ref,
+)
 from optllm.kernels.paged_attention import (
     FP8_DTYPE,
     paged_decode_attention,
@@ -274,6 +279,20 @@ def _ancestor_mask(n, g):
     return m
 
 
+def test_extend_tiles_keep_token_trees_on_64_row_tiles():
+    # a tree verify's rows (nodes x group) stay on 64-row tiles, split across programs, below BIG_TILE_ROWS;
+    # long prefill runs take the 128 x 128, 8-warp tiles (forty-fifth session: one 128-row tile made a
+    # 41-node tree's attention 3x a 20-node one's on the H100)
+    for n in (20, 41, 81, 127):
+        assert extend_tiles(n, 3, 64)[:3] == (64, 64, 4), n
+        assert extend_tiles(n, 4, 128)[:3] == (64, 64, 4), n
+    assert extend_tiles(BIG_TILE_ROWS // 4, 4, 128) == (128, 128, 8, 3)
+    assert extend_tiles(4096, 4, 128) == (128, 128, 8, 3)
+    assert extend_tiles(5, 3, 64)[0] == 16 and extend_tiles(10, 3, 64)[0] == 32
+    assert extend_tiles(4096, 4, 256)[:2] == (64, 32)  # head_dim 256: half tiles, as before
+    assert extend_tiles(4096, 4, 128, elem_bytes=4) == (128, 64, 8, 2)
+
+
 @pytest.mark.parametrize("group,dtype,window", [(1, torch.float32, 0), (3, torch.float32, 12),
                                                 (2, torch.bfloat16, 0)])
 def test_extend_tree_mask(group, dtype, window):
@@ -441,6 +460,24 @@ def test_realistic_sizes_gpu(d, cache_dtype):
     qe = torch.randn(int(cu[-1]) + 1, 32, d, generator=g).to(DEVICE, torch.bfloat16)
     out, ref = _run_extend(p, qe, cu, max(qlens), d ** -0.5, **fp8)
     _close(out, ref, 2e-2)
+
+
+@pytest.mark.parametrize("n", [20, 41, 81, 180])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_verify_sizes_gpu(n):
+    # SmolLM2's heads (9 over 3, d 64), trees of verify sizes over ~300 cached keys, four sequences and a
+    # causal one beside them: 64-row tiles over several programs a sequence (180 nodes: the 128-row tiles)
+    g = torch.Generator().manual_seed(n)
+    pairs = [(300, n), (17, n), (0, n), (511, n), (40, 7)]
+    p, q, cu = _extend_batch(pairs, 3, 3, 64, 16, torch.bfloat16, seed=n)
+    trees = [_ancestor_mask(k, g) for _, k in pairs[:-1]] + [None]
+    sizes = [k * k for _, k in pairs[:-1]]
+    mask = torch.cat([t.flatten() for t in trees[:-1]]).to(DEVICE)
+    offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).tolist() + [-1]
+    out, ref = _run_extend(p, q, cu, n, 0.125, mask=mask, mask_offsets=torch.tensor(offsets, device=DEVICE))
+    _close(out, ref, 2e-2)
+    _close(ref, _extend_dense(q, p, cu.cpu(), 0.125, trees=trees), 2e-2)
 
 
 @pytest.mark.gpu
