@@ -8,6 +8,7 @@
 #      every run of more than 64 rows on 128-row tiles) if the call has the time.
 source benchmarks/device_preamble.sh
 no_model_env
+export OUT
 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_paged_attention.py \
   tests/kernels/test_tree_attention.py > "$OUT/logs/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
