@@ -9,13 +9,14 @@
 source benchmarks/device_preamble.sh
 no_model_env
 export OUT
-timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_paged_attention.py \
+timeout "${TESTS_S:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_paged_attention.py \
   tests/kernels/test_tree_attention.py > "$OUT/logs/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
-timeout 110 python3 benchmarks/extend_tiles.py --trees "${TREES:-5,20,25,41,81}" --batches "${BATCHES:-1,8,64}" \
+timeout "${XS:-110}" python3 benchmarks/extend_tiles.py --trees "${TREES:-5,20,25,41,81}" --batches "${BATCHES:-1,8,64}" \
   --tiles "${XTILES:-128x128w8s3,64x64w4s2,64x64w4s3,32x64w4s2,64x32w4s2}" --out "$OUT" > "$OUT/logs/extend_tiles.log" 2>&1 \
   || echo "extend_tiles exited $?"
 grep "^|" "$OUT/logs/extend_tiles.log"
+[ "$(left)" -gt 70 ] || exit 0
 python3 benchmarks/random_smol.py /tmp/rs --method eagle3 > "$OUT/logs/random_smol.log" 2>&1 || echo "random_smol exited $?"
 profile() {  # NAME [BIG_TILE_ROWS]: the step graphs profiled into $OUT/NAME
   timeout "$(( $(left) - 10 ))" python3 - "$1" "${2:-}" <<'PY' > "$OUT/logs/$1.log" 2>&1 || echo "profile $1 exited $?"
