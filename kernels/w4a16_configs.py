@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 # 128 (forty-third session): M = 65..128 had shared M = 256's entries, where the whole weight is dequantized for
 # cuBLAS; at M = 80 that costs 2.9x M = 64's swap-AB tile on down (H100, 106.3 against 36.5 µs). Its own bucket
-# lets benchmarks/tune_w4a16.py --ms 128 fill it; until then it holds what M = 65..128 ran before.
+# lets benchmarks/tune_w4a16.py --ms 128 fill it: the forty-fifth session did, on an H100 (the entries below).
 M_BUCKETS = (1, 16, 64, 128, 256, 4096)
 
 
@@ -103,8 +103,12 @@ W4A16_CONFIGS = MappingProxyType({
     **{(m, n, k): _C(128, 128, 128, dequant=True)
        for m in (256, 4096) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))},
     (256, 28672, 4096): _C(128, 128, 64, 1, 8, 4, swap_ab=True),  # 168.6 (dequant 188.1)
-    # M = 65..128, not yet tuned: what they ran under M = 256's entries (the other shapes: the heuristic's dequant)
-    (128, 28672, 4096): _C(128, 128, 64, 1, 8, 4, swap_ab=True),
+    # M = 65..128: tune_w4a16.py --ms 128 on an H100 (forty-fifth session, 75 s; µs at M = 128, what the bucket
+    # ran before in brackets: M = 256's entries). cuBLAS bf16 read 20.6 / 15.1 / 84.7 / 50.9 in the same run.
+    (128, 6144, 4096): _C(64, 64, 128, 2, 4, 3, swap_ab=True),    # 30.4 (43.7)
+    (128, 4096, 4096): _C(64, 128, 128, 4, 8, 3, swap_ab=True),   # 22.3 (27.4)
+    (128, 28672, 4096): _C(128, 128, 64, 1, 8, 4, swap_ab=True),  # 86.6 (86.6)
+    (128, 4096, 14336): _C(64, 128, 128, 4, 8, 3, swap_ab=True),  # 54.2 (108.5)
 })
 
 

@@ -594,11 +594,12 @@ TILE_MAX_M = 256  # the most rows the runtime may send (OPTLLM_W4A16_TILE=1: eve
 #   forty-third session: qkv M = 80 / 96 / 112 39.4 / 43.0, 39.2 / 43.6, 40.8 / 44.6; down 63.6 / 106.3,
 #   62.8 / 107.2, 65.5 / 107.8 (Triton's M > 64 dequantizes the whole weight and calls cuBLAS).
 # o lost at every M measured (16..256), gate_up everywhere but M = 32, qkv and down at M <= 64 and 256.
-_K4, _K4_NT4 = TileConfig(4, 2, 8, split_k=4), TileConfig(4, 2, 4, split_k=4)
+#   forty-fifth session: the Triton path's M = 65..128 bucket tuned (kernels/w4a16_configs.py), qkv M = 128 29.9,
+#   down 54.0 against the best tiles' 36.1 and 67.0 (the wgmma form's among them): the qkv and down rows at
+#   M = 80..128 went back to the Triton path. At 80..112 its M = 128 configs run the same two 64-row tiles
+#   over M (not measured there; the tiles read 39.2-40.8 and 62.8-65.5 at those M).
+_K4_NT4 = TileConfig(4, 2, 4, split_k=4)
 TILE_TABLE: dict = {
-    (6144, 4096): ((80, 80, _K4_NT4), (96, 96, _K4_NT4), (112, 112, TileConfig(4, 2, 8, split_k=2)),
-                   (128, 128, _K4)),  # qkv
-    (4096, 14336): ((80, 80, _K4_NT4), (96, 96, _K4_NT4), (112, 112, _K4), (128, 128, _K4)),  # down
     (28672, 4096): ((32, 32, _K4_NT4),),  # gate_up
 }
 
