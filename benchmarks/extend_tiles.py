@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us, provenance, write_results  # noqa: E402
 
 from optllm.kernels import extend_attention as ea  # noqa: E402
+from optllm.runtime.spec.tree import TokenTree  # noqa: E402
 
 TILES = "128x128w8s3,128x64w8s2,64x64w4s2,64x64w4s3,32x64w4s2,64x32w4s2,32x32w2s2"
 
@@ -44,15 +45,8 @@ def parse_tiles(csv: str) -> list[tuple[int, int, int, int]]:
 
 
 def ancestor_mask(n: int, g: torch.Generator) -> torch.Tensor:
-    """[n, n] bool: node i sees itself and its ancestors (random parents, each before its child)."""
-    parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            m[i, j] = True
-            j = parent[j]
-    return m
+    """[n, n] bool: node i sees itself and its ancestors (a random tree: each node's parent before it)."""
+    return TokenTree(tuple([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])).attention_mask()
 
 
 def case(bsz: int, n: int, ctx: int, hkv: int, group: int, d: int, bs: int, width: int, seed: int):
