@@ -37,14 +37,13 @@ import time
 from pathlib import Path
 
 from optllm.benchmarks.common import provenance, write_results
-from optllm.eval.speculation import render_prompts
+from optllm.eval.speculation import case_prompts
 from optllm.runtime.llm import LLM
 from optllm.runtime.sampling_params import SamplingParams
 from optllm.speculative.data import DraftSequence
 from optllm.speculative.train import _split
 
 _TREE = re.compile(r"d(\d+)k(\d+)n(\d+)")
-EVAL_OFFSET = 18  # `optllm eval --draft` at batch 1: render_prompts(..., offset=17), its first batch a warm-up
 
 
 def parse_tree(text: str) -> dict:
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         llm = LLM(a.model, device=a.device, dtype=a.dtype, draft=a.draft, spec_policy="fixed", max_num_seqs=a.batch,
                   max_model_len=a.max_len, enable_prefix_caching=False, **opts)
         if "eval" in sets and "eval" not in prompts:
-            prompts["eval"] = render_prompts(llm, a.num, offset=EVAL_OFFSET)
+            prompts["eval"] = case_prompts(llm, 1, a.num)[1:]  # eval's timed requests at batch 1 (after its warm-up)
         for pen in penalties:
             penalize_depth(llm, pen)
             label = name if not pen else f"{name} -{pen:g}/depth"

@@ -95,6 +95,12 @@ def render_prompts(llm: LLM, count: int, offset: int = 0) -> list[list[int]]:
     return out
 
 
+def case_prompts(llm: LLM, batch_size: int, reps: int) -> list[list[int]]:
+    """A batch size's requests, one warm-up batch and then reps timed ones, from 17 x batch_size in the held-out
+    list (apart from the other batch sizes')."""
+    return render_prompts(llm, batch_size * (reps + 1), offset=17 * batch_size)
+
+
 def _batch(llm: LLM, prompts, params) -> tuple[float, int, list[list[int]]]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -186,7 +192,7 @@ def measure_speculation(model: str, draft: str, batch_sizes: Sequence[int], outp
     if load not in LOADS:
         raise UserError(f"load {load!r} is not allowed; allowed: {', '.join(LOADS)}")
     plain = LLM(str(model), **_engine_args(batch_sizes, output_len, device, dtype, 1))
-    prompts = {bs: render_prompts(plain, bs * (reps + 1), offset=17 * bs) for bs in batch_sizes}
+    prompts = {bs: case_prompts(plain, bs, reps) for bs in batch_sizes}
     longest = max(len(p) for ps in prompts.values() for p in ps)
     del plain
     _free()
