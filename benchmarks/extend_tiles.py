@@ -44,6 +44,11 @@ def parse_tiles(csv: str) -> list[tuple[int, int, int, int]]:
     return out
 
 
+def tile_name(t) -> str:
+    """(BLOCK_M, BLOCK_N, warps, stages) -> the MxNwWsS spec parse_tiles reads."""
+    return "%dx%dw%ds%d" % tuple(t)
+
+
 def ancestor_mask(n: int, g: torch.Generator) -> torch.Tensor:
     """[n, n] bool: node i sees itself and its ancestors (a random tree: each node's parent before it)."""
     return TokenTree(tuple([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])).attention_mask()
@@ -115,16 +120,16 @@ def main() -> None:
                     us = graph_us(lambda: run(c, o))
                 finally:
                     ea.extend_tiles = rule
-                row["tiles"]["%dx%dw%ds%d" % t] = dict(us=round(us, 2), err=err)
+                row["tiles"][tile_name(t)] = dict(us=round(us, 2), err=err)
             rows.append(row)
             best = min(row["tiles"].items(), key=lambda kv: kv[1]["us"])
             print(f"batch {bsz} tree {n}: rule {picked} {row['rule_us']} us; best {best[0]} {best[1]['us']} us; "
                   f"max err {max(v['err'] for v in row['tiles'].values()):.1e}", flush=True)
-    names = ["%dx%dw%ds%d" % t for t in tiles]
+    names = [tile_name(t) for t in tiles]
     md = ["| batch | tree | rule (tiles) | rule µs | " + " | ".join(names) + " |",
           "|---|---|---|---|" + "---|" * len(names)]
     for r in rows:
-        md.append(f"| {r['batch']} | {r['tree']} | {'%dx%dw%ds%d' % tuple(r['rule'])} | **{r['rule_us']}** | "
+        md.append(f"| {r['batch']} | {r['tree']} | {tile_name(r['rule'])} | **{r['rule_us']}** | "
                   + " | ".join(str(r["tiles"].get(k, {}).get("us", "–")) for k in names) + " |")
     table = "\n".join(md)
     print(table)

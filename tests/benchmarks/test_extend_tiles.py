@@ -11,7 +11,8 @@ from optllm.benchmarks import extend_tiles
 
 def test_tile_specs_parse_and_bad_ones_are_one_line():
     assert extend_tiles.parse_tiles("128x128w8s3, 64x32w4s2") == [(128, 128, 8, 3), (64, 32, 4, 2)]
-    assert len(extend_tiles.parse_tiles(extend_tiles.TILES)) == 7
+    tiles = extend_tiles.parse_tiles(extend_tiles.TILES)
+    assert len(tiles) == 7 and ",".join(map(extend_tiles.tile_name, tiles)) == extend_tiles.TILES
     for bad in ("64x64", "64x64w4", "48x64w4s2", "64x64w3s2", "64x8w4s2", "64x64w4s0"):
         with pytest.raises(SystemExit) as e:
             extend_tiles.parse_tiles(bad)
