@@ -21,7 +21,8 @@
 #               (SOL, memory, warp stalls, instruction statistics)
 #   DECODE=1 (kernels; forty-second session): after TILE, benchmarks/decode.py's 8b-w4a16 case (--quick) with
 #               OPTLLM_W4A16_TILE=1 (batch 64's M = 64 on the tiles) and =0 (the Triton path)
-#   TUNE128=1 (kernels; forty-third session): before TILE, benchmarks/tune_w4a16.py --ms 128 (TUNE_S, 200 s) on the 8B
+#   TUNE128=1 (kernels; forty-third session): before TILE, benchmarks/tune_w4a16.py --ms TUNE_MS (128; forty-sixth
+#               session: any list) (TUNE_S, 200 s) on the 8B
 #               shapes; the tile sweep's Triton column then runs its winners (OPTLLM_W4A16_TABLE)
 #   TILE_NCU=1 (kernels; forty-second session): after TILE, Nsight Compute on the tiles at o and down, M = TILE_NCU_M
 #               (64), configs TILE_NCU_CFGS (4x2x8k4 and its no-dequantization twin)
@@ -95,9 +96,9 @@ mma_sweep() {
 tune128() {  # TUNE128=1 (forty-third session): the Triton path's new M = 128 bucket tuned on the 8B shapes (TUNE_S
   # seconds), its winners loaded by the tile sweep after it (OPTLLM_W4A16_TABLE), whose Triton column then runs them
   [ -n "${TUNE128:-}" ] || return 0
-  timeout "$(( ${TUNE_S:-200} + 60 ))" python3 benchmarks/tune_w4a16.py --ms 128 --budget-s "${TUNE_S:-200}" --out "$OUT" \
-    > "$OUT/logs/tune128.log" 2>&1 || echo "tune_w4a16 exited $?"
-  grep "M=128\|^    (128" "$OUT/logs/tune128.log"
+  timeout "$(( ${TUNE_S:-200} + 60 ))" python3 benchmarks/tune_w4a16.py --ms "${TUNE_MS:-128}" --budget-s "${TUNE_S:-200}" \
+    --out "$OUT" > "$OUT/logs/tune128.log" 2>&1 || echo "tune_w4a16 exited $?"
+  grep " M=[0-9]*: \|^    ([0-9]" "$OUT/logs/tune128.log"
   [ -f "$OUT/w4a16_table.json" ] && export OPTLLM_W4A16_TABLE=$OUT/w4a16_table.json
 }
 tile_bench() {  # TILE=1 (forty-first session): the small-batch tensor-core tiles at TILE_MS over TILE_CONFIGS

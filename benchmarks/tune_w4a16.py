@@ -87,13 +87,19 @@ def candidates(m, table=None, gemv_stages=(1, 3)):
             out.append(C(bm, bn, bk, split, wp, st, swap_ab=True))
         for bm, (bn, bk), (wp, st) in itertools.product([64, 128], [(128, 64), (128, 128)], [(4, 3), (8, 3)]):
             out.append(C(bm, bn, bk, 1, wp, st))
-    elif m <= 256:
+    elif m <= 256:  # first swap-AB over 64- or 128-row x tiles split over K (M = 128's winners, forty-fifth
+        # session), then the plain tiles and 256-row swap-AB (the H200's M = 256 sweep: these lost to dequantize +
+        # cuBLAS but on gate_up): the sweep's budget may end before the last
+        for bm, (bn, bk), split, (wp, st) in itertools.product(
+                [64, 128], [(64, 128), (128, 64), (128, 128)], [1, 2, 4], [(4, 3), (8, 3)]):
+            out.append(C(bm, bn, bk, split, wp, st, swap_ab=True))
         for bm, (bn, bk), split, (wp, st) in itertools.product(
                 [64, 128], [(128, 64), (128, 128), (256, 64)], [1, 2], [(4, 3), (8, 3), (8, 4)]):
             out.append(C(bm, bn, bk, split, wp, st))
         for bm, (bn, bk), (wp, st) in itertools.product(  # swap-AB: PTX dequant, A from registers
                 [128, 256], [(64, 64), (64, 128), (128, 64), (128, 128)], [(4, 3), (8, 3), (8, 4)]):
             out.append(C(bm, bn, bk, 1, wp, st, swap_ab=True))
+        out = list(dict.fromkeys(out))
     else:
         for bm, (bn, bk), (wp, st) in itertools.product(
                 [128], [(128, 64), (128, 128), (256, 64)], [(8, 3), (8, 4)]):

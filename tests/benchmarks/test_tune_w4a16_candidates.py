@@ -24,6 +24,16 @@ def test_the_m128_bucket_has_its_own_candidates():
     assert candidates(129) != c  # M = 129.. keep the M = 256 bucket's
 
 
+def test_the_m256_bucket_tries_m128s_winners_first():
+    # forty-sixth session: M = 128's swap-AB 64-row tiles split over K lead M = 256's sweep (its budget may end
+    # before the plain tiles), which keeps the earlier candidates after them
+    c = candidates(256)
+    assert c[0].dequant and c[1] == W4A16Config(64, 64, 128, 1, 4, 3, swap_ab=True)
+    assert W4A16Config(64, 128, 128, 4, 8, 3, swap_ab=True) in c[:37]
+    assert any(not x.swap_ab and not x.dequant for x in c) and any(x.block_m == 256 for x in c)
+    assert len(set(c)) == len(c)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("i", [1, 8, 20, 37])
