@@ -5,11 +5,12 @@ speculative step profiled 0.42 ms over the 20-node one at batch 1 on the H100, a
 A tree of n nodes over a context of C keys, B sequences, SmolLM2's heads (9 query, 3 kv, d 64) by
 default. Each cell: median µs of a CUDA-graph replay (graph_us) of `paged_extend_attention` with
 the tree mask, at the tile config (BLOCK_M rows, BLOCK_N keys, warps, stages) of its column;
-"rule" is what `extend_tiles` picks. Every config's output is checked against the rule's (max
+"rule" is what `extend_tiles` and `extend_num_splits` pick; the kS columns (--splits) time the rule's tiles with
+the key range cut into S runs (merged by the combine kernel). Every config's output is checked against the rule's (max
 relative error, printed per row) so that a config that computes wrong is not timed as a win.
 
     python benchmarks/extend_tiles.py [--trees 5,10,20,25,41,61,81] [--batches 1,8,64] [--ctx 256]
-        [--tiles 128x128w8s3,64x64w4s2,...] [--out DIR]
+        [--tiles 128x128w8s3,64x64w4s2,...] [--splits 1,4,16] [--out DIR]
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ def case(bsz: int, n: int, ctx: int, hkv: int, group: int, d: int, bs: int, widt
                 max_seqlen_q=n, scale=d ** -0.5, mask=mask, mask_offsets=offsets)
 
 
-def run(c: dict, out: torch.Tensor) -> torch.Tensor:
+def run(c: dict, out: torch.Tensor, splits=None) -> torch.Tensor:
     return ea.paged_extend_attention(c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"],
                                      c["cu_seqlens_q"], c["max_seqlen_q"], c["scale"], mask=c["mask"],
-                                     mask_offsets=c["mask_offsets"], out=out)
+                                     mask_offsets=c["mask_offsets"], num_splits=splits, out=out)
 
 
 def main() -> None:
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--width", type=int, default=128, help="block-table columns (max_model_len / block size)")
     ap.add_argument("--tiles", default=TILES)
+    ap.add_argument("--splits", default="1", help="key splits to time at the rule's tiles (none: '')")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     tiles = parse_tiles(a.tiles)
@@ -92,6 +94,7 @@ def main() -> None:
         trees = [int(t) for t in a.trees.split(",")]
         batches = [int(b) for b in a.batches.split(",")]
         hkv, group, d = (int(x) for x in a.heads.split("x"))
+        splits = [int(v) for v in a.splits.split(",") if v]
     except ValueError:
         raise SystemExit("--trees, --batches: comma-separated integers; --heads: KVxGROUPxDIM (e.g. 3x3x64)")
     if not torch.cuda.is_available():
@@ -108,29 +111,38 @@ def main() -> None:
             run(c, ref_out)
             picked = rule(n, group, d, 2)
             rule_us = round(graph_us(lambda: run(c, ref_out)), 2)
-            row = dict(batch=bsz, tree=n, ctx=a.ctx, rule=list(picked), rule_us=rule_us, tiles={})
+            row = dict(batch=bsz, tree=n, ctx=a.ctx, rule=list(picked), rule_us=rule_us, tiles={}, splits={},
+                       rule_splits=ea.extend_num_splits(1, bsz, hkv, n * group, a.width * a.block_size, picked[1],
+                                                        c["q"].device))
+            for sp in splits:
+                o = torch.zeros_like(c["q"])
+                run(c, o, sp)
+                err = ((o.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
+                row["splits"][f"k{sp}"] = dict(us=round(graph_us(lambda: run(c, o, sp)), 2), err=err)
             for t in tiles:
                 if t[0] < group:
                     continue
                 ea.extend_tiles = lambda *args, t=t: t
-                try:
+                try:  # one split: the tiles alone
                     o = torch.zeros_like(c["q"])
-                    run(c, o)
+                    run(c, o, 1)
                     err = ((o.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
-                    us = graph_us(lambda: run(c, o))
+                    us = graph_us(lambda: run(c, o, 1))
                 finally:
                     ea.extend_tiles = rule
                 row["tiles"][tile_name(t)] = dict(us=round(us, 2), err=err)
             rows.append(row)
-            best = min(row["tiles"].items(), key=lambda kv: kv[1]["us"])
-            print(f"batch {bsz} tree {n}: rule {picked} {row['rule_us']} us; best {best[0]} {best[1]['us']} us; "
-                  f"max err {max(v['err'] for v in row['tiles'].values()):.1e}", flush=True)
-    names = [tile_name(t) for t in tiles]
-    md = ["| batch | tree | rule (tiles) | rule µs | " + " | ".join(names) + " |",
+            cells = {**row["tiles"], **row["splits"]}
+            best = min(cells.items(), key=lambda kv: kv[1]["us"])
+            print(f"batch {bsz} tree {n}: rule {picked} k{row['rule_splits']} {row['rule_us']} us; best {best[0]} "
+                  f"{best[1]['us']} us; max err {max(v['err'] for v in cells.values()):.1e}", flush=True)
+    names = [f"k{sp}" for sp in splits] + [tile_name(t) for t in tiles]
+    md = ["| batch | tree | rule (tiles, splits) | rule µs | " + " | ".join(names) + " |",
           "|---|---|---|---|" + "---|" * len(names)]
     for r in rows:
-        md.append(f"| {r['batch']} | {r['tree']} | {tile_name(r['rule'])} | **{r['rule_us']}** | "
-                  + " | ".join(str(r["tiles"].get(k, {}).get("us", "–")) for k in names) + " |")
+        cells = {**r["splits"], **r["tiles"]}
+        md.append(f"| {r['batch']} | {r['tree']} | {tile_name(r['rule'])} k{r['rule_splits']} | **{r['rule_us']}** | "
+                  + " | ".join(str(cells.get(k, {}).get("us", "–")) for k in names) + " |")
     table = "\n".join(md)
     print(table)
     write_results(a.out, "extend_tiles", table, dict(provenance=provenance(), heads=a.heads, ctx=a.ctx, rows=rows))

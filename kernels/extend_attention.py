@@ -15,13 +15,16 @@ cached before; new token i sits at position prefix_b + i. Visibility of key j to
         rows earlier levels wrote, without computing them again. A sequence whose mask_offsets[b] < 0
         is causal (a speculative step's verify forward carries prefill chunks beside its trees)
     sliding_window > 0, also: p - j < sliding_window
-Kernel: grid (cdiv(max_seqlen_q, QPT), B, num_kv_heads). GQA is packed into the tile: its
+Kernel: grid (cdiv(max_seqlen_q, QPT) * num_splits, B, num_kv_heads). GQA is packed into the tile: its
 BLOCK_M rows are (query, head) pairs, row r = query q0 + r // G, head kvh * G + r % G, QPT =
 BLOCK_M // G queries per tile, so each key tile is loaded once for all G heads (G need not be
 a power of two; the last BLOCK_M - QPT * G rows idle). The key loop runs in two phases: key
 tiles every row sees whole (j < prefix + q0, or j < prefix with a mask) without per-element
 masks (bar the window), then the tiles up to the causal limit of the tile's last query
 (or seq_len with a mask) with full masks. Rows past q_len_b are never written.
+Short runs (a token tree's verify, a draft's tree level) cut those key tiles into num_splits
+runs, as in flash-decoding: each split writes its partial (max, sum, acc) to an fp32 workspace
+and paged_attention's combine kernel merges them, for the rows of the B sequences only.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import triton.language as tl
 
 from .common import CompiledLaunch, int_kind, pow2, use_triton
 from .paged_attention import (
+    DEFAULT_SMS,
     LOG2E,
+    _combine_kernel,
     _int,
     attend_tile,
     attention_ref,
@@ -50,20 +55,21 @@ from .paged_attention import (
 
 
 # sizes that change from step to step are not specialized on (== 1, % 16): no compile mid-serving
-@triton.jit(do_not_specialize=["window", "mask_cols", "stride_bt"])
+@triton.jit(do_not_specialize=["window", "mask_cols", "num_splits", "stride_bt"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, mask_ptr, moff_ptr,
-                   out_ptr, qk_scale, window, mask_cols, stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_bt,
+                   out_ptr, wm_ptr, wl_ptr, wacc_ptr, qk_scale, window, mask_cols, num_splits, stride_qt,
+                   stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_bt,
                    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr,
-                   HAS_MASK: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+                   HAS_MASK: tl.constexpr, SLIDING: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                    QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr):
-    """grid (query tiles, B, num_kv_heads); see the module docstring."""
+    """grid (query tiles * num_splits, B, num_kv_heads); see the module docstring."""
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
-    q0 = tl.program_id(0) * QPT
+    split = tl.program_id(0) % num_splits
+    q0 = (tl.program_id(0) // num_splits) * QPT
     if q0 >= q_len:
         return
     seq_len = tl.load(sl_ptr + b)
@@ -98,13 +104,18 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
     if SLIDING:
         lo = tl.maximum(prefix + q0 - window + 1, 0)
     n_full = tl.maximum(full_hi - lo, 0) // BLOCK_N
+    # split s of num_splits takes its run of the key tiles: the unmasked ones, then the masked ones up to hi
+    n_tiles = n_full + tl.cdiv(tl.maximum(hi - lo - n_full * BLOCK_N, 0), BLOCK_N)
+    per = tl.cdiv(n_tiles, num_splits)
+    t_lo = split * per
+    t_hi = tl.minimum(t_lo + per, n_tiles)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     all_keys = offs_n >= 0
-    for t in range(n_full):  # every row sees these keys (bar the window)
+    for t in range(t_lo, tl.minimum(t_hi, n_full)):  # every row sees these keys (bar the window)
         keys = lo + t * BLOCK_N + offs_n
         k, v, k_s, v_s = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, keys, all_keys, kvh, stride_cb,
                                  stride_ch, stride_ct, stride_sb, stride_sh, offs_d, d_mask, BS, FP8)
@@ -112,8 +123,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
         if SLIDING:
             visible = pos[:, None] - keys[None, :] < window
         m_i, l_i, acc = attend_tile(q, k, v, k_s, v_s, visible, m_i, l_i, acc, qk_scale, FP8, DOT_F32)
-    for n0 in range(lo + n_full * BLOCK_N, hi, BLOCK_N):  # the diagonal / tree part
-        keys = n0 + offs_n
+    for t in range(tl.maximum(t_lo, n_full), t_hi):  # the diagonal / tree part
+        keys = lo + t * BLOCK_N + offs_n
         key_ok = keys < hi
         k, v, k_s, v_s = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, keys, key_ok, kvh, stride_cb,
                                  stride_ch, stride_ct, stride_sb, stride_sh, offs_d, d_mask, BS, FP8)
@@ -129,12 +140,19 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, cu_ptr, 
             visible = visible & (pos[:, None] - keys[None, :] < window)
         m_i, l_i, acc = attend_tile(q, k, v, k_s, v_s, visible, m_i, l_i, acc, qk_scale, FP8, DOT_F32)
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if SPLIT:  # partial (max, sum, acc) for paged_attention's combine kernel: [T, Hq, splits (, D)] fp32
+        row = (tok * (tl.num_programs(2) * G) + heads) * num_splits + split
+        tl.store(wm_ptr + row, m_i, mask=row_ok)
+        tl.store(wl_ptr + row, l_i, mask=row_ok)
+        tl.store(wacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=io_mask)
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-_EXTEND = CompiledLaunch(_extend_kernel, pointers=11, runtime=True)
+_EXTEND = CompiledLaunch(_extend_kernel, pointers=14, runtime=True)
+_COMBINE = CompiledLaunch(_combine_kernel, pointers=5, runtime=True)
 
 
 # 128-row tiles (8 warps, 128 keys a tile, 3 stages) only for new runs of at least this many (query, head)
@@ -162,6 +180,20 @@ def extend_tiles(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int =
     if big and block_m >= 128:
         return block_m, 128, 8, 3
     return block_m, 64 if big else 32, 4, 2
+
+
+def extend_num_splits(q_tiles: int, batch: int, num_kv_heads: int, rows: int, max_keys: int, block_n: int,
+                      device: torch.device) -> int:
+    """Key splits from shapes only (as flash-decoding; the step's graphs replay them): one for runs of
+    BIG_TILE_ROWS (query, head) rows or more (prefill: its query tiles fill the GPU), else enough
+    programs to fill the SMs twice, no more splits than key tiles in the longest sequence a block
+    table row can describe (max_keys), at most 32. A token tree's verify at batch 1 is otherwise
+    num_kv_heads programs walking every key tile alone."""
+    if rows >= BIG_TILE_ROWS:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+    want = -(-2 * sms // max(1, q_tiles * batch * num_kv_heads))
+    return max(1, min(want, -(-max_keys // block_n), 32))
 
 
 def paged_extend_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *,
@@ -197,8 +229,8 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float, *,
                            mask: Optional[torch.Tensor] = None, mask_offsets: Optional[torch.Tensor] = None,
                            k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                           sliding_window: int = 0, mask_cols: int = 0, out: Optional[torch.Tensor] = None,
-                           backend: str = "auto") -> torch.Tensor:
+                           sliding_window: int = 0, mask_cols: int = 0, num_splits: Optional[int] = None,
+                           out: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
     """Attention of the new tokens of B sequences over their paged keys (see the module
     docstring for the visibility rules).
 
@@ -208,7 +240,8 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid only); scale: softmax scale; mask: flat bool tree masks with mask_offsets int64 [B]
     (element offsets of each [q_len_b, C] block; negative: that sequence is causal), or None for
     causal; mask_cols: C, the keys each mask row covers, the last of each sequence (0: C = q_len_b;
-    else q_len_b <= C <= seq_lens[b] for every tree sequence, unchecked: no host sync).
+    else q_len_b <= C <= seq_lens[b] for every tree sequence, unchecked: no host sync); num_splits:
+    the key range cut into that many runs, merged by a combine kernel (None: extend_num_splits).
     Returns out [T, num_q_heads, head_dim] in q's dtype; only rows of the B sequences are
     written. No host sync on the Triton path.
     """
@@ -223,6 +256,8 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = check_scale(scale)
     _int("sliding_window", sliding_window, 0)
     _int("mask_cols", mask_cols, 0)
+    if num_splits is not None:
+        _int("num_splits", num_splits, 1)
     if (mask is None) != (mask_offsets is None):
         raise ValueError("mask, mask_offsets: give both (a tree mask) or neither (causal)")
     if mask is not None:
@@ -242,18 +277,34 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q if q.stride(2) == 1 else q.contiguous()
     block_m, block_n, warps, stages = extend_tiles(max_seqlen_q, g, d, q.element_size())
     qpt = block_m // g
+    q_tiles = -(-max_seqlen_q // qpt)
+    splits = num_splits or extend_num_splits(q_tiles, bsz, h, max_seqlen_q * g, block_tables.shape[1] * bs, block_n,
+                                             dev)
+    hq = q.shape[1]
+    if splits > 1:  # partials of every row of q; the combine writes those of the B sequences only
+        wm = torch.empty((q.shape[0], hq, splits), device=dev, dtype=torch.float32)
+        wl = torch.empty_like(wm)
+        wacc = torch.empty((q.shape[0], hq, splits, d), device=dev, dtype=torch.float32)
+    else:
+        wm = wl = wacc = out
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     m = q if mask is None else mask.view(torch.uint8)
     moff = cu_seqlens_q if mask_offsets is None else mask_offsets
-    # window, mask_cols and stride_bt are do_not_specialize (their width only); every other int exactly
+    # window, mask_cols, num_splits and stride_bt are do_not_specialize (their width only); every other int exactly
     ints = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], ks.stride(0), ks.stride(1))
-    constexprs = dict(G=g, D=d, BS=bs, FP8=fp8, HAS_MASK=mask is not None, SLIDING=sliding_window > 0,
-                      DOT_F32=compute_dot_f32(q), QPT=qpt, BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), BLOCK_N=block_n)
-    key = (q.dtype, k_cache.dtype, ks.dtype, block_tables.dtype, m.dtype, moff.dtype, out.dtype, ints,
-           int_kind(sliding_window), int_kind(mask_cols), int_kind(block_tables.stride(0)), tuple(constexprs.values()),
-           warps, stages)
-    _EXTEND(key, (-(-max_seqlen_q // qpt), bsz, h),
-            (q, k_cache, v_cache, ks, vs, block_tables, seq_lens, cu_seqlens_q, m, moff, out, scale * LOG2E,
-             sliding_window, mask_cols, *ints, block_tables.stride(0)),
+    block_d = max(16, pow2(d))
+    constexprs = dict(G=g, D=d, BS=bs, FP8=fp8, HAS_MASK=mask is not None, SLIDING=sliding_window > 0, SPLIT=splits > 1,
+                      DOT_F32=compute_dot_f32(q), QPT=qpt, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n)
+    key = (q.dtype, k_cache.dtype, ks.dtype, block_tables.dtype, m.dtype, moff.dtype, out.dtype, wm.dtype, ints,
+           int_kind(sliding_window), int_kind(mask_cols), int_kind(splits), int_kind(block_tables.stride(0)),
+           tuple(constexprs.values()), warps, stages)
+    _EXTEND(key, (q_tiles * splits, bsz, h),
+            (q, k_cache, v_cache, ks, vs, block_tables, seq_lens, cu_seqlens_q, m, moff, out, wm, wl, wacc,
+             scale * LOG2E, sliding_window, mask_cols, splits, *ints, block_tables.stride(0)),
             constexprs, dict(num_warps=warps, num_stages=stages))
+    if splits > 1:
+        const = dict(D=d, BOUNDED=True, BLOCK_S=pow2(splits), BLOCK_D=block_d)
+        ints = (splits, out.stride(0), out.stride(1))
+        _COMBINE((out.dtype, cu_seqlens_q.dtype, int_kind(bsz), ints, tuple(const.values())), (q.shape[0], hq, 1),
+                 (wm, wl, wacc, out, cu_seqlens_q, bsz, *ints), const, dict(num_warps=4))
     return out

@@ -383,11 +383,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr,
                  o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_mask[None, :])
 
 
-@triton.jit
-def _combine_kernel(wm_ptr, wl_ptr, wacc_ptr, out_ptr, num_splits, stride_ob, stride_oh, D: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """grid (B, num_q_heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+@triton.jit(do_not_specialize=["end_at"])
+def _combine_kernel(wm_ptr, wl_ptr, wacc_ptr, out_ptr, end_ptr, end_at, num_splits, stride_ob, stride_oh,
+                    D: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """grid (rows, num_q_heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. A row is a
+    sequence (decode) or a new token (extend attention, BOUNDED: rows from end_ptr[end_at] on, the
+    padding past the last sequence, are not written)."""
     b, h = tl.program_id(0), tl.program_id(1)
+    if BOUNDED:
+        if b >= tl.load(end_ptr + end_at):
+            return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
@@ -471,6 +476,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_F32=compute_dot_f32(q), BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
         num_warps=4, num_stages=2)
     if splits > 1:
-        _combine_kernel[(bsz, hq)](wm, wl, wacc, out, splits, out.stride(0), out.stride(1), D=d,
+        _combine_kernel[(bsz, hq)](wm, wl, wacc, out, wm, 0, splits, out.stride(0), out.stride(1), D=d, BOUNDED=False,
                                    BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
     return out

@@ -184,6 +184,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BLOCK_D=block_d, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if splits > 1:
         flat = out.view(bsz * n, hq, d)
-        _combine_kernel[(bsz * n, hq)](wm, wl, wacc, flat, splits, flat.stride(0), flat.stride(1), D=d,
-                                       BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+        _combine_kernel[(bsz * n, hq)](wm, wl, wacc, flat, wm, 0, splits, flat.stride(0), flat.stride(1), D=d,
+                                       BOUNDED=False, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+                                       num_warps=4)
     return out

@@ -23,6 +23,7 @@ import torch
 
 from optllm.kernels.extend_attention import (
     BIG_TILE_ROWS,
+    extend_num_splits,
     extend_tiles,
     paged_extend_attention,
     paged_extend_attention_ref,
@@ -223,6 +224,7 @@ def _run_extend(p, q, cu, max_q, scale, **kw):
     got = paged_extend_attention(q, *_cache_args(p), cu, max_q, scale, out=out, **kw)
     assert got is out
     assert torch.isnan(out[-1]).all(), "the padding row past the last sequence was written"
+    kw.pop("num_splits", None)
     ref = paged_extend_attention_ref(q, *_cache_args(p), cu, scale, **kw)
     return out[:-1], ref[:-1]
 
@@ -368,6 +370,41 @@ def test_extend_mask_over_keys_before_the_new_tokens(group, dtype, extra):
     _close(ref, dense, BOUND[dtype])
     _close(out, ref, BOUND[dtype])
     _close(out, dense, BOUND[dtype])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("window", [0, 12])
+def test_extend_key_splits(splits, window):
+    """The key tiles cut into num_splits runs (flash-decoding: partials merged by the combine kernel)
+    give the unsplit result, for trees beside causal sequences, with a sliding window; more splits
+    than a sequence's key tiles leave some empty (a zero-length sequence too); the padding row past
+    the last sequence stays unwritten (_run_extend)."""
+    g = torch.Generator().manual_seed(43 + splits)
+    pairs = [(90, 7), (0, 12), (33, 1), (130, 20), (5, 0)]
+    causal = [False, True, False, False, True]
+    p, q, cu = _extend_batch(pairs, 2, 3, 32, 16, torch.float32, seed=47 + window)
+    trees = [None if c else _ancestor_mask(n, g) for (_, n), c in zip(pairs, causal)]
+    offsets, at = [], 0
+    for t in trees:
+        offsets.append(-1 if t is None else at)
+        at += 0 if t is None else t.numel()
+    mask = torch.cat([t.flatten() for t in trees if t is not None]).to(DEVICE)
+    kw = dict(mask=mask, mask_offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE), sliding_window=window)
+    out, ref = _run_extend(p, q, cu, 20, 0.2, num_splits=splits, **kw)
+    _close(out, _extend_dense(q, p, cu.cpu(), 0.2, trees=trees, window=window), 2e-5)
+    one, _ = _run_extend(p, q, cu, 20, 0.2, num_splits=1, **kw)
+    _close(out, one, 2e-6)
+
+
+def test_extend_num_splits_from_shapes():
+    # a batch-1 tree verify (3 kv heads) fills the SMs twice, up to the key tiles a table row holds, at most 32;
+    # long new runs (prefill) and full grids keep one
+    cpu = torch.device("cpu")
+    assert extend_num_splits(1, 1, 3, 60, 2048, 64, cpu) == 32
+    assert extend_num_splits(1, 1, 3, 60, 256, 64, cpu) == 4
+    assert extend_num_splits(1, 64, 3, 60, 2048, 64, cpu) == 2
+    assert extend_num_splits(1, 128, 8, 60, 2048, 64, cpu) == 1
+    assert extend_num_splits(12, 1, 3, BIG_TILE_ROWS, 2048, 128, cpu) == 1
 
 
 def test_extend_fp8_cache():
