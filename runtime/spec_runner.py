@@ -1027,7 +1027,8 @@ class SpecDecoder:
             if temps is None:
                 # greedy on the kernels: acceptance, the result, the KV move and the store's rows in
                 # one launch (the tensor-op path below is ~60 kernels of a step's graph)
-                target, be = logits.argmax(dim=-1), "triton"
+                target = self.sampling.argmax(logits.view(bsz * n, -1), self.runner.vocab_size).view(bsz, n)
+                be = "triton"
             else:
                 # sampled rows (inside a step graph): a token drawn from the target at every node (the
                 # argmax where the row is greedy), matched by the same launch -- rejection sampling
