@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from optllm.kernels.tree_grow import (
+    Pool,
     grow,
     grow_launch,
     new_pool,
@@ -145,6 +146,22 @@ def test_nan_scores_count_as_minus_infinity():
         _same(a, b)
     assert torch.isneginf(ref_pool.scores[0, 1 + 2 * k:1 + 3 * k]).all()
     assert torch.isfinite(ref.scores).all()  # 10 finite candidates for 8 places
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 7])
+def test_select_ranks_signed_zeros_ties_and_minus_infinity(n):
+    """The kernel's sort keys: -0.0 ties with 0.0 (the earlier first, as torch's stable sort has
+    it), equal scores keep pool order, -inf comes last; every output equals the reference's."""
+    scores = torch.tensor([[0.0, -0.0, 0.0, -1.0, -1.0, float("-inf"), -0.5]] * 2)
+    scores[1] = torch.tensor([0.0, -2.0, -0.25, -2.0, -0.25, -0.25, -3.0])
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 1, 0], [-1, 0, 0, 1, 2, 2, 3]])
+    tokens = torch.arange(14).view(2, 7) + 100
+    ref = select(Pool(tokens, scores, parents), n, 3, backend="torch")
+    got = select(Pool(tokens.to(DEV), scores.to(DEV), parents.to(DEV)), n, 3, backend="triton")
+    for a, b in zip(got, ref):
+        _same(a, b)
+    if n == 5:
+        assert ref.tokens[0].tolist() == [100, 101, 102, 103, 106] and ref.ranks[0].tolist() == [0, 1, 2, 4, 3]
 
 
 def test_structure_reference_on_hand_built_trees():
