@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The forty-sixth session's kernels call (issues 15 and 13), no model needed. Pass OPTLLM_COMMIT as a literal
 # hash (the device's .git is stale).
-#   1. the attention kernels' GPU tests (the extend kernel's key splits among them), TESTS_S seconds;
+#   1. GPU tests (TESTS, default the attention kernels' and tree growth's: the extend kernel's key splits, the
+#      sorted selection), TESTS_S seconds;
 #   2. benchmarks/extend_tiles.py: the verify forward's attention at the rule's tiles by key splits (SPLITS),
 #      trees TREES, batches BATCHES;
 #   3. profile_step.py's speculative step graphs (trees of 20 and 41) on a random SmolLM2 and EAGLE-3 draft
@@ -11,8 +12,9 @@
 source benchmarks/device_preamble.sh
 no_model_env
 export OUT
-timeout "${TESTS_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_paged_attention.py \
-  tests/kernels/test_tree_attention.py > "$OUT/logs/gpu_tests.log" 2>&1
+# shellcheck disable=SC2086
+timeout "${TESTS_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/kernels/test_paged_attention.py \
+  tests/kernels/test_tree_attention.py tests/kernels/test_tree_grow.py} > "$OUT/logs/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
 timeout "${XS:-100}" python3 benchmarks/extend_tiles.py --trees "${TREES:-20,41,81}" --batches "${BATCHES:-1,8,64}" \
   --splits "${SPLITS:-1,2,4,8,16,32}" --tiles "${XTILES:-64x64w4s2}" --out "$OUT" > "$OUT/logs/extend_tiles.log" 2>&1 \
