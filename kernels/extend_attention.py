@@ -185,15 +185,16 @@ def extend_tiles(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int =
 def extend_num_splits(q_tiles: int, batch: int, num_kv_heads: int, rows: int, max_keys: int, block_n: int,
                       device: torch.device) -> int:
     """Key splits from shapes only (as flash-decoding; the step's graphs replay them): one for runs of
-    BIG_TILE_ROWS (query, head) rows or more (prefill: its query tiles fill the GPU), else enough
-    programs to fill the SMs twice, no more splits than key tiles in the longest sequence a block
-    table row can describe (max_keys), at most 32. A token tree's verify at batch 1 is otherwise
-    num_kv_heads programs walking every key tile alone."""
+    BIG_TILE_ROWS (query, head) rows or more (prefill: its query tiles fill the GPU); else up to 4,
+    while the programs stay within half the SMs, no more than the key tiles a block table row can
+    describe (max_keys). H100, forty-sixth session (extend_tiles.py, SmolLM2's heads, 256 cached keys,
+    one call with its combine): a 20-node tree at batch 1, 3 programs, 7.97 µs in one split, 6.35 in
+    4, 7.03 in 32; at batch 8 (24 programs) 8.06 / 7.84 in 1 / 2 splits; at batch 64 splits only
+    cost (9.78 µs in 1, 20.77 in 2)."""
     if rows >= BIG_TILE_ROWS:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
-    want = -(-2 * sms // max(1, q_tiles * batch * num_kv_heads))
-    return max(1, min(want, -(-max_keys // block_n), 32))
+    return max(1, min(4, sms // 2 // max(1, q_tiles * batch * num_kv_heads), -(-max_keys // block_n)))
 
 
 def paged_extend_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *,

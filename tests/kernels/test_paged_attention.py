@@ -397,13 +397,14 @@ def test_extend_key_splits(splits, window):
 
 
 def test_extend_num_splits_from_shapes():
-    # a batch-1 tree verify (3 kv heads) fills the SMs twice, up to the key tiles a table row holds, at most 32;
-    # long new runs (prefill) and full grids keep one
+    # a batch-1 tree verify (3 kv heads) takes 4 splits, fewer as the programs near half the SMs or as the key
+    # tiles a table row holds run out; long new runs (prefill) and full grids keep one
     cpu = torch.device("cpu")
-    assert extend_num_splits(1, 1, 3, 60, 2048, 64, cpu) == 32
-    assert extend_num_splits(1, 1, 3, 60, 256, 64, cpu) == 4
-    assert extend_num_splits(1, 64, 3, 60, 2048, 64, cpu) == 2
-    assert extend_num_splits(1, 128, 8, 60, 2048, 64, cpu) == 1
+    assert extend_num_splits(1, 1, 3, 60, 2048, 64, cpu) == 4
+    assert extend_num_splits(1, 1, 3, 60, 128, 64, cpu) == 2
+    assert extend_num_splits(1, 8, 3, 60, 2048, 64, cpu) == 2
+    assert extend_num_splits(2, 8, 3, 123, 2048, 64, cpu) == 1
+    assert extend_num_splits(1, 64, 3, 60, 2048, 64, cpu) == 1
     assert extend_num_splits(12, 1, 3, BIG_TILE_ROWS, 2048, 128, cpu) == 1
 
 
