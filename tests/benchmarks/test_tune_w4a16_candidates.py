@@ -48,3 +48,26 @@ def test_candidates_compute_the_linear(i):
     ref = x @ w4k.dequantize_w4a16(w).t()
     y = w4k.w4a16_gemm(x, w, config=cfg)
     assert (y - ref).norm() <= 1e-5 * ref.norm(), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_m256_swap_ab_candidates_compute_the_down_shape_gpu():
+    # forty-sixth session, H100: tune_w4a16.py's M = 256 sweep timed (128, 128, 64, split 4, 4 warps, swap-AB) fastest
+    # on down (N 4096, K 14336) at a relative error of 0.45; every swap-AB candidate at that shape, twice (the split-K
+    # counters must return to zero between calls)
+    g = torch.Generator().manual_seed(5)
+    n, k = 4096, 14336
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8).cuda()
+    s = (torch.rand(n, k // 128, generator=g) * 0.002 + 0.001).to("cuda", torch.bfloat16)
+    w = w4k.prepack_w4a16(q, s, None, 128)
+    x = torch.randn(256, k, generator=g).to("cuda", torch.bfloat16)
+    ref = x.float() @ w4k.dequantize_w4a16(w).t()
+    wrong = []
+    for cfg in [c for c in candidates(256) if c.swap_ab and c.block_m <= 128]:
+        for _ in range(2):
+            err = float((w4k.w4a16_gemm(x, w, config=cfg).float() - ref).norm() / ref.norm())
+            if not err <= 1e-2:
+                wrong.append((cfg, err))
+        assert int(w.locks.abs().sum()) == 0, cfg
+    assert not wrong, wrong
