@@ -103,6 +103,9 @@ W4A16_CONFIGS = MappingProxyType({
     **{(m, n, k): _C(128, 128, 128, dequant=True)
        for m in (256, 4096) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))},
     (256, 28672, 4096): _C(128, 128, 64, 1, 8, 4, swap_ab=True),  # 168.6 (dequant 188.1)
+    # tune_w4a16.py --ms 256 on an H100 (forty-sixth session, 110 s): qkv's swap-AB 64-row tiles beat dequantize +
+    # cuBLAS (50.0 µs); o (32.5 against 32.9) and gate_up stay; down's fastest computed wrong (kernels/w4a16._plan)
+    (256, 6144, 4096): _C(64, 64, 128, 1, 4, 3, swap_ab=True),    # 45.6
     # M = 65..128: tune_w4a16.py --ms 128 on an H100 (forty-fifth session, 75 s; µs at M = 128, what the bucket
     # ran before in brackets: M = 256's entries). cuBLAS bf16 read 20.6 / 15.1 / 84.7 / 50.9 in the same run.
     (128, 6144, 4096): _C(64, 64, 128, 2, 4, 3, swap_ab=True),    # 30.4 (43.7)

@@ -284,7 +284,7 @@ def test_custom_op_opcheck(n_major):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 16, 64, 128, 256])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("n_major", [False, True])
 def test_llama_shapes_gpu(m, n, k, n_major):
@@ -301,6 +301,18 @@ def test_n_major_gemv_gpu(m, asym):
         _run(m, n, k, group, asym, torch.bfloat16, seed=m + k, n_major=True)
         _run(m, n, k, group, asym, torch.bfloat16, seed=m + k, n_major=True,
              config=W4A16Config(m, 256, 128, 3, 2, 3, gemv=True))
+
+
+def test_wide_swap_ab_tiles_run_unsplit():
+    # 128-row swap-AB tiles split over K computed wrong on the H100 (forty-sixth session); 64-row ones keep their split
+    from optllm.kernels.w4a16 import _plan
+
+    wide = _plan(256, 256, 1024, 128, False, False, False, torch.bfloat16, False, 1024,
+                 W4A16Config(128, 128, 64, 4, 4, 3, swap_ab=True))
+    narrow = _plan(256, 256, 1024, 128, False, False, False, torch.bfloat16, False, 1024,
+                   W4A16Config(64, 128, 64, 4, 4, 3, swap_ab=True))
+    assert wide.after[-1] == 1 and not wide.constexprs["SPLIT"]
+    assert narrow.after[-1] == 4 and narrow.constexprs["SPLIT"]
 
 
 def test_force_config_overrides_the_table():
