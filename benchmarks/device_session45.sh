@@ -33,17 +33,7 @@ sys.argv = ["profile_step.py", "--model", "/tmp/rs/target", "--draft", "/tmp/rs/
             "--spec-trees", "20,41", "--rounds", "3", "--out", f"{os.environ['OUT']}/{name}"]
 runpy.run_path("benchmarks/profile_step.py", run_name="__main__")
 PY
-  python3 - "$1" <<'PY'
-import json
-import os
-import sys
-
-d = json.load(open(f"{os.environ['OUT']}/{sys.argv[1]}/profile_step.json"))
-for r in d["rows"]:
-    ext = r["kernels"].get("_extend_kernel", {"count": 0, "us": 0.0})
-    print(f"{sys.argv[1]}: {r['case']}: graph {r['graph_us']:.1f} us, _extend_kernel {ext['count']:.0f} calls "
-          f"{ext['us']:.1f} us")
-PY
+  python3 benchmarks/profile_summary.py "$OUT/$1/profile_step.json" --name "$1" --kernels _extend_kernel
 }
 profile spec_profile_new
 [ "$(left)" -gt 100 ] && profile spec_profile_old 0

@@ -35,18 +35,7 @@ sys.argv = ["profile_step.py", "--model", "/tmp/rs/target", "--draft", "/tmp/rs/
             "--spec-trees", "20,41", "--rounds", "3", "--out", f"{os.environ['OUT']}/{name}"]
 runpy.run_path("benchmarks/profile_step.py", run_name="__main__")
 PY
-  python3 - "$1" <<'PY'
-import json
-import os
-import sys
-
-d = json.load(open(f"{os.environ['OUT']}/{sys.argv[1]}/profile_step.json"))
-for r in d["rows"]:
-    ext = r["kernels"].get("_extend_kernel", {"count": 0, "us": 0.0})
-    comb = r["kernels"].get("_combine_kernel", {"count": 0, "us": 0.0})
-    print(f"{sys.argv[1]}: {r['case']}: graph {r['graph_us']:.1f} us, _extend_kernel {ext['count']:.0f} calls "
-          f"{ext['us']:.1f} us, _combine_kernel {comb['count']:.0f} calls {comb['us']:.1f} us")
-PY
+  python3 benchmarks/profile_summary.py "$OUT/$1/profile_step.json" --name "$1" --kernels _extend_kernel,_combine_kernel
 }
 if [ "$(left)" -gt 120 ]; then
   python3 benchmarks/random_smol.py /tmp/rs --method eagle3 > "$OUT/logs/random_smol.log" 2>&1 || echo "random_smol exited $?"
