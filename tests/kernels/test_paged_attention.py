@@ -396,6 +396,25 @@ def test_extend_key_splits(splits, window):
     _close(out, one, 2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE])
+def test_extend_key_splits_bf16_and_fp8_caches(dtype):
+    # the split path's partials and merge with bf16 queries and caches, and with an FP8 cache (float32 queries)
+    g = torch.Generator().manual_seed(53)
+    pairs = [(70, 9), (0, 6), (40, 15)]
+    p, q, cu = _extend_batch(pairs, 2, 2, 32, 16, dtype, seed=53)
+    trees = [_ancestor_mask(n, g) for _, n in pairs]
+    sizes = [n * n for _, n in pairs]
+    mask = torch.cat([t.flatten() for t in trees]).to(DEVICE)
+    offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).to(DEVICE)
+    fp8 = dict(k_scale=p["k_scale"], v_scale=p["v_scale"]) if dtype == FP8_DTYPE else {}
+    kw = dict(mask=mask, mask_offsets=offsets, **fp8)
+    out, ref = _run_extend(p, q, cu, 15, 0.2, num_splits=3, **kw)
+    one, _ = _run_extend(p, q, cu, 15, 0.2, num_splits=1, **kw)
+    bound = 2e-5 if dtype == FP8_DTYPE else BOUND[dtype]
+    _close(out, ref, bound)
+    _close(out, one, bound)
+
+
 def test_extend_num_splits_from_shapes():
     # a batch-1 tree verify (3 kv heads) takes 4 splits, fewer as the programs near half the SMs or as the key
     # tiles a table row holds run out; long new runs (prefill) and full grids keep one
