@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 
 from optllm import LLM, SamplingParams
 from optllm.runtime.cuda_graphs import (
+    GraphSampling,
     HostReadback,
     HostStaging,
     HostTokens,
@@ -375,3 +376,21 @@ def test_sampling_kernels_that_fail_their_check_leave_the_torch_path(monkeypatch
         assert cuda_graphs.sampling_kernels_ok(dev) is False
     assert "failed their start-up check" in caplog.text
     assert cuda_graphs.sampling_kernels_ok(torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_graph_sampling_argmax_is_the_greedy_token(backend):
+    # a greedy tree's target tokens (spec_runner): each row's argmax over its first vocab_size columns, ties to the
+    # lower id, a padded LM head's columns excluded; the Triton path (the sampling kernels) under the interpreter here
+    from optllm.kernels.common import interpreting
+
+    if backend == "triton" and not interpreting():
+        pytest.skip("the sampling kernels on CPU tensors need TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=g).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: 7 wins
+    logits[2, 290:] = 100.0  # padding past the vocabulary
+    sampling = GraphSampling(8, 11, backend, torch.device("cpu"))
+    got = sampling.argmax(logits, 280)
+    assert got.tolist() == logits[:, :280].float().argmax(dim=-1).tolist() and got[1] == 7
+    assert int(sampling.steps.abs().sum()) == 0  # greedy rows draw no noise
