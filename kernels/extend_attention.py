@@ -37,7 +37,6 @@ import triton.language as tl
 
 from .common import CompiledLaunch, int_kind, pow2, use_triton
 from .paged_attention import (
-    DEFAULT_SMS,
     LOG2E,
     _combine_kernel,
     _int,
@@ -51,6 +50,7 @@ from .paged_attention import (
     compute_dot_f32,
     gather_kv,
     kv_tile,
+    sm_count,
 )
 
 
@@ -195,8 +195,7 @@ def extend_num_splits(q_tiles: int, batch: int, num_kv_heads: int, rows: int, ma
     1.5 µs launch is as much as the key walk it shortens at 20."""
     if rows >= BIG_TILE_ROWS:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
-    return max(1, min(4, sms // 2 // max(1, q_tiles * batch * num_kv_heads), -(-max_keys // block_n)))
+    return max(1, min(4, sm_count(device) // 2 // max(1, q_tiles * batch * num_kv_heads), -(-max_keys // block_n)))
 
 
 def paged_extend_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *,

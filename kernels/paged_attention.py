@@ -50,6 +50,7 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
 DEFAULT_SMS = 132  # H100/H200, when the tensors are not on CUDA
+_SM_COUNTS: dict = {}
 
 
 # --------------------------------------------------------------------------- checks
@@ -416,11 +417,21 @@ def decode_block_n(head_dim: int, cache_dtype: torch.dtype) -> int:
     return max(16, min(per_tile, 128 if cache_dtype == FP8_DTYPE else 64))
 
 
+def sm_count(device: torch.device) -> int:
+    """The device's SMs (looked up once a device), DEFAULT_SMS off CUDA: the split rules' grid size."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    sms = _SM_COUNTS.get(device.index)
+    if sms is None:
+        sms = _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
                        block_n: int, device: torch.device) -> int:
     """Splits from shapes only: enough programs to fill the SMs twice, no more splits than
     key tiles in the longest sequence a table row can describe, at most 64."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+    sms = sm_count(device)
     want = -(-2 * sms // max(1, batch * num_kv_heads))
     tiles = -(-max_blocks * block_size // block_n)
     return max(1, min(want, tiles, 64))

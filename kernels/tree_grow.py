@@ -188,8 +188,7 @@ def _select_kernel(ptok_ptr, pscore_ptr, ppar_ptr, tok_ptr, par_ptr, rank_ptr, s
     pos = tl.sum(((idx[None, :] < idx[:, None]) & kept[None, :]).to(tl.int32), axis=1)
     ti = tl.load(ptok_ptr + b * P + idx, mask=kept, other=0)
     pi = tl.load(ppar_ptr + b * P + idx, mask=kept, other=0)
-    si = tl.load(pscore_ptr + b * P + idx, mask=kept, other=0.0)
-    si = tl.where(si != si, float("-inf"), si)
+    si = _scores(pscore_ptr + b * P + idx, kept)
     tl.store(at_ptr + b * P + idx, pos, mask=kept)
     tl.store(tok_ptr + b * N + pos, ti, mask=kept)
     tl.store(par_ptr + b * N + pos, pi, mask=kept)  # the parent's pool index for now
