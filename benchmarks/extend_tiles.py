@@ -71,6 +71,10 @@ def case(bsz: int, n: int, ctx: int, hkv: int, group: int, d: int, bs: int, widt
                 max_seqlen_q=n, scale=d ** -0.5, mask=mask, mask_offsets=offsets)
 
 
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
 def run(c: dict, out: torch.Tensor, splits=None) -> torch.Tensor:
     return ea.paged_extend_attention(c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"],
                                      c["cu_seqlens_q"], c["max_seqlen_q"], c["scale"], mask=c["mask"],
@@ -112,13 +116,13 @@ def main() -> None:
             picked = rule(n, group, d, 2)
             rule_us = round(graph_us(lambda: run(c, ref_out)), 2)
             row = dict(batch=bsz, tree=n, ctx=a.ctx, rule=list(picked), rule_us=rule_us, tiles={}, splits={},
-                       rule_splits=ea.extend_num_splits(1, bsz, hkv, n * group, a.width * a.block_size, picked[1],
-                                                        c["q"].device))
+                       rule_splits=ea.extend_num_splits(-(-n // (picked[0] // group)), bsz, hkv, n * group,
+                                                        a.width * a.block_size, picked[1], c["q"].device))
             for sp in splits:
                 o = torch.zeros_like(c["q"])
                 run(c, o, sp)
-                err = ((o.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
-                row["splits"][f"k{sp}"] = dict(us=round(graph_us(lambda: run(c, o, sp)), 2), err=err)
+                us = graph_us(lambda: run(c, o, sp))
+                row["splits"][f"k{sp}"] = dict(us=round(us, 2), err=max_rel_err(o, ref_out))
             for t in tiles:
                 if t[0] < group:
                     continue
@@ -126,7 +130,7 @@ def main() -> None:
                 try:  # one split: the tiles alone
                     o = torch.zeros_like(c["q"])
                     run(c, o, 1)
-                    err = ((o.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
+                    err = max_rel_err(o, ref_out)
                     us = graph_us(lambda: run(c, o, 1))
                 finally:
                     ea.extend_tiles = rule
