@@ -100,7 +100,9 @@ def main() -> None:
         hkv, group, d = (int(x) for x in a.heads.split("x"))
         splits = [int(v) for v in a.splits.split(",") if v]
     except ValueError:
-        raise SystemExit("--trees, --batches: comma-separated integers; --heads: KVxGROUPxDIM (e.g. 3x3x64)")
+        raise SystemExit("--trees, --batches, --splits: comma-separated integers; --heads: KVxGROUPxDIM (e.g. 3x3x64)")
+    if any(v < 1 for v in splits):
+        raise SystemExit(f"--splits {a.splits}: each split count must be >= 1")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/extend_tiles.py needs a CUDA GPU")
     if (a.ctx + max(trees)) > a.width * a.block_size:
