@@ -119,7 +119,8 @@ def main() -> None:
             rule_us = round(graph_us(lambda: run(c, ref_out)), 2)
             row = dict(batch=bsz, tree=n, ctx=a.ctx, rule=list(picked), rule_us=rule_us, tiles={}, splits={},
                        rule_splits=ea.extend_num_splits(-(-n // (picked[0] // group)), bsz, hkv, n * group,
-                                                        a.width * a.block_size, picked[1], c["q"].device))
+                                                        a.width * a.block_size, picked[1],
+                                                        ea.sm_count(c["q"].device)))
             for sp in splits:
                 o = torch.zeros_like(c["q"])
                 run(c, o, sp)

@@ -183,10 +183,10 @@ def extend_tiles(max_seqlen_q: int, group: int, head_dim: int, elem_bytes: int =
 
 
 def extend_num_splits(q_tiles: int, batch: int, num_kv_heads: int, rows: int, max_keys: int, block_n: int,
-                      device: torch.device) -> int:
+                      sms: int) -> int:
     """Key splits from shapes only (as flash-decoding; the step's graphs replay them): one for runs of
     BIG_TILE_ROWS (query, head) rows or more (prefill: its query tiles fill the GPU); else up to 4,
-    while the programs stay within half the SMs, no more than the key tiles a block table row can
+    while the programs stay within half the sms SMs, no more than the key tiles a block table row can
     describe (max_keys). H100, forty-sixth session (extend_tiles.py, SmolLM2's heads, 256 cached keys,
     one call with its combine): a 20-node tree at batch 1, 3 programs, 7.97 µs in one split, 6.35 in
     4, 7.03 in 32; at batch 8 (24 programs) 8.06 / 7.84 in 1 / 2 splits; at batch 64 splits only
@@ -195,7 +195,7 @@ def extend_num_splits(q_tiles: int, batch: int, num_kv_heads: int, rows: int, ma
     1.5 µs launch is as much as the key walk it shortens at 20."""
     if rows >= BIG_TILE_ROWS:
         return 1
-    return max(1, min(4, sm_count(device) // 2 // max(1, q_tiles * batch * num_kv_heads), -(-max_keys // block_n)))
+    return max(1, min(4, sms // 2 // max(1, q_tiles * batch * num_kv_heads), -(-max_keys // block_n)))
 
 
 def paged_extend_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, *,
@@ -281,7 +281,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qpt = block_m // g
     q_tiles = -(-max_seqlen_q // qpt)
     splits = num_splits or extend_num_splits(q_tiles, bsz, h, max_seqlen_q * g, block_tables.shape[1] * bs, block_n,
-                                             dev)
+                                             sm_count(dev))
     hq = q.shape[1]
     if splits > 1:  # partials of every row of q; the combine writes those of the B sequences only
         wm = torch.empty((q.shape[0], hq, splits), device=dev, dtype=torch.float32)

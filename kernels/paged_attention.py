@@ -49,7 +49,6 @@ FP8_MAX = 448.0
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
-DEFAULT_SMS = 132  # H100/H200, when the tensors are not on CUDA
 _SM_COUNTS: dict = {}
 
 
@@ -418,9 +417,11 @@ def decode_block_n(head_dim: int, cache_dtype: torch.dtype) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    """The device's SMs (looked up once a device), DEFAULT_SMS off CUDA: the split rules' grid size."""
+    """The device's SMs (looked up once a device): the split rules' grid size. Off CUDA 1: the
+    interpreter runs one program at a time, so splits buy it nothing and cost it their combine (the
+    kernel tests cover the split paths with explicit num_splits)."""
     if device.type != "cuda":
-        return DEFAULT_SMS
+        return 1
     sms = _SM_COUNTS.get(device.index)
     if sms is None:
         sms = _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
@@ -428,10 +429,9 @@ def sm_count(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                       block_n: int, device: torch.device) -> int:
-    """Splits from shapes only: enough programs to fill the SMs twice, no more splits than
+                       block_n: int, sms: int) -> int:
+    """Splits from shapes only: enough programs to fill the sms SMs twice, no more splits than
     key tiles in the longest sequence a table row can describe, at most 64."""
-    sms = sm_count(device)
     want = -(-2 * sms // max(1, batch * num_kv_heads))
     tiles = -(-max_blocks * block_size // block_n)
     return max(1, min(want, tiles, 64))
@@ -470,7 +470,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     block_n = decode_block_n(d, k_cache.dtype)
-    splits = num_splits or default_num_splits(bsz, h, block_tables.shape[1], bs, block_n, dev)
+    splits = num_splits or default_num_splits(bsz, h, block_tables.shape[1], bs, block_n, sm_count(dev))
     block_d = max(16, triton.next_power_of_2(d))
     hq = q.shape[1]
     if splits > 1:

@@ -42,6 +42,7 @@ from .paged_attention import (
     default_num_splits,
     gather_kv,
     kv_tile,
+    sm_count,
 )
 
 
@@ -167,7 +168,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_d = max(16, triton.next_power_of_2(d))
     qpt = block_m // g
     q_tiles = triton.cdiv(n, qpt)
-    splits = num_splits or default_num_splits(bsz * q_tiles, h, block_tables.shape[1], bs, block_n, dev)
+    splits = num_splits or default_num_splits(bsz * q_tiles, h, block_tables.shape[1], bs, block_n, sm_count(dev))
     if splits > 1:
         wm = torch.empty((bsz * n, hq, splits), device=dev, dtype=torch.float32)
         wl = torch.empty_like(wm)

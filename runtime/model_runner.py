@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UserError
 from ..hub.loader import parse_dtype, resolve_device
-from ..kernels.paged_attention import default_num_splits
+from ..kernels.paged_attention import default_num_splits, sm_count
 from .block_table import BlockTables
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
@@ -89,7 +89,7 @@ class ModelRunner:
         # graphs' memory pool alive after the LLM is dropped (until the next gc run).
         self.decode_splits = functools.partial(default_num_splits, num_kv_heads=self.num_kv_heads,
                                                max_blocks=self.max_blocks_per_seq, block_size=self.block_size,
-                                               block_n=self.kv_spec.head_dim, device=self.device)
+                                               block_n=self.kv_spec.head_dim, sms=sm_count(self.device))
         self.spec = None
         # a speculative step's eager plain rows ride in its verify forward (config.spec_fuse)
         self.fuse = config.spec_fuse and os.environ.get("OPTLLM_SPEC_FUSE", "1") != "0"

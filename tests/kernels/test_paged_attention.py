@@ -30,8 +30,10 @@ from optllm.kernels.extend_attention import (
 )
 from optllm.kernels.paged_attention import (
     FP8_DTYPE,
+    default_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
+    sm_count,
     store_kv_cache,
     store_kv_cache_ref,
 )
@@ -418,13 +420,23 @@ def test_extend_key_splits_bf16_and_fp8_caches(dtype):
 def test_extend_num_splits_from_shapes():
     # a batch-1 tree verify (3 kv heads) takes 4 splits, fewer as the programs near half the SMs or as the key
     # tiles a table row holds run out; long new runs (prefill) and full grids keep one
-    cpu = torch.device("cpu")
-    assert extend_num_splits(1, 1, 3, 60, 2048, 64, cpu) == 4
-    assert extend_num_splits(1, 1, 3, 60, 128, 64, cpu) == 2
-    assert extend_num_splits(1, 8, 3, 60, 2048, 64, cpu) == 2
-    assert extend_num_splits(2, 8, 3, 123, 2048, 64, cpu) == 1
-    assert extend_num_splits(1, 64, 3, 60, 2048, 64, cpu) == 1
-    assert extend_num_splits(12, 1, 3, BIG_TILE_ROWS, 2048, 128, cpu) == 1
+    assert extend_num_splits(1, 1, 3, 60, 2048, 64, 132) == 4
+    assert extend_num_splits(1, 1, 3, 60, 128, 64, 132) == 2
+    assert extend_num_splits(1, 8, 3, 60, 2048, 64, 132) == 2
+    assert extend_num_splits(2, 8, 3, 123, 2048, 64, 132) == 1
+    assert extend_num_splits(1, 64, 3, 60, 2048, 64, 132) == 1
+    assert extend_num_splits(12, 1, 3, BIG_TILE_ROWS, 2048, 128, 132) == 1
+
+
+def test_decode_num_splits_from_shapes():
+    # the SMs filled twice (batch 1, 3 kv heads: 88 programs wanted), bounded by the key tiles of a table row and
+    # by 64; the CPU (one program at a time under the interpreter) counts as one SM, and takes one split
+    assert default_num_splits(1, 3, 64, 32, 64, 132) == 32
+    assert default_num_splits(1, 3, 512, 32, 64, 132) == 64
+    assert default_num_splits(8, 3, 512, 32, 64, 132) == 11
+    assert default_num_splits(64, 3, 512, 32, 64, 132) == 2
+    assert default_num_splits(1, 3, 512, 32, 64, sm_count(torch.device("cpu"))) == 1
+    assert extend_num_splits(1, 1, 3, 60, 2048, 64, sm_count(torch.device("cpu"))) == 1
 
 
 def test_extend_fp8_cache():
