@@ -296,10 +296,13 @@ awq)  # (thirty-third session) the AWQ target (W4 g64, 128 x 512 calibration, qu
   done
   ;;
 bs1)  # (thirty-fourth session) batch 1 alone over BS1_REPS (24) requests, temperatures TEMPS (0,1), for each
-  # NAME:MODEL:DRAFT of RUNS (folders left on the machine by earlier calls): spec_bs1_NAME
+  # NAME:MODEL:DRAFT of RUNS (folders left on the machine by earlier calls): spec_bs1_NAME; BS1_EXTRA (forty-seventh
+  # session): more of eval's arguments for every run ("--spec-policy fixed")
   for r in ${RUNS:?RUNS: NAME:MODEL:DRAFT ...}; do
     IFS=: read -r name model draft <<< "$r"
-    spec_eval "bs1_$name" "$model" "$draft" --batch-sizes 1 --spec-reps "${BS1_REPS:-24}" --temperatures "${TEMPS:-0,1}"
+    # shellcheck disable=SC2086
+    spec_eval "bs1_$name" "$model" "$draft" --batch-sizes 1 --spec-reps "${BS1_REPS:-24}" --temperatures "${TEMPS:-0,1}" \
+      ${BS1_EXTRA:-}
   done
   ;;
 awqdata)  # (thirty-fourth session) the AWQ target quantized, then the float draft's 12288 prompts (its
