@@ -99,9 +99,9 @@ def _accept_move_kernel(tok_ptr, par_ptr, dep_ptr, mask_ptr, path_ptr, size_ptr,
     d = tl.arange(0, BD)
     hd_ok = (h < H)[:, None] & (d < D)[None, :]
     hd = h[:, None] * stride_ch + d[None, :]
-    for c in range(1, N):
-        a = tl.sum(tl.where(i == c, acc, 0), axis=0)
-        if (c <= k) & (a != c):
+    for c in range(1, k + 1):  # the path's k moves only (a loop over all N nodes cost 16 us at 41 nodes, H100)
+        a = tl.load(path_row + c)
+        if a != c:
             src = ctx + a
             dst = ctx + c
             sblk = tl.load(bt_row + src // BS).to(tl.int64)
