@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The forty-sixth session's kernels call (issues 15 and 13), no model needed. Pass OPTLLM_COMMIT as a literal
 # hash (the device's .git is stale).
-#   1. GPU tests (TESTS, default the attention kernels' and tree growth's: the extend kernel's key splits, the
+#   1. GPU tests (TESTS; MARK, default gpu: "gpu or not gpu" runs the unmarked files too, on CUDA; default the attention kernels' and tree growth's: the extend kernel's key splits, the
 #      sorted selection), TESTS_S seconds;
 #   2. (unless NO_EXTEND=1) benchmarks/extend_tiles.py: the verify forward's attention at the rule's tiles by key
 #      splits (SPLITS), trees TREES, batches BATCHES;
@@ -14,7 +14,7 @@ source benchmarks/device_preamble.sh
 no_model_env
 export OUT
 # shellcheck disable=SC2086
-timeout "${TESTS_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/kernels/test_paged_attention.py \
+timeout "${TESTS_S:-150}" python3 -m pytest -q -m "${MARK:-gpu}" -p no:cacheprovider ${TESTS:-tests/kernels/test_paged_attention.py \
   tests/kernels/test_tree_attention.py tests/kernels/test_tree_grow.py} > "$OUT/logs/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$OUT/logs/gpu_tests.log")"; grep -m 10 "^FAILED\|^ERROR" "$OUT/logs/gpu_tests.log"
 [ -n "${NO_EXTEND:-}" ] || timeout "${XS:-100}" python3 benchmarks/extend_tiles.py --trees "${TREES:-20,41,81}" --batches "${BATCHES:-1,8,64}" \
