@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The forty-sixth session's kernels call (issues 15 and 13), no model needed. Pass OPTLLM_COMMIT as a literal
 # hash (the device's .git is stale).
-#   1. GPU tests (TESTS; MARK, default gpu: "gpu or not gpu" runs the unmarked files too, on CUDA; default the attention kernels' and tree growth's: the extend kernel's key splits, the
-#      sorted selection), TESTS_S seconds;
+#   1. GPU tests (TESTS, default the attention kernels' and tree growth's: the extend kernel's key splits, the
+#      sorted selection), TESTS_S seconds; MARK (default gpu; "gpu or not gpu": the unmarked tests too, on CUDA);
 #   2. (unless NO_EXTEND=1) benchmarks/extend_tiles.py: the verify forward's attention at the rule's tiles by key
 #      splits (SPLITS), trees TREES, batches BATCHES;
 #   3. (unless NO_PROFILE=1) profile_step.py's speculative step graphs (trees of 20 and 41) on a random SmolLM2
