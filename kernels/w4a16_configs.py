@@ -106,6 +106,9 @@ W4A16_CONFIGS = MappingProxyType({
     # tune_w4a16.py --ms 256 on an H100 (forty-sixth session, 110 s): qkv's swap-AB 64-row tiles beat dequantize +
     # cuBLAS (50.0 µs); o (32.5 against 32.9) and gate_up stay; down's fastest computed wrong (kernels/w4a16._plan)
     (256, 6144, 4096): _C(64, 64, 128, 1, 4, 3, swap_ab=True),    # 45.6
+    # down again with every candidate checked (forty-seventh session, H100, 80 s, 80 timed, none wrong): a 64-row
+    # swap-AB tile split 2 (relative error 2.2e-3) against dequantize + cuBLAS's 114.8
+    (256, 4096, 14336): _C(64, 128, 128, 2, 8, 3, swap_ab=True),  # 95.0
     # M = 65..128: tune_w4a16.py --ms 128 on an H100 (forty-fifth session, 75 s; µs at M = 128, what the bucket
     # ran before in brackets: M = 256's entries). cuBLAS bf16 read 20.6 / 15.1 / 84.7 / 50.9 in the same run.
     (128, 6144, 4096): _C(64, 64, 128, 2, 4, 3, swap_ab=True),    # 30.4 (43.7)
