@@ -26,8 +26,9 @@ demo: setup
 	$(PY) -m optllm eval smollm2-135m $(SMOKE_OUT) --ppl --max-windows 8 --out $(SMOKE_OUT)-report
 	$(PY) -m optllm generate $(SMOKE_OUT) "The Python interpreter is" --max-tokens 32
 
-# style (ruff) and the layering contract of DESIGN.md (lint-imports, pyproject.toml) first
+# style (ruff) and the layering contract of DESIGN.md (lint-imports, pyproject.toml) first; then the tests in two
+# pytest-xdist workers of one torch thread each (tests/conftest.py), a file to a worker (its module fixtures built once)
 test: setup
 	$(RUFF) check .
 	$(LINT_IMPORTS)
-	$(PY) -m pytest -q -m "not gpu"
+	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile

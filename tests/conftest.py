@@ -18,8 +18,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # a test runs does not depend on which files were collected first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`make test` runs one worker a core) each worker, and the CLI subprocesses its tests start, runs
+# one torch thread: workers of a thread a core each, not spinning OpenMP pools that outnumber the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+# Files to hand out first under `pytest -n 2 --dist loadfile`: the longest single test (the SmolLM2 AWQ end to end,
+# about 200 s on one thread) collected last left one worker running it alone at the end of the run.
+FIRST_FILES = ("tests/test_end_to_end.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    first = [it for it in items if it.nodeid.startswith(FIRST_FILES)]
+    if first:
+        items[:] = first + [it for it in items if not it.nodeid.startswith(FIRST_FILES)]
 
 # An engine left in a reference cycle is freed by the cyclic collector, not when the test drops it, and the
 # collector runs by object counts, blind to a 1 GiB CPU KV cache: a clean run grew to 24 GiB by
