@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(config, items):
     if first:
         items[:] = first + [it for it in items if not it.nodeid.startswith(FIRST_FILES)]
 
+
 # An engine left in a reference cycle is freed by the cyclic collector, not when the test drops it, and the
 # collector runs by object counts, blind to a 1 GiB CPU KV cache: a clean run grew to 24 GiB by
 # test_spec_engine.py and was killed (thirty-ninth session). The runtime's own cycles (runner <-> speculative
