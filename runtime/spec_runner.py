@@ -432,6 +432,15 @@ class SpecDecoder:
         """EAGLE: the depth a tree of n nodes is grown to (the option, at most n - 1)."""
         return max(1, min(self.options.depth, n - 1))
 
+    def tree_width(self, n: int) -> int:
+        """EAGLE: the frontier nodes a level of an n-node tree expands, and the children each gets
+        (top_k, at most n - 1). The same tree as top_k's, fewer draft rows: the tree keeps the n - 1
+        best candidates, and a node ranked behind n - 1 others of its own level (or behind n - 1
+        siblings) is behind n - 1 candidates of the pool, as all its descendants are (a child never
+        outscores its parent; ties go to the earlier). So neither it nor anything grown from it is
+        kept, and the kept nodes' ranks count the same candidates ahead of them."""
+        return max(1, min(self.options.top_k, n - 1))
+
     def max_accept(self, n: int) -> int:
         """The most draft tokens a tree of n nodes can give: its depth."""
         return self.tree_depth(n) if self.eagle else self.trees[n].num_heads
@@ -1077,11 +1086,11 @@ class SpecDecoder:
         return tree.batch(roots, topk)
 
     def _propose_eagle(self, roots, states, ctx, tables, n):
-        o, dev, bs, be = self.options, self.device, self.block_size, self.runner.backend
-        bsz, k, h = roots.shape[0], o.top_k, states.shape[-1]
-        # a tree of n nodes is at most n - 1 deep: no expansion past that (a chain of n - 1 is all
-        # the smallest menu sizes can keep)
-        depth = self.tree_depth(n)
+        dev, bs, be = self.device, self.block_size, self.runner.backend
+        bsz, h = roots.shape[0], states.shape[-1]
+        # a tree of n nodes is at most n - 1 deep and keeps at most n - 1 nodes of a level: no
+        # expansion past either (a chain of n - 1 is all the smallest menu sizes can keep)
+        depth, k = self.tree_depth(n), self.tree_width(n)
         # EAGLE-2 growth (kernels/tree_grow.py): each level's bookkeeping -- the candidates into the
         # pool, the next frontier, its input features and ancestor mask -- in one launch, the final
         # selection and the tree's structure in one more

@@ -34,10 +34,11 @@ def _run(model, prompts, params, **kw):
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-def _stepped_engine(model, draft, num_draft: int, max_tokens: int, steps: int, kernels: str = "auto"):
+def _stepped_engine(model, draft, num_draft: int, max_tokens: int, steps: int, kernels: str = "auto",
+                    top_k: int = 3):
     """An engine with an EAGLE-type draft (top-k 3, depth 3, 16-token steps: prompts arrive in
     chunks) after `steps` steps of greedy requests for PROMPTS, mid-generation."""
-    eng = LLM(str(model), device="cpu", dtype="float32", draft=str(draft), spec_top_k=3, spec_depth=3,
+    eng = LLM(str(model), device="cpu", dtype="float32", draft=str(draft), spec_top_k=top_k, spec_depth=3,
               spec_num_draft=num_draft, max_num_batched_tokens=16, kernels=kernels).engine
     for p in PROMPTS:
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
@@ -459,6 +460,51 @@ def test_eagle_levels_run_only_their_rows_and_propose_what_rerunning_every_row_p
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
     assert int(got.depths.max()) == 3  # the deepest level's rows attended two levels above
     torch.testing.assert_close(selected.scores, want.scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("kernels", "method", "flat"), [("torch", "eagle", False), ("triton", "eagle3", False),
+                                                         ("torch", "eagle3", True)])
+def test_small_trees_expand_no_wider_than_they_keep_and_grow_the_same_tree(tiny_llama, tmp_path, kernels, method, flat,
+                                                                          monkeypatch):
+    """A tree of n nodes keeps n - 1 candidates, so its levels expand min(top_k, n - 1) frontier
+    nodes of min(top_k, n - 1) children each (``tree_width``): the same tokens, parents and ranks as
+    growing it top_k wide, at every size (top-k 6, depth 3: 21, 10, 5 and 2 nodes), with fewer
+    draft rows where n - 1 < top_k (the pool of 5 nodes: 1 + 4 + 2 * 16 candidates, not 1 + 6 + 2 * 36).
+    flat: every draft log-prob made about -1 (a level costs more than any choice within it), so the
+    trees are stars: a tree of 5 nodes keeps the root's 4 best children, which a width of 3 misses."""
+    import optllm.runtime.models.draft as draft_mod
+    import optllm.runtime.spec_runner as spec_runner
+
+    folder = write_draft(tmp_path / method, tiny_llama, method, seed=7, noise=0.5)
+    eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels, top_k=6)
+    spec = eng.runner.spec
+    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
+    assert len(seqs) >= 2
+    for s in seqs:
+        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
+    ctx, tables = spec._context(seqs)
+    roots = spec._roots(seqs)
+    pools = []
+    new_pool, topk = spec_runner.new_pool, draft_mod.topk_logprobs
+    monkeypatch.setattr(spec_runner, "new_pool", lambda *a: pools.append(a[1:3]) or new_pool(*a))
+    if flat:
+        def flattened(*a, **kw):
+            lp, ids = topk(*a, **kw)
+            return lp * 1e-3 - 1, ids
+        monkeypatch.setattr(draft_mod, "topk_logprobs", flattened)
+    with torch.inference_mode():
+        states = spec.states(seqs)
+        for n, width in ((21, 6), (10, 6), (5, 4), (2, 1)):
+            assert spec.tree_width(n) == width and spec.tree_depth(n) == min(3, n - 1)
+            got, got_ranks = spec._propose_eagle(roots, states, ctx, tables, n)
+            with monkeypatch.context() as m:
+                m.setattr(type(spec), "tree_width", lambda self, n: self.options.top_k)
+                want, want_ranks = spec._propose_eagle(roots, states, ctx, tables, n)
+            assert pools[-2:] == [(width, min(3, n - 1)), (6, min(3, n - 1))]
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents), n
+            assert torch.equal(got_ranks, want_ranks) and torch.equal(got.depths, want.depths), n
+            # flat: a star up to the root's 6 children, then their best children
+            assert int(got.depths.max()) == (1 + (n > 7) if flat else min(3, n - 1)), n
 
 
 @pytest.mark.parametrize(("kernels", "draft_vocab"), [("torch", None), ("triton", 150)])
