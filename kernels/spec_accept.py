@@ -25,10 +25,14 @@ matched when its token is the target's at its parent (the root always), a node i
 accepted path when every node on its root path matched, the path kept is the deepest (ties: the
 lowest index). It then moves layer l's K/V of the path: node a_i's entry at ctx + a_i to ctx + i,
 i = 1 .. k, in increasing i (a_i >= i, so no move reads an entry an earlier one wrote). Program
-(b, 0) also writes the results: accepted [B, N] (path nodes, root first, -1 after), num [B] (k),
-out_tokens [B, N] (the k accepted draft tokens, the target's token at the path's end, then -1),
-and for the feature store rows [B, N] (b * N + a_i: the verify forward's row of path node i; 0
-past k) and slots [B, N] (the cache slot of ctx + i; -1 past k).
+(b, 0) also writes the results, as one int64 row a sequence (``packed`` [B, 1 + 2N + S], the layout
+the host reads back in one copy): num (k), out_tokens (the k accepted draft tokens, the target's
+token at the path's end, then -1), accepted (path nodes, root first, -1 after) and, given the
+adaptive policy's menu of S tree sizes and each node's rank (the nodes of rank < m form the tree of
+m nodes), the draft tokens each smaller tree would have accepted: the path cut at its first node
+ranked m or later (runtime/spec's ``accepted_per_size``, which cost a step graph eight launches of
+its own). For the feature store: rows [B, N] (b * N + a_i: the verify forward's row of path node i;
+0 past k) and slots [B, N] (the cache slot of ctx + i; -1 past k).
 """
 
 from __future__ import annotations
@@ -46,13 +50,13 @@ MAX_NODES = 128
 
 # sizes that change from step to step (the block tables' width above all) are not specialized on:
 # no compile in the middle of serving
-@triton.jit(do_not_specialize=["N", "sb_par", "sb_dep", "sb_mask", "sb_path", "stride_bt"])
+@triton.jit(do_not_specialize=["N", "sb_par", "sb_dep", "sb_mask", "sb_path", "sb_rank", "stride_bt"])
 def _accept_move_kernel(tok_ptr, par_ptr, dep_ptr, mask_ptr, path_ptr, size_ptr, tgt_ptr, bt_ptr, ctx_ptr,
-                        k_ptr, v_ptr, ks_ptr, vs_ptr, acc_ptr, num_ptr, out_ptr, row_ptr, slot_ptr,
-                        N, sb_par, sb_dep, sb_mask, sb_path, stride_bt, stride_cl, stride_cb, stride_ch, stride_ct,
-                        stride_sl, stride_sb, stride_sh,
-                        H, D, BS: tl.constexpr, HAS_SCALE: tl.constexpr, NP: tl.constexpr, BH: tl.constexpr,
-                        BD: tl.constexpr, FIRST: tl.constexpr):
+                        k_ptr, v_ptr, ks_ptr, vs_ptr, pk_ptr, rank_ptr, menu_ptr, row_ptr, slot_ptr,
+                        N, S, sb_par, sb_dep, sb_mask, sb_path, sb_rank, stride_bt, stride_cl, stride_cb, stride_ch,
+                        stride_ct, stride_sl, stride_sb, stride_sh,
+                        H, D, BS: tl.constexpr, HAS_SCALE: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                        BH: tl.constexpr, BD: tl.constexpr, FIRST: tl.constexpr):
     """grid (B, layers); see the module docstring."""
     b = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -87,9 +91,17 @@ def _accept_move_kernel(tok_ptr, par_ptr, dep_ptr, mask_ptr, path_ptr, size_ptr,
         nxt = tl.load(path_row + i + 1, mask=(i + 1) < N, other=-1)
         nxt_tok = tl.load(tok_ptr + base + tl.maximum(nxt, 0), mask=in_n, other=0)
         out = tl.where(i < k, nxt_tok, tl.where(i == k, final, -1))
-        tl.store(acc_ptr + base + i, acc, mask=in_n)
-        tl.store(out_ptr + base + i, out, mask=in_n)
-        tl.store(num_ptr + b, k)
+        pk = pk_ptr + b * (1 + 2 * N + S)
+        tl.store(pk, k)
+        tl.store(pk + 1 + i, out, mask=in_n)
+        tl.store(pk + 1 + N + i, acc, mask=in_n)
+        if SP > 0:  # per menu size m: the path's nodes at depth 1 .. k before its first of rank >= m
+            rank = tl.load(rank_ptr + b * sb_rank + tl.maximum(acc, 0), mask=in_n, other=0)
+            sv = tl.arange(0, SP)
+            m = tl.load(menu_ptr + sv, mask=sv < S, other=0)
+            cut = (i >= 1)[None, :] & (i <= k)[None, :] & (rank[None, :] >= m[:, None])
+            first = tl.min(tl.where(cut, i[None, :], k + 1), axis=1)
+            tl.store(pk + 1 + 2 * N + sv, first - 1, mask=sv < S)
         pos = ctx + i
         slot = tl.load(bt_row + pos // BS, mask=in_n & (i <= k), other=0).to(tl.int64) * BS + pos % BS
         tl.store(row_ptr + base + i, tl.where(acc >= 0, base + acc, 0), mask=in_n)
@@ -165,6 +177,27 @@ def greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target, 
     return acc, num, out, feat_rows, slots
 
 
+def accepted_per_size_ref(accepted: torch.Tensor, ranks: torch.Tensor, menu: torch.Tensor) -> torch.Tensor:
+    """int64 [B, S]: the draft tokens a tree of the first m ranks would have accepted, for each m in
+    menu (int64 [S]), from the accepted path of the whole tree (accepted int64 [B, N], root first, -1
+    after) and each node's rank (ranks int64 [B, N], every parent ranked before its children):
+    the path's running maximum rank, counted below each m, entries past the path ranked past every
+    m. runtime/spec/acceptance.py's ``accepted_per_size``, written out here as greedy_accept_move_ref
+    is (kernels/ imports nothing of the runtime); the tests hold the two equal. Tensor ops, no host
+    value."""
+    path = accepted[:, 1:]
+    r = ranks.gather(1, path.clamp_min(0)).masked_fill(path < 0, torch.iinfo(torch.int64).max)
+    return (r.cummax(dim=1).values.unsqueeze(-1) < menu).sum(dim=1)
+
+
+def pack_results(num: torch.Tensor, out_tokens: torch.Tensor, accepted: torch.Tensor,
+                 per_size: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The layout the kernel writes, with tensor ops: int64 [B, 1 + 2N (+ S)], num, out_tokens,
+    accepted (and per_size)."""
+    parts = [num.view(-1, 1), out_tokens, accepted] + ([] if per_size is None else [per_size])
+    return torch.cat([p.to(torch.int64) for p in parts], dim=1)
+
+
 def greedy_accept_move(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,
                        paths: torch.Tensor, sizes: torch.Tensor, target: torch.Tensor, block_tables: torch.Tensor,
                        ctx: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -173,26 +206,51 @@ def greedy_accept_move(tokens: torch.Tensor, parents: torch.Tensor, depths: torc
     """(accepted int64 [B, N], num int64 [B], out_tokens int64 [B, N], rows int64 [B, N], slots
     int64 [B, N]) as the module docstring says; the caches are moved in place. No host sync on the
     Triton path (a speculative step's CUDA graph captures it). first_match: target holds tokens
-    drawn from the target at each node (sampled verification), a repeated sibling never matches."""
+    drawn from the target at each node (sampled verification), a repeated sibling never matches.
+    The first three are views of ``greedy_accept_move_packed``'s row."""
+    n = tokens.shape[1]
+    packed, rows, slots = greedy_accept_move_packed(tokens, parents, depths, mask, paths, sizes, target,
+                                                    block_tables, ctx, k_cache, v_cache, k_scale, v_scale,
+                                                    backend=backend, first_match=first_match)
+    return packed[:, 1 + n:1 + 2 * n], packed[:, 0], packed[:, 1:1 + n], rows, slots
+
+
+def greedy_accept_move_packed(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                              mask: torch.Tensor, paths: torch.Tensor, sizes: torch.Tensor, target: torch.Tensor,
+                              block_tables: torch.Tensor, ctx: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
+                              v_scale: Optional[torch.Tensor] = None, backend: str = "auto",
+                              first_match: bool = False, ranks: Optional[torch.Tensor] = None,
+                              menu: Optional[torch.Tensor] = None):
+    """``greedy_accept_move`` with the results as one int64 row a sequence: (packed [B, 1 + 2N + S]:
+    num, out_tokens, accepted, then with ranks (int64 [B, N], unit stride along N) and menu (int64
+    [S]) the draft tokens each menu size would have accepted, ``accepted_per_size_ref``; rows,
+    slots). S = 0 without a menu."""
     bsz, n = tokens.shape
     if n > MAX_NODES:
         raise ValueError(f"trees of {n} nodes: at most {MAX_NODES} allowed")
+    if (ranks is None) != (menu is None):
+        raise ValueError("ranks and menu: give both or neither")
     if not use_triton(backend, tokens):
-        return greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target, block_tables, ctx,
-                                      k_cache, v_cache, k_scale, v_scale, first_match)
+        acc, num, out, rows, slots = greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target,
+                                                            block_tables, ctx, k_cache, v_cache, k_scale, v_scale,
+                                                            first_match)
+        per_size = None if menu is None else accepted_per_size_ref(acc, ranks, menu)
+        return pack_results(num, out, acc, per_size), rows, slots
     # one tree's structure may be shared over the batch (a Medusa tree: expanded, batch stride 0);
     # within a sequence each tensor is read as contiguous
     tokens, target = tokens.contiguous(), target.contiguous()
     parents, depths, mask, paths = (t if t.stride()[1:] == t[0].contiguous().stride() else t.contiguous()
                                     for t in (parents, depths, mask, paths))
+    if ranks is not None and ranks.stride(1) != 1:
+        ranks = ranks.contiguous()
+    s = 0 if menu is None else menu.numel()
     dev = tokens.device
-    acc = torch.empty(bsz, n, dtype=torch.int64, device=dev)
-    out = torch.empty_like(acc)
-    rows = torch.empty_like(acc)
-    slots = torch.empty_like(acc)
-    num = torch.empty(bsz, dtype=torch.int64, device=dev)
+    packed = torch.empty(bsz, 1 + 2 * n + s, dtype=torch.int64, device=dev)
+    rows = torch.empty(bsz, n, dtype=torch.int64, device=dev)
+    slots = torch.empty_like(rows)
     if bsz == 0:
-        return acc, num, out, rows, slots
+        return packed, rows, slots
     layers, _, h, bs, d = k_cache.shape
     if k_cache.stride(4) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache, v_cache: must share strides, unit stride along head_dim")
@@ -203,9 +261,10 @@ def greedy_accept_move(tokens: torch.Tensor, parents: torch.Tensor, depths: torc
     sstr = k_scale.stride() if scaled else (0, 0, 0, 0)
     _accept_move_kernel[(bsz, layers)](
         tokens, parents, depths, mask.view(torch.uint8), paths, sizes, target, block_tables, ctx,
-        kc, vc, ks, vs, acc, num, out, rows, slots,
-        n, parents.stride(0), depths.stride(0), mask.stride(0), paths.stride(0), block_tables.stride(0),
+        kc, vc, ks, vs, packed, packed if ranks is None else ranks, packed if menu is None else menu, rows, slots,
+        n, s, parents.stride(0), depths.stride(0), mask.stride(0), paths.stride(0),
+        0 if ranks is None else ranks.stride(0), block_tables.stride(0),
         *kc.stride()[:4], sstr[0], sstr[1], sstr[2], h, d,
-        BS=bs, HAS_SCALE=scaled, NP=max(16, pow2(n)), BH=max(2, pow2(h)), BD=max(16, pow2(d)), FIRST=first_match,
-        num_warps=4)
-    return acc, num, out, rows, slots
+        BS=bs, HAS_SCALE=scaled, NP=max(16, pow2(n)), SP=0 if s == 0 else max(2, pow2(s)), BH=max(2, pow2(h)),
+        BD=max(16, pow2(d)), FIRST=first_match, num_warps=4)
+    return packed, rows, slots

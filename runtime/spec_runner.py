@@ -55,7 +55,7 @@ import torch
 
 from ..kernels.common import use_triton
 from ..kernels.fc_scatter import fc_scatter, fc_scatter_ref
-from ..kernels.spec_accept import greedy_accept_move
+from ..kernels.spec_accept import greedy_accept_move_packed, pack_results
 from ..kernels.spec_slots import step_slots
 from ..kernels.topk import topk_logprobs
 from ..kernels.tree_grow import MAX_NODES as TREE_MAX_NODES
@@ -861,7 +861,7 @@ class SpecDecoder:
         target's rows of the nodes (hidden [B * N, H], EAGLE-3's aux, logits [B, N, V]), the
         accepted KV moved into place and its features stored."""
         return self._accept(prop.tree, hidden, aux, logits, prop.ctx, prop.tables, prop.slots,
-                            [s.params for s in prop.seqs])
+                            [s.params for s in prop.seqs], prop.ranks)
 
     def emit(self, prop: Proposal, res: AcceptResult, logits: torch.Tensor) -> list[list[int]]:
         """The host sync that ends a fused step's speculative half: each sequence's new tokens."""
@@ -912,19 +912,26 @@ class SpecDecoder:
             self._sizes_t = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
         return self._sizes_t[1]
 
+    def _menu(self) -> torch.Tensor | None:
+        """The sizes whose acceptance a step reports (the adaptive menu's; None: fixed trees)."""
+        return self._sizes_on() if self.adaptive else None
+
     def _per_size(self, res: AcceptResult, ranks: torch.Tensor) -> torch.Tensor | None:
-        """The policy's per-size acceptance of an eager step, on the device (None without a policy)."""
-        return None if self.policy is None else accepted_per_size(res.accepted, ranks, self._sizes_on())
+        """The policy's per-size acceptance of an eager step, on the device (None without a policy,
+        or where the acceptance kernel wrote it into res.packed)."""
+        if self.policy is None or res.packed is not None:
+            return None
+        return accepted_per_size(res.accepted, ranks, self._sizes_on())
 
     @staticmethod
     def _pack(res: AcceptResult, per_size: torch.Tensor | None) -> torch.Tensor:
         """A step's results as the host reads them back, one int64 [B, 1 + 2 N (+ S)]: num_accepted,
         tokens, the accepted path (and the accepted draft tokens per menu size). Eager steps and the
-        step graphs both: ``_emit`` parses this layout."""
-        parts = [res.num_accepted.view(-1, 1), res.tokens, res.accepted]
-        if per_size is not None:
-            parts.append(per_size)
-        return torch.cat([p.to(torch.int64) for p in parts], dim=1)
+        step graphs both: ``_emit`` parses this layout. The acceptance kernel writes it whole
+        (res.packed, with the menu's sizes where the decoder is adaptive); else tensor ops."""
+        if res.packed is not None:
+            return res.packed
+        return pack_results(res.num_accepted, res.tokens, res.accepted, per_size)
 
     def _emit(self, seqs, res: AcceptResult, per_size: torch.Tensor | None, n: int, logits) -> list[list[int]]:
         """An eager step's one host sync and its bookkeeping (``_emit_host``): res and per_size (int64
@@ -1002,7 +1009,7 @@ class SpecDecoder:
             hidden = self.model(tree.tokens.reshape(-1), tree.positions(ctx).reshape(-1), meta)
         aux = self.model.model.aux_hidden  # EAGLE-3: the accepted rows' fused features come from it
         logits = self.model.compute_logits(hidden).view(bsz, n, -1)
-        res = self._accept(tree, hidden, aux, logits, ctx, tables, slots, params, temps, later)
+        res = self._accept(tree, hidden, aux, logits, ctx, tables, slots, params, ranks, temps, later)
         return tree, hidden, logits, res, ranks
 
     def _propose(self, roots, states, ctx, tables, n):
@@ -1023,12 +1030,14 @@ class SpecDecoder:
         (accepted [B, N], -1 past the path: the sequence's root row)."""
         return const_arange(accepted.shape[0], self.device, step=n)[:, None] + accepted.clamp_min(0)
 
-    def _accept(self, tree, hidden, aux, logits, ctx, tables, slots, params, temps=None,
+    def _accept(self, tree, hidden, aux, logits, ctx, tables, slots, params, ranks, temps=None,
                 later: list | None = None) -> AcceptResult:
         """Acceptance over the verified trees (hidden [B * N, H] and EAGLE-3's aux: the target's
-        rows of the nodes; logits [B, N, V]), the accepted path's KV moved to c .. c + k and its
-        features stored at those slots. temps: as _draft_and_verify's. later: the store is not run
-        but appended there as a call (a step graph runs it after its fence's mark)."""
+        rows of the nodes; logits [B, N, V]; ranks int64 [B, N], ``_propose``'s), the accepted path's
+        KV moved to c .. c + k and its features stored at those slots. temps: as _draft_and_verify's.
+        later: the store is not run but appended there as a call (a step graph runs it after its
+        fence's mark). On the kernels the result comes packed (``AcceptResult.packed``), with the
+        menu's per-size acceptance where the decoder is adaptive."""
         bsz, n = tree.tokens.shape
         kv = self.runner.kv_cache
         greedy = temps is None and all(p.temperature < GREEDY_EPS for p in params)
@@ -1046,11 +1055,13 @@ class SpecDecoder:
                 rows_t = temps[:, None].expand(bsz, n).reshape(-1)
                 target = self.sampling.draw(logits.view(bsz * n, -1), rows_t, self.runner.vocab_size).view(bsz, n)
                 be = self.runner.backend
-            acc, num, tokens, rows, stored = greedy_accept_move(
+            menu = self._menu()
+            packed, rows, stored = greedy_accept_move_packed(
                 tree.tokens, tree.parents, tree.depths, tree.mask, tree.paths, tree.sizes, target, tables, ctx,
-                kv.k, kv.v, kv.k_scale, kv.v_scale, backend=be, first_match=temps is not None)
+                kv.k, kv.v, kv.k_scale, kv.v_scale, backend=be, first_match=temps is not None,
+                ranks=None if menu is None else ranks, menu=menu)
             self._store_rows(hidden, aux, rows.reshape(-1), stored.reshape(-1), later)
-            return AcceptResult(acc, num, tokens)
+            return AcceptResult(packed[:, 1 + n:1 + 2 * n], packed[:, 0], packed[:, 1:1 + n], packed)
         if greedy:
             res = greedy_accept(tree, logits.argmax(dim=-1))
         else:
@@ -1223,7 +1234,9 @@ class SpecStepGraphs:
         _, _, _, res, ranks = spec._draft_and_verify(ids[:, -1], states, ctx, tables, [_GREEDY] * b, n, inner=True,
                                                      temps=temps, later=later)
         # what the host reads, one tensor: [num_accepted | tokens | accepted | accepted per menu size]
-        per_size = None if self.sizes_t is None else accepted_per_size(res.accepted, ranks, self.sizes_t)
+        # (the acceptance kernel wrote it, per-size acceptance included: adaptive decoders' graphs)
+        per_size = None if self.sizes_t is None or res.packed is not None else \
+            accepted_per_size(res.accepted, ranks, self.sizes_t)
         packed = spec._pack(res, per_size)
         if self.readback is not None:
             download_into(self.readback, (b, n, sampled), packed, self.spec.device)

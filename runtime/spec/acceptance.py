@@ -50,6 +50,9 @@ class AcceptResult:
     accepted: torch.Tensor
     num_accepted: torch.Tensor
     tokens: torch.Tensor
+    # the three (and the menu's per-size acceptance, where the step computed it) as the host reads
+    # them back: int64 [B, 1 + 2N (+ S)], kernels/spec_accept.py's layout (None: not made yet)
+    packed: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> torch.Tensor:

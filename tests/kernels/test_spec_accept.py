@@ -7,9 +7,14 @@ equality is exact. Under TRITON_INTERPRET=1 on CPU (and on CUDA where present)."
 import pytest
 import torch
 
-from optllm.kernels.spec_accept import greedy_accept_move, greedy_accept_move_ref
+from optllm.kernels.spec_accept import (
+    accepted_per_size_ref,
+    greedy_accept_move,
+    greedy_accept_move_packed,
+    greedy_accept_move_ref,
+)
 from optllm.kernels.tree_grow import tree_structure_ref as tree_struct_ref
-from optllm.runtime.spec.acceptance import greedy_accept
+from optllm.runtime.spec.acceptance import accepted_per_size, greedy_accept
 from optllm.runtime.spec.kv_compact import accepted_kv_slots, move_kv_slots
 from optllm.runtime.spec.tree import TreeBatch
 
@@ -184,3 +189,57 @@ def test_first_match_takes_a_repeated_token_at_its_first_sibling_only(bsz, n, dt
         plain = greedy_accept_move_ref(*args, *[None if c is None else c.clone().cpu() for c in caches])
         found_change = found_change or not torch.equal(plain[0], acc)
     assert found_change or padded  # (the padded trees are small: no such case among these seeds)
+
+
+def _ranks(tree, seed):
+    """Each node's rank by a random score that falls along every path (a parent ranks before its
+    children, as an EAGLE-2 selection's ranks do): int64 [B, N], the root 0."""
+    g = torch.Generator().manual_seed(seed)
+    bsz, n = tree.tokens.shape
+    score = torch.zeros(bsz, n)
+    for i in range(1, n):  # parents precede children
+        score[:, i] = score.gather(1, tree.parents[:, i:i + 1].clamp_min(0))[:, 0] - torch.rand(bsz, generator=g)
+    order = score.argsort(dim=1, descending=True, stable=True)
+    return torch.empty_like(order).scatter_(1, order, torch.arange(n).expand(bsz, n).contiguous())
+
+
+@pytest.mark.parametrize("bsz, n, menu, first, padded", [
+    (4, 41, [41, 20, 10, 5, 2], False, False),  # the default EAGLE menu
+    (3, 61, [61, 30, 15, 7, 3], True, False),  # sampled verification, a depth-7 menu
+    (5, 17, [2, 17, 9], False, True),  # padded trees; an unsorted menu, one size
+])
+def test_the_packed_row_holds_the_results_and_each_menu_sizes_acceptance(bsz, n, menu, first, padded):
+    """greedy_accept_move_packed's row a sequence: num, tokens, the accepted path (what
+    greedy_accept_move returns), then per menu size m the draft tokens the tree of the first m ranks
+    would have accepted, as accepted_per_size_ref counts them (the runtime's accepted_per_size).
+    Random ranks that fall along every path; the menu's smallest size cuts some path short."""
+    tree, target, ctx, tables, caches = _case(bsz, n, 2, 2, 16, 8, torch.float32, seed=7 * n, padded=padded)
+    ranks = _ranks(tree, seed=n)
+    sizes = torch.tensor(menu)
+    on = lambda t: t.to(DEV)  # noqa: E731
+    args = (tree.tokens, tree.parents, tree.depths, tree.mask, tree.paths, tree.sizes, target, tables, ctx)
+    ref_caches = [None if c is None else c.clone().cpu() for c in caches]
+    packed, rows, slots = greedy_accept_move_packed(*(on(t) for t in args), *caches, backend="triton",
+                                                    first_match=first, ranks=on(ranks), menu=on(sizes))
+    acc, num, out, want_rows, want_slots = greedy_accept_move_ref(*args, *ref_caches, first_match=first)
+    per = accepted_per_size_ref(acc, ranks, sizes)
+    assert torch.equal(per, accepted_per_size(acc, ranks, sizes))
+    assert packed.shape == (bsz, 1 + 2 * n + len(menu))
+    assert torch.equal(packed.cpu(), torch.cat([num[:, None], out, acc, per], dim=1))
+    assert torch.equal(rows.cpu(), want_rows) and torch.equal(slots.cpu(), want_slots)
+    small = menu.index(min(menu))
+    assert (per[:, small] < num).any() and (per <= num[:, None]).all(), (per, num)  # the smallest cuts a path
+    # the per-size count by hand for one sequence: the path's nodes before its first of rank >= m
+    b = int(num.argmax())
+    path = [a for a in acc[b, 1:].tolist() if a >= 0]
+    for j, m in enumerate(menu):
+        want = next((c for c, a in enumerate(path) if int(ranks[b, a]) >= m), len(path))
+        assert int(per[b, j]) == want
+    # the torch path packs the same, and without a menu the row ends at the path
+    packed_t, _, _ = greedy_accept_move_packed(*args, *[None if c is None else c.clone().cpu() for c in caches],
+                                               backend="torch", first_match=first, ranks=ranks, menu=sizes)
+    assert torch.equal(packed_t, packed.cpu())
+    plain, _, _ = greedy_accept_move_packed(*(on(t) for t in args), *caches, backend="triton", first_match=first)
+    assert torch.equal(plain.cpu(), packed.cpu()[:, :1 + 2 * n])
+    with pytest.raises(ValueError, match="both or neither"):
+        greedy_accept_move_packed(*args, *ref_caches, ranks=ranks)

@@ -507,6 +507,37 @@ def test_small_trees_expand_no_wider_than_they_keep_and_grow_the_same_tree(tiny_
             assert int(got.depths.max()) == (1 + (n > 7) if flat else min(3, n - 1)), n
 
 
+def test_an_adaptive_steps_read_back_row_comes_from_the_acceptance_kernel(tiny_llama, tmp_path):
+    """On the kernels, an adaptive decoder's step gets its read-back row (num, tokens, path, then
+    the draft tokens each menu size would have accepted) from the acceptance launch
+    (AcceptResult.packed): the per-size columns equal the runtime's accepted_per_size over the
+    step's own ranks, and _pack / _per_size add no tensor ops. An engine with a pass-through EAGLE
+    draft (its tokens often accepted) mid-generation (21-node trees, top-k 3, depth 3), made adaptive
+    after start-up with a menu of 21, 10, 5 and 2 nodes (the start-up cost profile is slow under the
+    interpreter)."""
+    from optllm.runtime.spec.acceptance import accepted_per_size
+
+    folder = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
+    eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels="triton")
+    spec = eng.runner.spec
+    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
+    for s in seqs:
+        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
+    ctx, tables = spec._context(seqs)
+    with torch.inference_mode():
+        states = spec.states(seqs)
+        spec.adaptive, spec.sizes = True, [2, 5, 10, 21]
+        tree, _, _, res, ranks = spec._draft_and_verify(spec._roots(seqs), states, ctx, tables,
+                                                        [s.params for s in seqs], 21)
+    n, menu = 21, spec._sizes_on()
+    assert res.packed is not None and res.packed.shape == (len(seqs), 1 + 2 * n + 4)
+    per = accepted_per_size(res.accepted, ranks, menu)
+    assert torch.equal(res.packed[:, 1 + 2 * n:], per)
+    assert torch.equal(res.packed[:, :1 + 2 * n], torch.cat([res.num_accepted[:, None], res.tokens, res.accepted], 1))
+    assert spec._pack(res, None) is res.packed and spec._per_size(res, ranks) is None
+    assert int(res.num_accepted.max()) >= 2 and (per[:, 0] < res.num_accepted).any()  # size 2 cuts a path
+
+
 @pytest.mark.parametrize(("kernels", "draft_vocab"), [("torch", None), ("triton", 150)])
 def test_every_eagle3_tree_node_scores_what_the_training_time_test_computes(tiny_llama, tmp_path, kernels, draft_vocab):
     """Serving drafts what training trained, at every depth: each node of an EAGLE-2 tree the engine
