@@ -231,6 +231,12 @@ def greedy_accept_move_packed(tokens: torch.Tensor, parents: torch.Tensor, depth
         raise ValueError(f"trees of {n} nodes: at most {MAX_NODES} allowed")
     if (ranks is None) != (menu is None):
         raise ValueError("ranks and menu: give both or neither")
+    if menu is not None and (menu.dim() != 1 or menu.dtype != torch.int64 or ranks.shape != tokens.shape
+                             or ranks.dtype != torch.int64 or menu.device != tokens.device
+                             or ranks.device != tokens.device):
+        raise ValueError(f"ranks, menu: must be int64 [{bsz}, {n}] and int64 [S] on {tokens.device}, got "
+                         f"{ranks.dtype} {tuple(ranks.shape)} on {ranks.device} and {menu.dtype} "
+                         f"{tuple(menu.shape)} on {menu.device}")
     if not use_triton(backend, tokens):
         acc, num, out, rows, slots = greedy_accept_move_ref(tokens, parents, depths, mask, paths, sizes, target,
                                                             block_tables, ctx, k_cache, v_cache, k_scale, v_scale,

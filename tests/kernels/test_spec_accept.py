@@ -243,3 +243,5 @@ def test_the_packed_row_holds_the_results_and_each_menu_sizes_acceptance(bsz, n,
     assert torch.equal(plain.cpu(), packed.cpu()[:, :1 + 2 * n])
     with pytest.raises(ValueError, match="both or neither"):
         greedy_accept_move_packed(*args, *ref_caches, ranks=ranks)
+    with pytest.raises(ValueError, match="must be int64"):
+        greedy_accept_move_packed(*args, *ref_caches, ranks=ranks, menu=sizes.int())
