@@ -36,8 +36,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 def _stepped_engine(model, draft, num_draft: int, max_tokens: int, steps: int, kernels: str = "auto",
                     top_k: int = 3):
-    """An engine with an EAGLE-type draft (top-k 3, depth 3, 16-token steps: prompts arrive in
-    chunks) after `steps` steps of greedy requests for PROMPTS, mid-generation."""
+    """An engine with an EAGLE-type draft (top-k top_k, default 3, depth 3, 16-token steps: prompts
+    arrive in chunks) after `steps` steps of greedy requests for PROMPTS, mid-generation."""
     eng = LLM(str(model), device="cpu", dtype="float32", draft=str(draft), spec_top_k=top_k, spec_depth=3,
               spec_num_draft=num_draft, max_num_batched_tokens=16, kernels=kernels).engine
     for p in PROMPTS:
@@ -412,19 +412,27 @@ def _propose_recomputing_every_level(spec, roots, states, ctx, tables, n):
     return select(pool, n, depth, backend="torch")
 
 
+def _running_decodes(eng):
+    """A stepped engine's running decodes past their first output token (at least two), each given
+    blocks for the draft's scratch rows as the scheduler gives a speculative decode: (spec, seqs,
+    roots, ctx, tables)."""
+    spec = eng.runner.spec
+    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
+    assert len(seqs) >= 2
+    for s in seqs:
+        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
+    ctx, tables = spec._context(seqs)
+    return spec, seqs, spec._roots(seqs), ctx, tables
+
+
 def _grow_one_tree(eng, kernels: str):
     """A stepped engine's running decodes (past their first output token) and one EAGLE-2 proposal for
     them, as a speculative step makes it: (spec, seqs, roots, states, ctx, tables, the proposed
     TreeBatch, the selection kernels/tree_grow.select returned: its scores)."""
     import optllm.runtime.spec_runner as spec_runner
 
-    spec = eng.runner.spec
-    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
-    assert len(seqs) >= 2 and spec.tree_depth(spec.n) == 3 and spec.runner.backend == kernels
-    for s in seqs:  # blocks for the draft's scratch rows, as the scheduler gives a speculative decode
-        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
-    ctx, tables = spec._context(seqs)
-    roots = spec._roots(seqs)
+    spec, seqs, roots, ctx, tables = _running_decodes(eng)
+    assert spec.tree_depth(spec.n) == 3 and spec.runner.backend == kernels
     selected, select = [], spec_runner.select
 
     def keep(*a, **kw):
@@ -477,13 +485,7 @@ def test_small_trees_expand_no_wider_than_they_keep_and_grow_the_same_tree(tiny_
 
     folder = write_draft(tmp_path / method, tiny_llama, method, seed=7, noise=0.5)
     eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels=kernels, top_k=6)
-    spec = eng.runner.spec
-    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
-    assert len(seqs) >= 2
-    for s in seqs:
-        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
-    ctx, tables = spec._context(seqs)
-    roots = spec._roots(seqs)
+    spec, seqs, roots, ctx, tables = _running_decodes(eng)
     pools = []
     new_pool, topk = spec_runner.new_pool, draft_mod.topk_logprobs
     monkeypatch.setattr(spec_runner, "new_pool", lambda *a: pools.append(a[1:3]) or new_pool(*a))
@@ -519,15 +521,11 @@ def test_an_adaptive_steps_read_back_row_comes_from_the_acceptance_kernel(tiny_l
 
     folder = write_draft(tmp_path / "eagle", tiny_llama, "eagle")
     eng = _stepped_engine(tiny_llama, folder, num_draft=20, max_tokens=60, steps=10, kernels="triton")
-    spec = eng.runner.spec
-    seqs = [s for s in eng.scheduler.running if s.num_output_tokens > 1]
-    for s in seqs:
-        assert eng.scheduler.block_manager.allocate(s, 1, lookahead=spec.lookahead)
-    ctx, tables = spec._context(seqs)
+    spec, seqs, roots, ctx, tables = _running_decodes(eng)
     with torch.inference_mode():
         states = spec.states(seqs)
         spec.adaptive, spec.sizes = True, [2, 5, 10, 21]
-        tree, _, _, res, ranks = spec._draft_and_verify(spec._roots(seqs), states, ctx, tables,
+        tree, _, _, res, ranks = spec._draft_and_verify(roots, states, ctx, tables,
                                                         [s.params for s in seqs], 21)
     n, menu = 21, spec._sizes_on()
     assert res.packed is not None and res.packed.shape == (len(seqs), 1 + 2 * n + 4)
